@@ -1,0 +1,106 @@
+//! Configuration the agent passes to the kernel programs at load time, and the kernel's
+//! loss and self counters.
+//!
+//! Rust eBPF programs get no CO-RE relocations, so the agent looks up the kernel struct
+//! offsets the programs need in the running kernel's BTF (`/sys/kernel/btf/vmlinux`) and
+//! writes them into the global [`KernelConfig`] before loading.
+
+/// Offsets (bytes from the start of the named struct) and settings for the kernel programs.
+/// A zero offset for a field that cannot be at offset 0 means "not found": the agent refuses
+/// to start in that case, so the programs can trust every value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KernelConfig {
+    /// The observer's own tgid: never traced.
+    pub self_tgid: u32,
+    /// 1 to mark sockets that carried data before observation started (`PREEXISTING`).
+    pub _reserved: u32,
+    /// `struct sock`: `__sk_common.skc_family` (u16).
+    pub skc_family: u32,
+    /// `struct sock`: `__sk_common.skc_num` (u16, local port, host order).
+    pub skc_num: u32,
+    /// `struct sock`: `__sk_common.skc_dport` (u16, remote port, network order).
+    pub skc_dport: u32,
+    /// `struct sock`: `__sk_common.skc_rcv_saddr` (IPv4 local).
+    pub skc_rcv_saddr: u32,
+    /// `struct sock`: `__sk_common.skc_daddr` (IPv4 remote).
+    pub skc_daddr: u32,
+    /// `struct sock`: `__sk_common.skc_v6_rcv_saddr` (IPv6 local).
+    pub skc_v6_rcv_saddr: u32,
+    /// `struct sock`: `__sk_common.skc_v6_daddr` (IPv6 remote).
+    pub skc_v6_daddr: u32,
+    /// `struct sock`: `sk_protocol` (u16 since Linux 5.6).
+    pub sk_protocol: u32,
+    /// `struct sock`: `sk_type` (u16).
+    pub sk_type: u32,
+    /// `struct tcp_sock` members (u32 each).
+    pub tcp_write_seq: u32,
+    pub tcp_snd_nxt: u32,
+    pub tcp_snd_una: u32,
+    pub tcp_rcv_nxt: u32,
+    pub tcp_copied_seq: u32,
+    pub tcp_snd_cwnd: u32,
+    pub tcp_srtt_us: u32,
+    pub tcp_packets_out: u32,
+    pub tcp_total_retrans: u32,
+    /// `struct task_struct`: `pid` and `tgid` (i32 each).
+    pub task_pid: u32,
+    pub task_tgid: u32,
+}
+
+/// Indexes into the per-CPU counter array `COUNTERS`.
+pub mod counter {
+    /// A ring-buffer record could not be reserved (ring full).
+    pub const RING_FULL: u32 = 0;
+    /// A new socket could not be added to `SOCKETS` (map full).
+    pub const SOCKET_MAP_FULL: u32 = 1;
+    /// A syscall's arguments could not be saved in `PENDING_CALLS` (map full).
+    pub const PENDING_MAP_FULL: u32 = 2;
+    /// `bpf_probe_read_user` failed on a user buffer or iovec.
+    pub const USER_READ_FAULT: u32 = 3;
+    /// Bytes moved on a tracked socket by a call the hooks could not read.
+    pub const UNTRACED_BYTES: u32 = 4;
+    /// A call held more boundaries than the kernel loop allows.
+    pub const LOOP_LIMIT: u32 = 5;
+    /// `TCP_STATE` was full.
+    pub const TCP_MAP_FULL: u32 = 6;
+    /// A forked child could not be added to `WATCHED_TGIDS` (map full).
+    pub const WATCH_MAP_FULL: u32 = 7;
+    /// Socket calls traced (self metric, not a loss).
+    pub const CALLS_TRACED: u32 = 8;
+    /// Messages framed (self metric, not a loss).
+    pub const MESSAGES_FRAMED: u32 = 9;
+    /// sockops callbacks handled for enrolled sockets (self metric).
+    pub const SOCKOPS_UPDATES: u32 = 10;
+    /// Number of counters.
+    pub const COUNT: u32 = 11;
+
+    /// Names used in reports and JSON (`kernel_counters`), by index.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "ring_full",
+        "socket_map_full",
+        "pending_map_full",
+        "user_read_fault",
+        "untraced_bytes",
+        "loop_limit",
+        "tcp_map_full",
+        "watch_map_full",
+        "calls_traced",
+        "messages_framed",
+        "sockops_updates",
+    ];
+
+    /// True for counters that mean information was lost (they add up to `events_lost`).
+    pub const fn is_loss(index: u32) -> bool {
+        index <= WATCH_MAP_FULL
+    }
+}
+
+/// Most boundaries (plus iovec steps) one socket call may hold before the direction is marked
+/// [`crate::framing::UnparsedReason::LoopLimit`]. A 16 KiB relay buffer of 6-byte ACKs holds
+/// 2,731; the kernel's `bpf_loop` allows up to 8 million.
+pub const MAX_STEPS_PER_CALL: u32 = 16384;
+
+#[cfg(feature = "user")]
+// SAFETY: plain `repr(C)` integers.
+unsafe impl aya::Pod for KernelConfig {}

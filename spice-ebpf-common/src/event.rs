@@ -1,0 +1,246 @@
+//! Ring-buffer records (kernel → agent) and the per-socket state kept in kernel maps.
+//!
+//! Every record starts with an [`EventHeader`]; `kind` says which struct follows. At most one
+//! [`MessageEvent`] (56 bytes) is written per SPICE message; link, socket, process and close
+//! records are written once per socket or process.
+
+use crate::framing::DirState;
+
+/// Record kinds ([`EventHeader::kind`]).
+pub mod kind {
+    /// [`super::SocketEvent`]: a watched process used a TCP socket for the first time.
+    pub const SOCKET: u8 = 1;
+    /// [`super::LinkEvent`]: a link message or reply was parsed.
+    pub const LINK: u8 = 2;
+    /// [`super::MessageEvent`]: a data message started.
+    pub const MESSAGE: u8 = 3;
+    /// [`super::UnparsedEvent`]: framing stopped for one direction.
+    pub const UNPARSED: u8 = 4;
+    /// [`super::ProcEvent`]: a watched process forked a child, now watched too.
+    pub const FORK: u8 = 5;
+    /// [`super::ProcEvent`]: a watched process exited.
+    pub const EXIT: u8 = 6;
+    /// [`super::CloseEvent`]: a tracked socket closed.
+    pub const CLOSE: u8 = 7;
+}
+
+/// Direction of bytes relative to the watched process ([`EventHeader::dir`]).
+pub mod dir {
+    /// Bytes the watched process wrote (send, write, writev, sendmsg, sendto).
+    pub const SEND: u8 = 0;
+    /// Bytes the watched process read (recv, read, readv, recvmsg, recvfrom).
+    pub const RECV: u8 = 1;
+}
+
+/// [`MessageEvent::flags`] bits.
+pub mod msg_flags {
+    /// Reported from a send call that failed with EAGAIN before any byte was taken: spice-server
+    /// has already counted the message (protocol notes §3.2).
+    pub const EAGAIN_START: u8 = 1;
+}
+
+/// Common prefix of every record. 24 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EventHeader {
+    /// One of [`kind`].
+    pub kind: u8,
+    /// One of [`dir`] (0 where it does not apply).
+    pub dir: u8,
+    pub flags: u8,
+    pub _pad: u8,
+    /// Process (thread group) that made the call, host pid namespace.
+    pub tgid: u32,
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC, nanoseconds).
+    pub ts_ns: u64,
+    /// Socket cookie (`bpf_get_socket_cookie`, same value as sock_diag's `idiag_cookie`).
+    pub cookie: u64,
+}
+
+/// A data message started in one direction. 56 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MessageEvent {
+    pub hdr: EventHeader,
+    /// Stream offset (bytes since the connection's first byte in this direction) of the header.
+    pub at: u64,
+    /// 1-based ordinal of the message in this direction; a gap means a lost record.
+    pub index: u64,
+    /// Body size in bytes.
+    pub size: u32,
+    pub msg_type: u16,
+    /// 6 (mini header) or 18 (full header).
+    pub hdr_len: u8,
+    /// [`msg_flags`] bits.
+    pub flags: u8,
+    /// SET_ACK: generation, window. ACK_SYNC: generation. Main INIT: session_id.
+    pub prefix: [u32; 2],
+}
+
+/// A link message (client) or link reply (server) was parsed. 48 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LinkEvent {
+    pub hdr: EventHeader,
+    /// [`crate::framing::Role`] of this direction.
+    pub role: u8,
+    pub channel_type: u8,
+    pub channel_id: u8,
+    pub _pad: u8,
+    /// H_c or H_s.
+    pub link_size: u32,
+    pub connection_id: u32,
+    pub common_caps: u32,
+    /// Stream offset just after the link message (`16 + link_size`).
+    pub end: u64,
+}
+
+/// Framing stopped for one direction. 40 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct UnparsedEvent {
+    pub hdr: EventHeader,
+    /// Stream offset where it stopped.
+    pub at: u64,
+    /// [`crate::framing::UnparsedReason`].
+    pub reason: u8,
+    pub _pad: [u8; 3],
+    pub detail: u32,
+}
+
+/// First use of a TCP socket by a watched process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SocketEvent {
+    pub hdr: EventHeader,
+    /// Thread that made the call.
+    pub tid: u32,
+    /// AF_INET (2) or AF_INET6 (10).
+    pub family: u16,
+    /// Local port, host order.
+    pub lport: u16,
+    /// Remote port, host order.
+    pub rport: u16,
+    pub _pad: [u8; 6],
+    /// Local address: IPv4 in the first 4 bytes, or IPv6.
+    pub laddr: [u8; 16],
+    /// Remote address, same layout.
+    pub raddr: [u8; 16],
+    /// `comm` of the calling thread.
+    pub comm: [u8; 16],
+}
+
+/// Fork or exit of a watched process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProcEvent {
+    pub hdr: EventHeader,
+    /// FORK: the new child's tgid. EXIT: the exiting tgid.
+    pub pid: u32,
+    pub _pad: u32,
+    pub comm: [u8; 16],
+}
+
+/// A tracked socket went to TCP_CLOSE; carries its last TCP state.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CloseEvent {
+    pub hdr: EventHeader,
+    pub tcp: TcpSnapshot,
+}
+
+/// TCP state of one socket as last read by a kernel hook (map `TCP_STATE`, key: cookie).
+///
+/// Fields are `struct tcp_sock` members (include/linux/tcp.h) in their kernel units.
+/// notsent = `write_seq - snd_nxt`, receive queue = `rcv_nxt - copied_seq` (both bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TcpSnapshot {
+    /// When it was read (`bpf_ktime_get_ns`).
+    pub ts_ns: u64,
+    /// Sequence after the last byte the application wrote.
+    pub write_seq: u32,
+    /// Next sequence to send.
+    pub snd_nxt: u32,
+    /// First unacknowledged sequence.
+    pub snd_una: u32,
+    /// Next sequence expected from the peer.
+    pub rcv_nxt: u32,
+    /// Sequence after the last byte the application read.
+    pub copied_seq: u32,
+    /// Congestion window, segments.
+    pub snd_cwnd: u32,
+    /// Smoothed RTT in microseconds (already shifted: `srtt_us >> 3`).
+    pub srtt_us: u32,
+    /// Segments sent and not yet acknowledged (`packets_out`, tcp_info's `unacked`).
+    pub packets_out: u32,
+    /// Retransmitted segments over the connection's life.
+    pub total_retrans: u32,
+    /// Which hooks filled this ([`tcp_source`] bits).
+    pub sources: u32,
+}
+
+/// [`TcpSnapshot::sources`] bits.
+pub mod tcp_source {
+    /// Read from `struct tcp_sock` in a send or receive tracepoint (process context).
+    pub const SOCKET_CALL: u32 = 1;
+    /// sockops callback (RTT, retransmit, state, header parse).
+    pub const SOCKOPS: u32 = 2;
+    /// `inet_sock_set_state` tracepoint (close).
+    pub const STATE_TRACEPOINT: u32 = 4;
+}
+
+/// Per-socket state in the kernel map `SOCKETS` (key: cookie).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SockState {
+    /// Framing state, indexed by [`dir`].
+    pub dir: [DirState; 2],
+    /// `write_seq` (send) or `copied_seq` (recv) minus the stream position, fixed at first sight;
+    /// a later mismatch means bytes moved that the hooks did not see.
+    pub seq_base: [u32; 2],
+    /// 1 once `seq_base[d]` is set.
+    pub seq_init: [u8; 2],
+    /// 1 once the SOCKET record went out.
+    pub announced: u8,
+    pub _pad: u8,
+    /// tgid that first used the socket.
+    pub tgid: u32,
+}
+
+/// Arguments of a socket syscall, saved at `sys_enter` (map `PENDING_CALLS`, key: pid_tgid).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PendingCall {
+    /// One of [`call_kind`].
+    pub kind: u8,
+    pub _pad: [u8; 3],
+    pub fd: i32,
+    /// User address of the buffer (single-buffer calls) or of the iovec array.
+    pub ptr: u64,
+    /// Buffer length in bytes, or iovec count.
+    pub len: u64,
+}
+
+/// [`PendingCall::kind`] values.
+pub mod call_kind {
+    /// write, read, sendto, recvfrom: one buffer.
+    pub const BUFFER: u8 = 1;
+    /// writev, readv, sendmsg, recvmsg: an iovec array.
+    pub const IOVEC: u8 = 2;
+    /// sendfile, splice, sendmmsg, recvmmsg, io_uring_enter, preadv2/pwritev2: bytes the
+    /// hooks cannot read; a socket call under one marks the direction unparsed.
+    pub const UNSUPPORTED: u8 = 3;
+}
+
+/// Size of the biggest record, for ring sizing.
+pub const MAX_EVENT_LEN: usize = core::mem::size_of::<SocketEvent>();
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: plain `repr(C)` data, no pointers, any bit pattern valid.
+    unsafe impl aya::Pod for TcpSnapshot {}
+    unsafe impl aya::Pod for SockState {}
+    unsafe impl aya::Pod for PendingCall {}
+}

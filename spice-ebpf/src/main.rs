@@ -1,0 +1,83 @@
+//! spice-observer's kernel programs, hook set `tracepoints` (see README "Kernel requirements").
+//!
+//! Entry points are thin: they unpack their context and call the hook family in `probes/`,
+//! which hands socket calls to `capture`, where the shared framing state machine
+//! (`spice_ebpf_common::framing`) runs. Another hook set (fentry/fexit, kprobes) would add
+//! entry points here and reuse `capture` unchanged.
+#![no_std]
+#![no_main]
+
+mod capture;
+mod kernel;
+mod maps;
+mod probes;
+
+use aya_ebpf::{
+    bindings::pt_regs,
+    macros::{btf_tracepoint, raw_tracepoint, sock_ops},
+    programs::{BtfTracePointContext, RawTracePointContext, SockOpsContext},
+};
+use spice_ebpf_common::event::dir;
+
+/// Every syscall entry: stash socket-call arguments of watched processes.
+#[raw_tracepoint(tracepoint = "sys_enter")]
+pub fn spice_sys_enter(ctx: RawTracePointContext) -> i32 {
+    let regs: *const pt_regs = ctx.arg(0);
+    let id: u64 = ctx.arg(1);
+    probes::syscalls::on_sys_enter(regs, id);
+    0
+}
+
+/// Socket send result (`sock_send_length(sk, ret, flags)`).
+#[btf_tracepoint(function = "sock_send_length")]
+pub fn spice_sock_send(ctx: BtfTracePointContext) -> i32 {
+    probes::sock_calls::on_sock_length(ctx.arg(0), ctx.arg(1), ctx.arg(2), dir::SEND);
+    0
+}
+
+/// Socket receive result (`sock_recv_length(sk, ret, flags)`).
+#[btf_tracepoint(function = "sock_recv_length")]
+pub fn spice_sock_recv(ctx: BtfTracePointContext) -> i32 {
+    probes::sock_calls::on_sock_length(ctx.arg(0), ctx.arg(1), ctx.arg(2), dir::RECV);
+    0
+}
+
+/// Process fork (`sched_process_fork(parent, child)`).
+#[btf_tracepoint(function = "sched_process_fork")]
+pub fn spice_fork(ctx: BtfTracePointContext) -> i32 {
+    probes::sched::on_fork(ctx.arg(1));
+    0
+}
+
+/// Thread exit (`sched_process_exit(p, ...)`).
+#[btf_tracepoint(function = "sched_process_exit")]
+pub fn spice_exit(_ctx: BtfTracePointContext) -> i32 {
+    probes::sched::on_exit();
+    0
+}
+
+/// TCP state change (`inet_sock_set_state(sk, oldstate, newstate)`).
+#[btf_tracepoint(function = "inet_sock_set_state")]
+pub fn spice_tcp_state(ctx: BtfTracePointContext) -> i32 {
+    let sk: *const u8 = ctx.arg(0);
+    let newstate: i32 = ctx.arg(2);
+    probes::tcp_state::on_set_state(sk, 6, newstate);
+    0
+}
+
+/// RTT / retransmit / state callbacks of enrolled connections.
+#[sock_ops]
+pub fn spice_sockops(ctx: SockOpsContext) -> u32 {
+    probes::sockops::on_sock_ops(&ctx);
+    1
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";

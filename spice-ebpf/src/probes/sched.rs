@@ -1,0 +1,70 @@
+//! `tp_btf/sched_process_fork` and `tp_btf/sched_process_exit`: follow the children a watched
+//! process forks after watching starts (socat forks one per connection) and forget exited ones.
+
+use aya_ebpf::helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns};
+use spice_ebpf_common::{
+    config::counter,
+    event::{EventHeader, ProcEvent, kind},
+};
+
+use crate::{
+    kernel::{konf, read_at},
+    maps::{EVENTS, PENDING_CALLS, WATCHED_TGIDS, count},
+};
+
+fn proc_event(kind_: u8, tgid: u32, pid: u32) {
+    match EVENTS.reserve::<ProcEvent>(0) {
+        Some(mut e) => {
+            e.write(ProcEvent {
+                hdr: EventHeader {
+                    kind: kind_,
+                    dir: 0,
+                    flags: 0,
+                    _pad: 0,
+                    tgid,
+                    ts_ns: unsafe { bpf_ktime_get_ns() },
+                    cookie: 0,
+                },
+                pid,
+                _pad: 0,
+                comm: bpf_get_current_comm().unwrap_or_default(),
+            });
+            e.submit(0);
+        }
+        None => count(counter::RING_FULL),
+    }
+}
+
+/// `child` is the new `struct task_struct *`; runs in the parent.
+#[inline(always)]
+pub fn on_fork(child: *const u8) {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    let Some(root) = WATCHED_TGIDS.get_ptr(&tgid) else { return };
+    let root = unsafe { *root };
+    let child_pid: i32 = read_at(child, konf!(task_pid));
+    let child_tgid: i32 = read_at(child, konf!(task_tgid));
+    if child_pid != child_tgid || child_tgid <= 0 {
+        return; // a new thread: already covered by its tgid
+    }
+    if WATCHED_TGIDS.insert(&(child_tgid as u32), &root, 0).is_err() {
+        count(counter::WATCH_MAP_FULL);
+        return;
+    }
+    proc_event(kind::FORK, tgid, child_tgid as u32);
+}
+
+/// Runs in the exiting thread.
+#[inline(always)]
+pub fn on_exit() {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let pid = pid_tgid as u32;
+    if WATCHED_TGIDS.get_ptr(&tgid).is_none() {
+        return;
+    }
+    let _ = PENDING_CALLS.remove(&pid_tgid);
+    if pid == tgid {
+        let _ = WATCHED_TGIDS.remove(&tgid);
+        proc_event(kind::EXIT, tgid, tgid);
+    }
+}

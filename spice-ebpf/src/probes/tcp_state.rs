@@ -1,0 +1,44 @@
+//! `tp_btf/inet_sock_set_state` (net/ipv4/af_inet.c, `inet_sk_state_store` callers): when a
+//! tracked socket reaches TCP_CLOSE, send its last TCP state and drop its kernel state.
+
+use aya_ebpf::helpers::{bpf_ktime_get_ns, generated::bpf_get_socket_cookie};
+use spice_ebpf_common::{
+    config::counter,
+    event::{CloseEvent, EventHeader, TcpSnapshot, kind, tcp_source},
+};
+
+use crate::{
+    kernel::fill_tcp,
+    maps::{EVENTS, SOCKETS, TCP_STATE, count},
+};
+
+const TCP_CLOSE: i32 = 7;
+const IPPROTO_TCP: u16 = 6;
+
+#[inline(always)]
+pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
+    if newstate != TCP_CLOSE || protocol != IPPROTO_TCP {
+        return;
+    }
+    let cookie = unsafe { bpf_get_socket_cookie(sk as *mut _) };
+    let Some(sock) = SOCKETS.get_ptr(&cookie) else {
+        let _ = TCP_STATE.remove(&cookie);
+        return;
+    };
+    let tgid = unsafe { (*sock).tgid };
+    let now = unsafe { bpf_ktime_get_ns() };
+    match EVENTS.reserve::<CloseEvent>(0) {
+        Some(mut e) => {
+            let p = e.as_mut_ptr();
+            unsafe {
+                (*p).hdr = EventHeader { kind: kind::CLOSE, dir: 0, flags: 0, _pad: 0, tgid, ts_ns: now, cookie };
+                (*p).tcp = TcpSnapshot::default();
+                fill_tcp(sk, now, tcp_source::STATE_TRACEPOINT, &mut (*p).tcp);
+            }
+            e.submit(0);
+        }
+        None => count(counter::RING_FULL),
+    }
+    let _ = SOCKETS.remove(&cookie);
+    let _ = TCP_STATE.remove(&cookie);
+}

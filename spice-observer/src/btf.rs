@@ -1,0 +1,125 @@
+//! Kernel struct offsets for the kernel programs, read from the running kernel's BTF.
+//!
+//! Rust eBPF programs get no CO-RE relocations, so every `struct sock`, `struct tcp_sock` and
+//! `struct task_struct` field they read is located here, at start-up, with the `btfparse`
+//! crate, and passed in through [`KernelConfig`].
+
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail};
+use btfparse::{Offset, Readable, TypeInformation};
+use spice_ebpf_common::config::KernelConfig;
+
+/// Where the kernel exposes its own BTF.
+pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
+
+struct Bytes(Vec<u8>);
+
+impl Readable for Bytes {
+    fn read(&self, offset: u64, buffer: &mut [u8]) -> btfparse::Result<()> {
+        let start = offset as usize;
+        match self.0.get(start..start + buffer.len()) {
+            Some(src) => {
+                buffer.copy_from_slice(src);
+                Ok(())
+            }
+            None => Err(btfparse::Error::new(
+                btfparse::ErrorKind::IOError,
+                "read past the end of the BTF blob",
+            )),
+        }
+    }
+}
+
+/// Parsed kernel BTF with a byte-offset lookup.
+pub struct KernelBtf {
+    info: TypeInformation,
+}
+
+impl KernelBtf {
+    /// Parses the BTF file at `path` (normally [`VMLINUX_BTF`]).
+    ///
+    /// Errors if the file is missing (kernel built without `CONFIG_DEBUG_INFO_BTF`) or unparsable.
+    pub fn open(path: &Path) -> Result<Self> {
+        let data = std::fs::read(path).with_context(|| {
+            format!("reading {} (the kernel needs CONFIG_DEBUG_INFO_BTF=y)", path.display())
+        })?;
+        let info = TypeInformation::new(&Bytes(data))
+            .map_err(|e| anyhow!("parsing {}: {e:?}", path.display()))?;
+        Ok(Self { info })
+    }
+
+    /// Byte offset of `path` (dotted members, anonymous members resolved) inside `struct ty`.
+    ///
+    /// Errors if the type or member does not exist, or if the member is a bitfield.
+    pub fn offset(&self, ty: &str, path: &str) -> Result<u32> {
+        let tid = self.info.id_of(ty).ok_or_else(|| anyhow!("kernel BTF has no type `{ty}`"))?;
+        let (_, off) = self
+            .info
+            .offset_of(tid, path)
+            .map_err(|e| anyhow!("kernel BTF: `{ty}.{path}`: {e:?}"))?;
+        match off {
+            Offset::ByteOffset(b) => Ok(b),
+            Offset::BitOffsetAndSize(bit, size) => {
+                if bit % 8 == 0 && size % 8 == 0 {
+                    Ok(bit / 8)
+                } else {
+                    bail!("kernel BTF: `{ty}.{path}` is a bitfield (bit {bit}, {size} bits)")
+                }
+            }
+        }
+    }
+
+    /// Fills every offset of [`KernelConfig`]; `self_tgid` is set to this process.
+    pub fn kernel_config(&self) -> Result<KernelConfig> {
+        let sk = |p: &str| self.offset("sock", p);
+        let tp = |p: &str| self.offset("tcp_sock", p);
+        let task = |p: &str| self.offset("task_struct", p);
+        Ok(KernelConfig {
+            self_tgid: std::process::id(),
+            _reserved: 0,
+            skc_family: sk("__sk_common.skc_family")?,
+            skc_num: sk("__sk_common.skc_num")?,
+            skc_dport: sk("__sk_common.skc_dport")?,
+            skc_rcv_saddr: sk("__sk_common.skc_rcv_saddr")?,
+            skc_daddr: sk("__sk_common.skc_daddr")?,
+            skc_v6_rcv_saddr: sk("__sk_common.skc_v6_rcv_saddr")?,
+            skc_v6_daddr: sk("__sk_common.skc_v6_daddr")?,
+            sk_protocol: sk("sk_protocol")?,
+            sk_type: sk("sk_type")?,
+            tcp_write_seq: tp("write_seq")?,
+            tcp_snd_nxt: tp("snd_nxt")?,
+            tcp_snd_una: tp("snd_una")?,
+            tcp_rcv_nxt: tp("rcv_nxt")?,
+            tcp_copied_seq: tp("copied_seq")?,
+            tcp_snd_cwnd: tp("snd_cwnd")?,
+            tcp_srtt_us: tp("srtt_us")?,
+            tcp_packets_out: tp("packets_out")?,
+            tcp_total_retrans: tp("total_retrans")?,
+            task_pid: task("pid")?,
+            task_tgid: task("tgid")?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reads this machine's BTF; skipped (loudly) where the kernel has none.
+    #[test]
+    fn offsets_resolve_on_this_kernel() {
+        let path = Path::new(VMLINUX_BTF);
+        if !path.exists() {
+            eprintln!("SKIP: {VMLINUX_BTF} missing (kernel without CONFIG_DEBUG_INFO_BTF)");
+            return;
+        }
+        let btf = KernelBtf::open(path).unwrap();
+        let c = btf.kernel_config().unwrap();
+        // struct sock starts with struct sock_common; skc_daddr is its first member.
+        assert_eq!(c.skc_daddr, 0);
+        assert_eq!(c.skc_rcv_saddr, 4);
+        assert!(c.tcp_write_seq > 1000, "tcp_sock members sit after inet_connection_sock");
+        assert_ne!(c.task_pid, c.task_tgid);
+    }
+}

@@ -1,0 +1,105 @@
+//! Typed view of the kernel's ring-buffer records (`spice_ebpf_common::event`).
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use anyhow::{Result, bail};
+use spice_ebpf_common::{
+    event::{
+        CloseEvent, EventHeader, LinkEvent, MessageEvent, ProcEvent, SocketEvent, TcpSnapshot,
+        UnparsedEvent, kind,
+    },
+    framing::UnparsedReason,
+};
+
+/// One decoded record.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// First use of a TCP socket by a watched process.
+    Socket { hdr: EventHeader, tid: u32, local: SocketAddr, remote: SocketAddr, comm: String },
+    /// A link message (client) or reply (server) in direction `hdr.dir`.
+    Link(LinkEvent),
+    /// A data message start.
+    Message(MessageEvent),
+    /// Framing stopped in direction `hdr.dir`.
+    Unparsed { hdr: EventHeader, at: u64, reason: UnparsedReason, detail: u32 },
+    /// A watched process forked `child`.
+    Fork { hdr: EventHeader, child: u32, comm: String },
+    /// A watched process exited.
+    Exit { hdr: EventHeader },
+    /// A tracked socket closed, with its last TCP state.
+    Close { hdr: EventHeader, tcp: TcpSnapshot },
+}
+
+impl Event {
+    /// The record's common header.
+    pub fn header(&self) -> &EventHeader {
+        match self {
+            Event::Socket { hdr, .. }
+            | Event::Unparsed { hdr, .. }
+            | Event::Fork { hdr, .. }
+            | Event::Exit { hdr }
+            | Event::Close { hdr, .. } => hdr,
+            Event::Link(l) => &l.hdr,
+            Event::Message(m) => &m.hdr,
+        }
+    }
+}
+
+fn read<T: Copy>(buf: &[u8]) -> Result<T> {
+    if buf.len() < size_of::<T>() {
+        bail!("record of {} bytes is shorter than {}", buf.len(), std::any::type_name::<T>());
+    }
+    // SAFETY: length checked; T is a plain repr(C) record; unaligned read.
+    Ok(unsafe { std::ptr::read_unaligned(buf.as_ptr() as *const T) })
+}
+
+fn comm(raw: &[u8; 16]) -> String {
+    let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+    String::from_utf8_lossy(&raw[..end]).into_owned()
+}
+
+fn addr(family: u16, raw: &[u8; 16], port: u16) -> SocketAddr {
+    let ip = if family == 10 {
+        let v6 = Ipv6Addr::from(*raw);
+        match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(v6),
+        }
+    } else {
+        IpAddr::V4(Ipv4Addr::new(raw[0], raw[1], raw[2], raw[3]))
+    };
+    SocketAddr::new(ip, port)
+}
+
+/// Decodes one ring-buffer record.
+pub fn decode(buf: &[u8]) -> Result<Event> {
+    let hdr: EventHeader = read(buf)?;
+    Ok(match hdr.kind {
+        kind::SOCKET => {
+            let e: SocketEvent = read(buf)?;
+            Event::Socket {
+                hdr,
+                tid: e.tid,
+                local: addr(e.family, &e.laddr, e.lport),
+                remote: addr(e.family, &e.raddr, e.rport),
+                comm: comm(&e.comm),
+            }
+        }
+        kind::LINK => Event::Link(read(buf)?),
+        kind::MESSAGE => Event::Message(read(buf)?),
+        kind::UNPARSED => {
+            let e: UnparsedEvent = read(buf)?;
+            Event::Unparsed { hdr, at: e.at, reason: UnparsedReason::from_u8(e.reason), detail: e.detail }
+        }
+        kind::FORK => {
+            let e: ProcEvent = read(buf)?;
+            Event::Fork { hdr, child: e.pid, comm: comm(&e.comm) }
+        }
+        kind::EXIT => Event::Exit { hdr },
+        kind::CLOSE => {
+            let e: CloseEvent = read(buf)?;
+            Event::Close { hdr, tcp: e.tcp }
+        }
+        other => bail!("unknown record kind {other}"),
+    })
+}
