@@ -297,7 +297,23 @@ pub fn on_call(call: &Call) {
     let tgid = (pid_tgid >> 32) as u32;
     let now = unsafe { bpf_ktime_get_ns() };
     count(counter::CALLS_TRACED);
-    let Some(sp) = socket_state(call, tgid, now) else { return };
+    let eagain_send = call.dir == dirs::SEND && call.ret == -EAGAIN;
+    if call.ret <= 0 && !eagain_send {
+        // Errors, EOF and zero-length calls move nothing. Do not (re)create state: this also
+        // keeps a socket read after its close from being announced again.
+        return;
+    }
+    let sp = if call.ret > 0 {
+        match socket_state(call, tgid, now) {
+            Some(sp) => sp,
+            None => return,
+        }
+    } else {
+        match SOCKETS.get_ptr_mut(&call.cookie) {
+            Some(sp) => sp,
+            None => return,
+        }
+    };
     let sock = unsafe { &mut *sp };
 
     let seq_now = store_tcp(call.sk, call.cookie, now, call.dir == dirs::SEND);
@@ -308,7 +324,7 @@ pub fn on_call(call: &Call) {
     let hdr = header(kind::MESSAGE, call.dir, call.cookie, tgid, now);
 
     if call.ret <= 0 {
-        if call.dir == dirs::SEND && call.ret == -EAGAIN && call.args.kind != call_kind::UNSUPPORTED {
+        if call.args.kind != call_kind::UNSUPPORTED {
             peek_eagain(st, &peer, call, &hdr);
         }
         return;

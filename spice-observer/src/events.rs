@@ -15,6 +15,7 @@ use spice_ebpf_common::{
 #[derive(Clone, Debug)]
 pub enum Event {
     /// First use of a TCP socket by a watched process.
+    /// `tid` is the thread that made the call.
     Socket { hdr: EventHeader, tid: u32, local: SocketAddr, remote: SocketAddr, comm: String },
     /// A link message (client) or reply (server) in direction `hdr.dir`.
     Link(LinkEvent),
@@ -28,21 +29,6 @@ pub enum Event {
     Exit { hdr: EventHeader },
     /// A tracked socket closed, with its last TCP state.
     Close { hdr: EventHeader, tcp: TcpSnapshot },
-}
-
-impl Event {
-    /// The record's common header.
-    pub fn header(&self) -> &EventHeader {
-        match self {
-            Event::Socket { hdr, .. }
-            | Event::Unparsed { hdr, .. }
-            | Event::Fork { hdr, .. }
-            | Event::Exit { hdr }
-            | Event::Close { hdr, .. } => hdr,
-            Event::Link(l) => &l.hdr,
-            Event::Message(m) => &m.hdr,
-        }
-    }
 }
 
 fn read<T: Copy>(buf: &[u8]) -> Result<T> {

@@ -81,7 +81,7 @@ impl Capture {
         let config: KernelConfig = kbtf.kernel_config()?;
         let btf = Btf::from_sys_fs().context("loading kernel BTF for tp_btf programs")?;
         let mut ebpf = EbpfLoader::new()
-            .set_global("CONFIG", &config, true)
+            .override_global("CONFIG", &config, true)
             .load(EBPF_OBJECT)
             .map_err(|e| match e {
                 aya::EbpfError::MapError(aya::maps::MapError::CreateError { name, io_error, .. })

@@ -1,0 +1,75 @@
+//! spice-observer: an eBPF observer of SPICE remote-display sockets.
+//!
+//! Kernel programs find SPICE message boundaries in the byte streams of the watched processes'
+//! TCP sockets and read each socket's TCP state; this agent replays spice-server's ACK window
+//! per display and cursor channel from them. See README.md.
+
+mod btf;
+mod events;
+mod loader;
+mod model;
+mod observe;
+mod report;
+mod sockdiag;
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+/// eBPF observer of SPICE remote-display sockets: exact ACK-window accounting per channel.
+#[derive(Debug, Parser)]
+#[command(name = "spice-observer", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Watch processes (spice-server / qemu, a SPICE relay) for a while and report per channel:
+    /// framing, ACK window W, in-flight messages (spice-server's exact count), stalls, rates
+    /// and TCP state. Needs root (or CAP_BPF + CAP_PERFMON + CAP_NET_ADMIN).
+    Observe {
+        /// Process to watch: its threads, and the children it forks from now on. Repeatable.
+        #[arg(long = "pid", required = true, value_name = "PID")]
+        pids: Vec<u32>,
+        /// Seconds to observe; 0 = until Ctrl-C (SIGINT) or SIGTERM.
+        #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+        duration: f64,
+        /// Also write the report as JSON to PATH (`-` = stdout; the table then goes to stderr).
+        #[arg(long, value_name = "PATH|-")]
+        json: Option<PathBuf>,
+        /// Milliseconds between TCP state samples of the watched sockets.
+        #[arg(long, default_value_t = 100, value_name = "MS")]
+        sample_ms: u64,
+        /// Do not print the live progress line.
+        #[arg(long)]
+        no_progress: bool,
+        /// Append every decoded kernel record to PATH (for debugging the capture).
+        #[arg(long, value_name = "PATH")]
+        dump_events: Option<PathBuf>,
+    },
+}
+
+fn main() -> Result<()> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Observe { pids, duration, json, sample_ms, no_progress, dump_events } => {
+            if !(duration >= 0.0 && duration.is_finite()) {
+                anyhow::bail!("--duration must be a number of seconds ≥ 0");
+            }
+            let opts = observe::ObserveOptions {
+                pids,
+                duration: (duration > 0.0).then(|| Duration::from_secs_f64(duration)),
+                json,
+                sample: Duration::from_millis(sample_ms.max(1)),
+                progress: !no_progress,
+                dump_events,
+            };
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(observe::run(opts))
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! The agent's model of every watched socket: identity, SPICE channel, framing status,
+//! message counts per direction and type, and the replayed ACK window. Built only from kernel
+//! records ([`crate::events::Event`]), in ring order (the ring serialises reservations, so
+//! records of one thread arrive in program order).
+
+pub mod window;
+
+use std::{collections::BTreeMap, net::SocketAddr};
+
+use spice_ebpf_common::{
+    event::{EventHeader, LinkEvent, MessageEvent, TcpSnapshot, dir, msg_flags},
+    framing::{Role, UnparsedReason},
+    protocol::{channel, msg_client, msg_server},
+};
+
+use crate::events::Event;
+pub use window::AckWindow;
+
+/// Where framing stopped in one direction.
+#[derive(Clone, Copy, Debug)]
+pub struct Unparsed {
+    pub reason: UnparsedReason,
+    pub detail: u32,
+    /// Stream offset (bytes) where it stopped.
+    pub at: u64,
+}
+
+/// Per-direction counts of one socket. "Direction" is relative to the watched process:
+/// index [`dir::SEND`] holds what it wrote, [`dir::RECV`] what it read.
+#[derive(Clone, Debug, Default)]
+pub struct DirStats {
+    /// SPICE role of these bytes, from the link phase.
+    pub role: Role,
+    /// The link message (C→S) or reply (S→C) of this direction.
+    pub link: Option<LinkEvent>,
+    /// Data header length in use: 6 (mini) or 18 (full); 0 before the first message.
+    pub hdr_len: u8,
+    /// Messages started.
+    pub messages: u64,
+    /// Bytes of those messages (headers + bodies).
+    pub bytes: u64,
+    /// Per message type: (messages, bytes).
+    pub by_type: BTreeMap<u16, (u64, u64)>,
+    /// Messages first reported from a send that failed with EAGAIN.
+    pub eagain_starts: u64,
+    /// Highest message ordinal seen; a jump means lost ring records.
+    pub last_index: u64,
+    /// Message records missing (ordinal gaps).
+    pub lost_records: u64,
+    /// Set once framing stopped.
+    pub unparsed: Option<Unparsed>,
+    /// Timestamps (CLOCK_MONOTONIC ns) of the first and last message.
+    pub first_ns: Option<u64>,
+    pub last_ns: u64,
+}
+
+/// Everything known about one watched TCP socket.
+#[derive(Clone, Debug)]
+pub struct SocketModel {
+    /// Socket cookie (kernel-wide unique id, also sock_diag's `idiag_cookie`).
+    pub cookie: u64,
+    /// Process (tgid) that first used the socket, and its comm.
+    pub pid: u32,
+    pub comm: String,
+    /// Thread that first used it.
+    pub tid: u32,
+    pub local: Option<SocketAddr>,
+    pub remote: Option<SocketAddr>,
+    /// When the socket was first seen and when it closed (CLOCK_MONOTONIC ns).
+    pub first_ns: u64,
+    pub closed_ns: Option<u64>,
+    /// Indexed by [`dir::SEND`] / [`dir::RECV`].
+    pub dirs: [DirStats; 2],
+    /// spice-server's ACK window, replayed on this socket's server → client messages and
+    /// client → server ACK_SYNC / ACK. Active only on display and cursor channels.
+    pub window: AckWindow,
+    /// Main INIT session id (main channel), or the link message's connection_id (others).
+    pub session_id: Option<u32>,
+    /// Last TCP state a kernel hook read (socket calls, sockops, close).
+    pub tcp: Option<TcpSnapshot>,
+    /// Largest notsent (write_seq − snd_nxt) seen in samples, bytes.
+    pub notsent_max: u32,
+}
+
+impl SocketModel {
+    fn new(cookie: u64, hdr: &EventHeader) -> Self {
+        Self {
+            cookie,
+            pid: hdr.tgid,
+            comm: String::new(),
+            tid: 0,
+            local: None,
+            remote: None,
+            first_ns: hdr.ts_ns,
+            closed_ns: None,
+            dirs: Default::default(),
+            window: AckWindow::default(),
+            session_id: None,
+            tcp: None,
+            notsent_max: 0,
+        }
+    }
+
+    /// Index of the direction carrying server → client bytes, once the link phase told.
+    pub fn s2c(&self) -> Option<usize> {
+        self.dirs.iter().position(|d| d.role == Role::ServerToClient)
+    }
+
+    /// Index of the direction carrying client → server bytes.
+    pub fn c2s(&self) -> Option<usize> {
+        self.dirs.iter().position(|d| d.role == Role::ClientToServer)
+    }
+
+    /// Channel type and id from the client's link message.
+    pub fn channel(&self) -> Option<(u8, u8)> {
+        let l = self.c2s().and_then(|i| self.dirs[i].link)?;
+        Some((l.channel_type, l.channel_id))
+    }
+
+    /// Whether the watched process is the server end of this connection (spice-server, or a
+    /// relay's client-facing leg): it read the client's link message.
+    pub fn is_server_end(&self) -> Option<bool> {
+        self.c2s().map(|i| i == dir::RECV as usize)
+    }
+
+    /// The first reason framing stopped, in either direction.
+    pub fn unparsed(&self) -> Option<Unparsed> {
+        self.dirs.iter().filter_map(|d| d.unparsed).min_by_key(|u| u.at)
+    }
+
+    /// `"mini"`, `"full"`, `"unparsed"`, or `"pending"` (link phase not finished yet).
+    pub fn framing(&self) -> &'static str {
+        if self.unparsed().is_some() {
+            return "unparsed";
+        }
+        match self.dirs.iter().map(|d| d.hdr_len).max().unwrap_or(0) {
+            6 => "mini",
+            18 => "full",
+            _ => "pending",
+        }
+    }
+
+    /// Message records lost for this socket (ordinal gaps), both directions.
+    pub fn lost_records(&self) -> u64 {
+        self.dirs.iter().map(|d| d.lost_records).sum()
+    }
+
+    fn message(&mut self, m: &MessageEvent) {
+        let d = (m.hdr.dir & 1) as usize;
+        let ds = &mut self.dirs[d];
+        if m.index > ds.last_index + 1 {
+            ds.lost_records += m.index - ds.last_index - 1;
+        }
+        ds.last_index = ds.last_index.max(m.index);
+        ds.hdr_len = m.hdr_len;
+        ds.messages += 1;
+        let bytes = m.hdr_len as u64 + m.size as u64;
+        ds.bytes += bytes;
+        let e = ds.by_type.entry(m.msg_type).or_default();
+        e.0 += 1;
+        e.1 += bytes;
+        if m.flags & msg_flags::EAGAIN_START != 0 {
+            ds.eagain_starts += 1;
+        }
+        ds.first_ns.get_or_insert(m.hdr.ts_ns);
+        ds.last_ns = m.hdr.ts_ns;
+        match ds.role {
+            Role::ServerToClient => {
+                self.window.server_message(m.hdr.ts_ns, m.msg_type, m.prefix);
+                let is_main = self.channel().map(|c| c.0) == Some(channel::MAIN);
+                if is_main && m.msg_type == msg_server::MAIN_INIT && m.size >= 4 {
+                    self.session_id = Some(m.prefix[0]);
+                }
+            }
+            Role::ClientToServer => match m.msg_type {
+                msg_client::ACK_SYNC => self.window.ack_sync(m.hdr.ts_ns, m.prefix[0]),
+                msg_client::ACK => self.window.ack(m.hdr.ts_ns),
+                _ => {}
+            },
+            Role::Unknown => {}
+        }
+    }
+}
+
+/// A process event seen while observing.
+#[derive(Clone, Debug)]
+pub enum ProcessNote {
+    /// `parent` forked `child`, which is watched from then on.
+    /// `ts_ns`: CLOCK_MONOTONIC ns of the fork.
+    Forked { ts_ns: u64, parent: u32, child: u32, comm: String },
+    Exited { ts_ns: u64, pid: u32 },
+}
+
+/// All sockets and process notes of one observation.
+#[derive(Clone, Debug, Default)]
+pub struct Model {
+    pub sockets: BTreeMap<u64, SocketModel>,
+    pub processes: Vec<ProcessNote>,
+    /// Records of any kind decoded.
+    pub records: u64,
+}
+
+impl Model {
+    fn socket(&mut self, hdr: &EventHeader) -> &mut SocketModel {
+        self.sockets.entry(hdr.cookie).or_insert_with(|| SocketModel::new(hdr.cookie, hdr))
+    }
+
+    /// Applies one kernel record.
+    pub fn apply(&mut self, ev: &Event) {
+        self.records += 1;
+        match ev {
+            Event::Socket { hdr, tid, local, remote, comm } => {
+                let s = self.socket(hdr);
+                if s.local.is_none() {
+                    s.tid = *tid;
+                    s.local = Some(*local);
+                    s.remote = Some(*remote);
+                    s.comm = comm.clone();
+                    s.pid = hdr.tgid;
+                }
+            }
+            Event::Link(l) => {
+                let s = self.socket(&l.hdr);
+                let d = (l.hdr.dir & 1) as usize;
+                s.dirs[d].role = Role::from_u8(l.role);
+                s.dirs[d].link = Some(*l);
+                if s.dirs[d].role == Role::ClientToServer && l.channel_type != channel::MAIN {
+                    s.session_id = Some(l.connection_id);
+                }
+            }
+            Event::Message(m) => self.socket(&m.hdr).message(m),
+            Event::Unparsed { hdr, at, reason, detail } => {
+                let s = self.socket(hdr);
+                let d = (hdr.dir & 1) as usize;
+                s.dirs[d].unparsed.get_or_insert(Unparsed { reason: *reason, detail: *detail, at: *at });
+            }
+            Event::Fork { hdr, child, comm } => self.processes.push(ProcessNote::Forked {
+                ts_ns: hdr.ts_ns,
+                parent: hdr.tgid,
+                child: *child,
+                comm: comm.clone(),
+            }),
+            Event::Exit { hdr } => self.processes.push(ProcessNote::Exited { ts_ns: hdr.ts_ns, pid: hdr.tgid }),
+            Event::Close { hdr, tcp } => {
+                if let Some(s) = self.sockets.get_mut(&hdr.cookie) {
+                    s.closed_ns = Some(hdr.ts_ns);
+                    s.tcp = Some(*tcp);
+                    s.window.finish(hdr.ts_ns);
+                }
+            }
+        }
+    }
+
+    /// Records a TCP state sample read from the kernel map.
+    pub fn tcp_sample(&mut self, cookie: u64, snap: TcpSnapshot) {
+        if let Some(s) = self.sockets.get_mut(&cookie) {
+            let notsent = snap.write_seq.wrapping_sub(snap.snd_nxt);
+            if notsent < (1 << 31) {
+                s.notsent_max = s.notsent_max.max(notsent);
+            }
+            s.tcp = Some(snap);
+        }
+    }
+
+    /// Closes every open window's time accounting at `now_ns`.
+    pub fn finish(&mut self, now_ns: u64) {
+        for s in self.sockets.values_mut() {
+            if s.closed_ns.is_none() {
+                s.window.finish(now_ns);
+            }
+        }
+    }
+}

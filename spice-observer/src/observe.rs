@@ -1,0 +1,273 @@
+//! `spice-observer observe`: attach to one or more processes, follow their SPICE sockets for a
+//! while, then print a table (and optionally JSON).
+
+use std::{
+    collections::{BTreeMap, HashSet},
+    io::{IsTerminal, Write},
+    path::PathBuf,
+    time::Duration,
+};
+
+use anyhow::{Context, Result, bail};
+use log::{debug, warn};
+use spice_ebpf_common::protocol::channel;
+use tokio::{
+    io::{Interest, unix::AsyncFd},
+    signal::unix::{SignalKind, signal},
+};
+
+use crate::{
+    events,
+    loader::Capture,
+    model::Model,
+    report::{self, PidReport, TcpReport},
+    sockdiag,
+};
+
+/// Options of one observation.
+#[derive(Clone, Debug)]
+pub struct ObserveOptions {
+    /// Processes to watch (host pid namespace).
+    pub pids: Vec<u32>,
+    /// How long to observe; `None` = until Ctrl-C / SIGTERM.
+    pub duration: Option<Duration>,
+    /// Where to write the JSON report (`-` = stdout).
+    pub json: Option<PathBuf>,
+    /// Interval between TCP state samples.
+    pub sample: Duration,
+    /// Print the live progress line.
+    pub progress: bool,
+    /// Append every decoded kernel record to this file (debugging aid).
+    pub dump_events: Option<PathBuf>,
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+const TCP_LISTEN: u8 = 10;
+const TCP_ESTABLISHED: u8 = 1;
+const TCP_CLOSE_WAIT: u8 = 8;
+
+/// Enrols listening ports for sockops and marks already-connected sockets of the watched
+/// processes (and their existing descendants) so that they are reported as unparsed rather
+/// than misread mid-stream.
+fn prepare_sockets(cap: &mut Capture, pids: &[u32]) -> Result<(usize, usize)> {
+    let mut inodes = HashSet::new();
+    for &pid in pids {
+        inodes.extend(sockdiag::socket_inodes(pid)?);
+        for child in sockdiag::descendants(pid) {
+            inodes.extend(sockdiag::socket_inodes(child).unwrap_or_default());
+        }
+    }
+    let mut ports = 0;
+    let mut existing = 0;
+    match sockdiag::dump_tcp() {
+        Ok(socks) => {
+            for s in socks.iter().filter(|s| inodes.contains(&s.inode)) {
+                if s.state == TCP_LISTEN {
+                    cap.watch_port(s.local.port())?;
+                    ports += 1;
+                } else if s.state == TCP_ESTABLISHED || s.state == TCP_CLOSE_WAIT {
+                    cap.mark_preexisting(s.cookie)?;
+                    existing += 1;
+                }
+            }
+        }
+        Err(e) => warn!("sock_diag dump failed ({e:#}); sockops enrolment and pre-existing socket detection are off"),
+    }
+    Ok((ports, existing))
+}
+
+/// Best TCP state per socket at the end: a sock_diag snapshot where the socket still exists in
+/// this network namespace, else the last kernel-hook snapshot.
+fn final_tcp(model: &Model) -> BTreeMap<u64, TcpReport> {
+    let mut out = BTreeMap::new();
+    let diag = match sockdiag::dump_tcp() {
+        Ok(v) => v.into_iter().map(|s| (s.cookie, s)).collect::<BTreeMap<_, _>>(),
+        Err(e) => {
+            debug!("final sock_diag dump failed: {e:#}");
+            BTreeMap::new()
+        }
+    };
+    for s in model.sockets.values() {
+        let from_hooks = s.tcp.as_ref().map(|t| {
+            TcpReport::from_snapshot(t, s.notsent_max, if s.closed_ns.is_some() { "close" } else { "kernel_hooks" })
+        });
+        let rep = match (s.closed_ns, diag.get(&s.cookie).and_then(|d| d.info.as_ref().map(|i| (d, i)))) {
+            (None, Some((d, i))) => Some(TcpReport {
+                srtt_us: i.srtt_us,
+                cwnd_segments: i.snd_cwnd,
+                notsent_bytes: i.notsent_bytes,
+                notsent_max_bytes: s.notsent_max.max(i.notsent_bytes),
+                unacked_segments: i.unacked,
+                total_retrans: i.total_retrans,
+                recv_queue_bytes: d.recv_queue,
+                source: "sock_diag",
+            }),
+            _ => from_hooks,
+        };
+        if let Some(r) = rep {
+            out.insert(s.cookie, r);
+        }
+    }
+    out
+}
+
+fn progress_line(model: &Model, started_ns: u64, lost: u64) -> String {
+    let secs = (monotonic_ns() - started_ns) as f64 / 1e9;
+    let msgs: u64 = model.sockets.values().map(|s| s.dirs[0].messages + s.dirs[1].messages).sum();
+    let framed = model.sockets.values().filter(|s| matches!(s.framing(), "mini" | "full")).count();
+    let mut display = Vec::new();
+    for s in model.sockets.values() {
+        if s.closed_ns.is_none()
+            && s.window.active()
+            && s.channel().map(|c| c.0) == Some(channel::DISPLAY)
+            && s.is_server_end() == Some(true)
+        {
+            display.push(format!("{}/{}", s.window.count, s.window.threshold() + 1));
+        }
+    }
+    format!(
+        "[{secs:6.1}s] {} sockets, {framed} framed, {msgs} msgs, display in flight {}, lost {lost}",
+        model.sockets.len(),
+        if display.is_empty() { "-".into() } else { display.join(" ") },
+    )
+}
+
+/// Runs one observation and prints its report.
+pub async fn run(opts: ObserveOptions) -> Result<()> {
+    if opts.pids.is_empty() {
+        bail!("give at least one --pid");
+    }
+    let mut pid_reports = Vec::new();
+    for &pid in &opts.pids {
+        let Some(comm) = sockdiag::comm(pid) else {
+            bail!("no process with pid {pid}");
+        };
+        pid_reports.push(PidReport { pid, comm });
+    }
+    let mut cap = Capture::load()?;
+    for &pid in &opts.pids {
+        cap.watch_pid(pid)?;
+        for child in sockdiag::descendants(pid) {
+            cap.watch_pid(child)?;
+        }
+    }
+    let (ports, existing) = prepare_sockets(&mut cap, &opts.pids)?;
+    // SAFETY: the ring owns its map fd, which stays open and unchanged for the AsyncFd's life.
+    let mut ring = unsafe { AsyncFd::register_with_interest(cap.take_ring()?, Interest::READABLE) }
+        .map_err(|e| anyhow::anyhow!("polling the event ring: {}", e.into_parts().1))?;
+    let started_ns = monotonic_ns();
+    eprintln!(
+        "spice-observer: watching {} (hook set {}; {ports} listening port(s) enrolled, {existing} connection(s) already open); {}",
+        pid_reports.iter().map(|p| format!("pid {} ({})", p.pid, p.comm)).collect::<Vec<_>>().join(", "),
+        cap.hook_set,
+        match opts.duration {
+            Some(d) => format!("{:.0} s", d.as_secs_f64()),
+            None => "until Ctrl-C".into(),
+        }
+    );
+
+    let mut model = Model::default();
+    let mut sample = tokio::time::interval(opts.sample);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let deadline = tokio::time::sleep(opts.duration.unwrap_or(Duration::from_secs(u64::MAX / 4)));
+    tokio::pin!(deadline);
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let tty = std::io::stderr().is_terminal();
+    let mut decode_errors = 0u64;
+    let mut ticks = 0u64;
+    let mut dump = match &opts.dump_events {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => None,
+    };
+    loop {
+        tokio::select! {
+            guard = ring.readable_mut() => {
+                let mut guard = guard?;
+                let r = guard.get_inner_mut();
+                while let Some(item) = r.next() {
+                    match events::decode(&item) {
+                        Ok(ev) => {
+                            if let Some(d) = dump.as_mut() {
+                                let _ = writeln!(d, "{ev:?}");
+                            }
+                            model.apply(&ev)
+                        }
+                        Err(e) => { decode_errors += 1; debug!("bad record: {e}"); }
+                    }
+                }
+                guard.clear_ready();
+            }
+            _ = sample.tick() => {
+                let cookies: Vec<u64> = model.sockets.iter().filter(|(_, s)| s.closed_ns.is_none()).map(|(c, _)| *c).collect();
+                for c in cookies {
+                    if let Some(snap) = cap.tcp_state(c) {
+                        model.tcp_sample(c, snap);
+                    }
+                }
+            }
+            _ = tick.tick() => {
+                ticks += 1;
+                if opts.progress {
+                    let lost = cap.counters().map(|c| (0..c.len() as u32).filter(|&i| spice_ebpf_common::config::counter::is_loss(i)).map(|i| c[i as usize]).sum()).unwrap_or(0);
+                    let line = progress_line(&model, started_ns, lost);
+                    if tty {
+                        eprint!("\r\x1b[K{line}");
+                        let _ = std::io::stderr().flush();
+                    } else if ticks % 5 == 0 {
+                        eprintln!("{line}");
+                    }
+                }
+            }
+            _ = &mut deadline => break,
+            _ = sigint.recv() => break,
+            _ = sigterm.recv() => break,
+        }
+    }
+    if tty && opts.progress {
+        eprintln!();
+    }
+    // Drain what is left in the ring.
+    {
+        let r = ring.get_mut();
+        while let Some(item) = r.next() {
+            if let Ok(ev) = events::decode(&item) {
+                model.apply(&ev);
+            } else {
+                decode_errors += 1;
+            }
+        }
+    }
+    let end_ns = monotonic_ns();
+    model.finish(end_ns);
+    let counters = cap.counters()?;
+    let tcp = final_tcp(&model);
+    let duration_s = (end_ns - started_ns) as f64 / 1e9;
+    let mut rep = report::build(&model, end_ns, duration_s, &cap.hook_set, &counters, &cap.degraded, pid_reports, &tcp, started_ns);
+    if decode_errors > 0 {
+        rep.degraded.push(format!("{decode_errors} ring record(s) could not be decoded"));
+        rep.events_lost += decode_errors;
+    }
+    let table = report::render(&rep);
+    match &opts.json {
+        Some(p) if p.as_os_str() == "-" => {
+            eprint!("{table}");
+            println!("{}", serde_json::to_string_pretty(&rep)?);
+        }
+        Some(p) => {
+            print!("{table}");
+            std::fs::write(p, serde_json::to_string_pretty(&rep)?)
+                .with_context(|| format!("writing {}", p.display()))?;
+        }
+        None => print!("{table}"),
+    }
+    Ok(())
+}

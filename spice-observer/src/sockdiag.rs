@@ -1,0 +1,604 @@
+//! TCP socket snapshots over netlink `sock_diag`, and the `/proc` helpers that tie sockets to
+//! processes.
+//!
+//! * [`dump_tcp`] asks the kernel (`NETLINK_SOCK_DIAG`, `SOCK_DIAG_BY_FAMILY`, see
+//!   `include/uapi/linux/sock_diag.h` and `include/uapi/linux/inet_diag.h`) for every TCP socket
+//!   of the current network namespace, once for `AF_INET` and once for `AF_INET6`, with the
+//!   `INET_DIAG_INFO` extension (a `struct tcp_info`, `include/uapi/linux/tcp.h`). It gives the
+//!   observer a state for sockets that no eBPF hook has seen yet (for example connections that
+//!   were open before the observer started).
+//! * [`socket_inodes`], [`descendants`] and [`comm`] read `/proc` to find which of those sockets
+//!   belong to the watched processes: a socket belongs to a process when its inode
+//!   ([`DiagSocket::inode`]) is the target of one of the process's `/proc/PID/fd/N` links
+//!   (`socket:[INODE]`).
+//!
+//! Nothing here needs privileges: sock_diag dumps of TCP sockets, `tcp_info` included, are open
+//! to every user (that is how `ss -ti` works unprivileged), and `/proc/PID/fd` of one's own
+//! processes is readable. Watching another user's process needs root (or `CAP_SYS_PTRACE`) for
+//! its `/proc/PID/fd`.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4, SocketAddrV6};
+
+use anyhow::{Context, bail};
+use netlink_packet_core::{
+    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload, Nla as _,
+};
+use netlink_packet_sock_diag::{
+    SockDiagMessage,
+    constants::{AF_INET, AF_INET6, INET_DIAG_INFO, IPPROTO_TCP},
+    inet::{ExtensionFlags, InetRequest, InetResponse, SocketId, StateFlags},
+};
+use netlink_sys::{Socket, protocols::NETLINK_SOCK_DIAG};
+
+/// One TCP socket from a sock_diag dump: a `struct inet_diag_msg`
+/// (`include/uapi/linux/inet_diag.h`) plus its `INET_DIAG_INFO` attribute.
+///
+/// Addresses are given as the kernel stores them: an `AF_INET6` socket talking to an IPv4 peer
+/// shows IPv4-mapped addresses (`::ffff:a.b.c.d`); use [`IpAddr::to_canonical`] to compare
+/// them with IPv4 addresses.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DiagSocket {
+    /// `idiag_cookie`: the socket cookie (`sock_gen_cookie()`), the same value as eBPF's
+    /// `bpf_get_socket_cookie()` and `SO_COOKIE`. The kernel sends it as two host-endian
+    /// `u32` halves, low half first (`sock_diag_save_cookie()`, `net/core/sock_diag.c`).
+    pub cookie: u64,
+    /// `idiag_inode`: the socket's inode number, as in `/proc/PID/fd/N -> socket:[INODE]`.
+    /// The wire field is 32 bits wide; socket inodes come from `get_next_ino()` (an
+    /// `unsigned int`), so it is the full value. 0 for `TIME_WAIT` and `SYN_RECV` mini-sockets,
+    /// which have no inode.
+    pub inode: u64,
+    /// `idiag_state`: the TCP state (`include/net/tcp_states.h`): 1 = `ESTABLISHED`,
+    /// 2 = `SYN_SENT`, 3 = `SYN_RECV`, 4 = `FIN_WAIT1`, 5 = `FIN_WAIT2`, 6 = `TIME_WAIT`,
+    /// 7 = `CLOSE`, 8 = `CLOSE_WAIT`, 9 = `LAST_ACK`, 10 = `LISTEN`, 11 = `CLOSING`.
+    pub state: u8,
+    /// `id.idiag_src` / `id.idiag_sport`: the local address and port. For link-local IPv6
+    /// addresses, the scope id is `id.idiag_if` (the bound interface index).
+    pub local: SocketAddr,
+    /// `id.idiag_dst` / `id.idiag_dport`: the peer address and port (unspecified address and
+    /// port 0 for a listening socket).
+    pub remote: SocketAddr,
+    /// `idiag_rqueue`, from `tcp_diag_get_info()` (`net/ipv4/tcp_diag.c`). For a `LISTEN`
+    /// socket: the accept backlog, i.e. connections waiting for `accept()`
+    /// (`sk_ack_backlog`). Otherwise: bytes received in order but not yet read by the
+    /// application (`rcv_nxt - copied_seq`).
+    pub recv_queue: u32,
+    /// `idiag_wqueue`, from `tcp_diag_get_info()`. For a `LISTEN` socket: the maximum accept
+    /// backlog (`sk_max_ack_backlog`). Otherwise: bytes written by the application and not yet
+    /// acknowledged by the peer, sent or not (`write_seq - snd_una`).
+    pub send_queue: u32,
+    /// `INET_DIAG_INFO` decoded, when the kernel sent it: it does for full sockets (all states
+    /// but `TIME_WAIT` and `SYN_RECV` request sockets).
+    pub info: Option<TcpInfo>,
+}
+
+/// The `struct tcp_info` fields (`include/uapi/linux/tcp.h`, filled by `tcp_get_info()` in
+/// `net/ipv4/tcp.c`) that the observer reports.
+///
+/// A field lying past the end of the `tcp_info` the running kernel sent (kernels older than
+/// the field) reads as 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TcpInfo {
+    /// `tcpi_rtt`: smoothed round-trip time, microseconds (`srtt_us >> 3`).
+    pub srtt_us: u32,
+    /// `tcpi_snd_cwnd`: congestion window, segments.
+    pub snd_cwnd: u32,
+    /// `tcpi_unacked`: segments in flight (sent, not yet acknowledged), `packets_out`.
+    pub unacked: u32,
+    /// `tcpi_total_retrans`: segments retransmitted over the socket's lifetime.
+    pub total_retrans: u32,
+    /// `tcpi_notsent_bytes`: bytes written by the application that TCP has not sent yet
+    /// (`write_seq - snd_nxt`), bytes.
+    pub notsent_bytes: u32,
+    /// `tcpi_bytes_acked`: bytes acknowledged by the peer (RFC 4898
+    /// tcpEStatsAppHCThruOctetsAcked). Counts the SYN as one byte on the active side.
+    pub bytes_acked: u64,
+    /// `tcpi_bytes_received`: bytes received in order (RFC 4898
+    /// tcpEStatsAppHCThruOctetsReceived), whether or not the application has read them.
+    pub bytes_received: u64,
+    /// `tcpi_delivery_rate`: the latest delivery-rate sample, bytes per second (when the
+    /// application is the bottleneck, the highest recent sample instead).
+    pub delivery_rate: u64,
+    /// `tcpi_rwnd_limited`: time the sender was limited by the peer's receive window,
+    /// microseconds. Like the two fields below, a `chrono_stat` kept in jiffies
+    /// (`tcp_get_info_chrono_stats()`): whole ticks, 1 to 10 ms depending on `CONFIG_HZ`.
+    pub rwnd_limited_us: u64,
+    /// `tcpi_sndbuf_limited`: time the sender was limited by its send buffer, microseconds
+    /// (jiffy granularity).
+    pub sndbuf_limited_us: u64,
+    /// `tcpi_busy_time`: time with data in flight, microseconds (jiffy granularity: a short
+    /// burst can read 0).
+    pub busy_time_us: u64,
+    /// `tcpi_min_rtt`: minimum RTT seen over the recent window, microseconds (`~0U` when no
+    /// sample yet).
+    pub min_rtt_us: u32,
+}
+
+/// Byte offsets of the fields read from `struct tcp_info` (`include/uapi/linux/tcp.h`; the
+/// struct is native-endian and unpacked: eight `__u8` then naturally aligned `__u32`/`__u64`).
+/// Checked against `offsetof()` with the Linux 6.1 UAPI header (sizeof = 232), and by the
+/// tests below against live byte counts.
+mod tcpi_offset {
+    pub const UNACKED: usize = 24;
+    pub const RTT: usize = 68;
+    pub const SND_CWND: usize = 80;
+    pub const TOTAL_RETRANS: usize = 100;
+    pub const BYTES_ACKED: usize = 120;
+    pub const BYTES_RECEIVED: usize = 128;
+    pub const NOTSENT_BYTES: usize = 144;
+    pub const MIN_RTT: usize = 148;
+    pub const DELIVERY_RATE: usize = 160;
+    pub const BUSY_TIME: usize = 168;
+    pub const RWND_LIMITED: usize = 176;
+    pub const SNDBUF_LIMITED: usize = 184;
+}
+
+impl TcpInfo {
+    /// Decodes the payload of an `INET_DIAG_INFO` attribute (a `struct tcp_info` as long as the
+    /// running kernel's). Returns `None` when it is too short to hold even the oldest fields
+    /// (`tcpi_total_retrans`, Linux 2.6); later fields missing from it read as 0.
+    pub fn from_bytes(raw: &[u8]) -> Option<TcpInfo> {
+        use tcpi_offset::*;
+        if raw.len() < TOTAL_RETRANS + 4 {
+            return None;
+        }
+        let u32_at = |off: usize| {
+            raw.get(off..off + 4)
+                .map_or(0, |b| u32::from_ne_bytes(b.try_into().unwrap()))
+        };
+        let u64_at = |off: usize| {
+            raw.get(off..off + 8)
+                .map_or(0, |b| u64::from_ne_bytes(b.try_into().unwrap()))
+        };
+        Some(TcpInfo {
+            srtt_us: u32_at(RTT),
+            snd_cwnd: u32_at(SND_CWND),
+            unacked: u32_at(UNACKED),
+            total_retrans: u32_at(TOTAL_RETRANS),
+            notsent_bytes: u32_at(NOTSENT_BYTES),
+            bytes_acked: u64_at(BYTES_ACKED),
+            bytes_received: u64_at(BYTES_RECEIVED),
+            delivery_rate: u64_at(DELIVERY_RATE),
+            rwnd_limited_us: u64_at(RWND_LIMITED),
+            sndbuf_limited_us: u64_at(SNDBUF_LIMITED),
+            busy_time_us: u64_at(BUSY_TIME),
+            min_rtt_us: u32_at(MIN_RTT),
+        })
+    }
+}
+
+/// Receive buffer for the dump. The kernel sizes each dump datagram from the reader's previous
+/// `recvmsg()` length, capped at 32 KiB (`netlink_recvmsg()`, `net/netlink/af_netlink.c`), so
+/// 64 KiB never truncates; truncation is still detected (`MSG_TRUNC`) and reported.
+const RECV_BUF_LEN: usize = 64 * 1024;
+
+/// Dumps all IPv4 and IPv6 TCP sockets of the current network namespace, all states, with
+/// `INET_DIAG_INFO`: one `SOCK_DIAG_BY_FAMILY` dump request per address family on one
+/// `NETLINK_SOCK_DIAG` socket, each read until its `NLMSG_DONE`.
+///
+/// The result is a snapshot, not atomic: sockets opened or closed during the dump may or may
+/// not appear. An `AF_INET6` socket appears once, in the IPv6 dump, even when it talks IPv4.
+///
+/// Errors: the netlink socket cannot be opened, bound or written to; the kernel answers with
+/// `NLMSG_ERROR` or a negative `NLMSG_DONE` code (e.g. `ENOENT` when the `tcp_diag`/`inet_diag`
+/// module is missing); a reply cannot be decoded or was truncated.
+pub fn dump_tcp() -> anyhow::Result<Vec<DiagSocket>> {
+    let mut socket =
+        Socket::new(NETLINK_SOCK_DIAG).context("cannot open a NETLINK_SOCK_DIAG socket")?;
+    socket
+        .bind_auto()
+        .context("cannot bind the NETLINK_SOCK_DIAG socket")?;
+    socket
+        .connect(&netlink_sys::SocketAddr::new(0, 0))
+        .context("cannot connect the NETLINK_SOCK_DIAG socket to the kernel")?;
+
+    let mut sockets = Vec::new();
+    let mut buf = Vec::with_capacity(RECV_BUF_LEN);
+    for (seq, family) in [(1, AF_INET), (2, AF_INET6)] {
+        dump_family(&socket, family, seq, &mut buf, &mut sockets)?;
+    }
+    Ok(sockets)
+}
+
+fn family_name(family: u8) -> &'static str {
+    if family == AF_INET6 {
+        "AF_INET6"
+    } else {
+        "AF_INET"
+    }
+}
+
+/// Sends one dump request for `family` and appends the answers to `out`, reading datagrams
+/// (each may hold several netlink messages) until the `NLMSG_DONE` of sequence number `seq`.
+fn dump_family(
+    socket: &Socket,
+    family: u8,
+    seq: u32,
+    buf: &mut Vec<u8>,
+    out: &mut Vec<DiagSocket>,
+) -> anyhow::Result<()> {
+    let what = family_name(family);
+    let mut header = NetlinkHeader::default();
+    header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+    header.sequence_number = seq;
+    let mut request = NetlinkMessage::new(
+        header,
+        SockDiagMessage::InetRequest(InetRequest {
+            family,
+            protocol: IPPROTO_TCP,
+            extensions: ExtensionFlags::INFO,
+            states: StateFlags::all(),
+            socket_id: if family == AF_INET6 {
+                SocketId::new_v6()
+            } else {
+                SocketId::new_v4()
+            },
+        })
+        .into(),
+    );
+    request.finalize();
+    let mut bytes = vec![0; request.buffer_len()];
+    request.serialize(&mut bytes);
+    let sent = socket
+        .send(&bytes, 0)
+        .with_context(|| format!("cannot send the sock_diag {what} TCP dump request"))?;
+    if sent != bytes.len() {
+        bail!(
+            "sock_diag {what} dump request: sent {sent} of {} bytes",
+            bytes.len()
+        );
+    }
+
+    loop {
+        buf.clear();
+        let len = match socket.recv(buf, libc::MSG_TRUNC) {
+            Ok(len) => len,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(e).with_context(|| format!("sock_diag {what} dump: recv failed"));
+            }
+        };
+        if len > buf.len() {
+            bail!(
+                "sock_diag {what} dump: datagram of {len} bytes truncated to {}",
+                buf.len()
+            );
+        }
+        let mut offset = 0;
+        while offset < len {
+            let message = NetlinkMessage::<SockDiagMessage>::deserialize(&buf[offset..len])
+                .map_err(|e| anyhow::anyhow!("sock_diag {what} dump: undecodable reply: {e}"))?;
+            let msg_len = message.header.length as usize;
+            if msg_len == 0 {
+                bail!("sock_diag {what} dump: zero-length netlink message");
+            }
+            // NLMSG_ALIGN: messages in a datagram start on 4-byte boundaries.
+            offset += (msg_len + 3) & !3;
+            if message.header.sequence_number != seq {
+                continue; // not an answer to this request
+            }
+            match message.payload {
+                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {
+                    out.push(DiagSocket::from_response(&response));
+                }
+                NetlinkPayload::Done(done) => {
+                    if done.code < 0 {
+                        return Err(std::io::Error::from_raw_os_error(-done.code))
+                            .with_context(|| format!("sock_diag {what} TCP dump failed"));
+                    }
+                    return Ok(());
+                }
+                NetlinkPayload::Error(error) if error.code.is_some() => {
+                    return Err(error.to_io()).with_context(|| {
+                        format!("the kernel refused the sock_diag {what} TCP dump")
+                    });
+                }
+                NetlinkPayload::Overrun(_) => {
+                    bail!("sock_diag {what} dump: NLMSG_OVERRUN");
+                }
+                // NLMSG_NOOP, an ACK (NLMSG_ERROR with code 0, not expected without NLM_F_ACK),
+                // or a message kind not asked for.
+                _ => {}
+            }
+        }
+    }
+}
+
+impl DiagSocket {
+    fn from_response(response: &InetResponse) -> DiagSocket {
+        let header = &response.header;
+        let id = &header.socket_id;
+        let half = |b: &[u8]| u64::from(u32::from_ne_bytes(b.try_into().unwrap()));
+        let cookie = half(&id.cookie[..4]) | half(&id.cookie[4..]) << 32;
+        // Whatever the crate's `rich_nlas` feature (which changes the type inside
+        // `Nla::TcpInfo`), the generic `Nla` interface gives back the attribute's raw payload.
+        let info = response
+            .nlas
+            .iter()
+            .find(|nla| nla.kind() == INET_DIAG_INFO)
+            .and_then(|nla| {
+                let mut raw = vec![0; nla.value_len()];
+                nla.emit_value(&mut raw);
+                TcpInfo::from_bytes(&raw)
+            });
+        DiagSocket {
+            cookie,
+            inode: u64::from(header.inode),
+            state: header.state,
+            local: socket_addr(id.source_address, id.source_port, id.interface_id),
+            remote: socket_addr(id.destination_address, id.destination_port, id.interface_id),
+            recv_queue: header.recv_queue,
+            send_queue: header.send_queue,
+            info,
+        }
+    }
+}
+
+fn socket_addr(ip: IpAddr, port: u16, interface: u32) -> SocketAddr {
+    match ip {
+        IpAddr::V4(ip) => SocketAddr::V4(SocketAddrV4::new(ip, port)),
+        IpAddr::V6(ip) => {
+            let scope = if ip.is_unicast_link_local() {
+                interface
+            } else {
+                0
+            };
+            SocketAddr::V6(SocketAddrV6::new(ip, port, 0, scope))
+        }
+    }
+}
+
+fn proc_pid(pid: u32) -> anyhow::Result<i32> {
+    i32::try_from(pid).with_context(|| format!("pid {pid} is out of range"))
+}
+
+/// Socket inodes held open by process `pid`: the `N` of every `/proc/PID/fd/* -> socket:[N]`
+/// link. All threads of a process share its descriptor table, so this covers them all.
+///
+/// Errors (the message names the pid): the process does not exist, or its `/proc/PID/fd`
+/// cannot be read (another user's process without root or `CAP_SYS_PTRACE`). Descriptors
+/// closed while the directory is read are skipped.
+pub fn socket_inodes(pid: u32) -> anyhow::Result<HashSet<u64>> {
+    let process = procfs::process::Process::new(proc_pid(pid)?)
+        .with_context(|| format!("process {pid}: cannot open /proc/{pid}"))?;
+    let fds = process
+        .fd()
+        .with_context(|| format!("process {pid}: cannot list /proc/{pid}/fd"))?;
+    let mut inodes = HashSet::new();
+    for fd in fds {
+        let fd = fd.with_context(|| format!("process {pid}: cannot read /proc/{pid}/fd"))?;
+        if let procfs::process::FDTarget::Socket(inode) = fd.target {
+            inodes.insert(inode);
+        }
+    }
+    Ok(inodes)
+}
+
+/// Descendant pids of `pid` that exist now: children, grandchildren, ... found by walking the
+/// parent pid (`/proc/PID/stat`, field 4) of every process in `/proc`. `pid` itself is not
+/// included; the order is breadth-first. Processes that cannot be read (exited during the
+/// scan) are skipped, and an unreadable `/proc` gives an empty list.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let Ok(processes) = procfs::process::all_processes() else {
+        return Vec::new();
+    };
+    let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
+    for process in processes.flatten() {
+        let Ok(stat) = process.stat() else { continue };
+        if let (Ok(child), Ok(parent)) = (u32::try_from(stat.pid), u32::try_from(stat.ppid)) {
+            children.entry(parent).or_default().push(child);
+        }
+    }
+    let mut found = Vec::new();
+    let mut seen = HashSet::from([pid]);
+    let mut next = 0;
+    let mut parent = pid;
+    loop {
+        for &child in children.get(&parent).map(Vec::as_slice).unwrap_or(&[]) {
+            if seen.insert(child) {
+                found.push(child);
+            }
+        }
+        let Some(&p) = found.get(next) else { break };
+        parent = p;
+        next += 1;
+    }
+    found
+}
+
+/// Short process name (`/proc/PID/comm`: the kernel's `task->comm`, at most 15 bytes, without
+/// the trailing newline; bytes that are not UTF-8 are replaced), if the process exists and
+/// the file can be read.
+pub fn comm(pid: u32) -> Option<String> {
+    let raw = std::fs::read(format!("/proc/{pid}/comm")).ok()?;
+    let name = raw.strip_suffix(b"\n").unwrap_or(&raw);
+    Some(String::from_utf8_lossy(name).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    /// `include/net/tcp_states.h`
+    const TCP_ESTABLISHED: u8 = 1;
+    const TCP_LISTEN: u8 = 10;
+
+    /// Polls `dump_tcp()` until `check` accepts the snapshot (or 5 s pass), returning the last
+    /// snapshot.
+    fn dump_until(check: impl Fn(&[DiagSocket]) -> bool) -> Vec<DiagSocket> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let dump = dump_tcp().expect("sock_diag dump");
+            if check(&dump) || Instant::now() > deadline {
+                return dump;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn find(dump: &[DiagSocket], local: SocketAddr, state: u8) -> Option<&DiagSocket> {
+        dump.iter().find(|s| s.local == local && s.state == state)
+    }
+
+    /// Listener, client and accepted server socket on `ip`; the client writes `N` bytes that
+    /// the server does not read.
+    fn check_pair(ip: &str) {
+        const N: usize = 4321;
+        let listener = TcpListener::bind((ip, 0)).unwrap();
+        let listen_addr = listener.local_addr().unwrap();
+        let mut client = TcpStream::connect(listen_addr).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        let client_addr = client.local_addr().unwrap();
+        let server_addr = server.local_addr().unwrap();
+        client.write_all(&[0x5a; N]).unwrap();
+
+        let dump = dump_until(|d| {
+            find(d, server_addr, TCP_ESTABLISHED).is_some_and(|s| s.recv_queue as usize == N)
+                && find(d, client_addr, TCP_ESTABLISHED)
+                    .and_then(|s| s.info)
+                    .is_some_and(|i| i.bytes_acked >= N as u64)
+        });
+
+        let listen = find(&dump, listen_addr, TCP_LISTEN).expect("listener in dump");
+        let client_s = find(&dump, client_addr, TCP_ESTABLISHED).expect("client in dump");
+        let server_s = dump
+            .iter()
+            .find(|s| s.local == server_addr && s.remote == client_addr)
+            .expect("accepted socket in dump");
+        assert_eq!(server_s.state, TCP_ESTABLISHED);
+        assert_eq!(client_s.remote, server_addr);
+        assert_eq!(listen.recv_queue, 0, "nothing left in the accept queue");
+
+        for s in [listen, client_s, server_s] {
+            assert_ne!(s.cookie, 0, "{s:?}");
+            assert_ne!(s.inode, 0, "{s:?}");
+            assert!(s.info.is_some(), "full sockets carry INET_DIAG_INFO: {s:?}");
+        }
+        let cookies: HashSet<u64> = [listen, client_s, server_s]
+            .iter()
+            .map(|s| s.cookie)
+            .collect();
+        assert_eq!(cookies.len(), 3, "cookies are distinct");
+
+        let inodes = socket_inodes(std::process::id()).unwrap();
+        for s in [listen, client_s, server_s] {
+            assert!(
+                inodes.contains(&s.inode),
+                "inode {} not among our fds",
+                s.inode
+            );
+        }
+
+        // The reader has not read: everything sits in its receive queue.
+        assert_eq!(server_s.recv_queue as usize, N);
+        let server_info = server_s.info.unwrap();
+        assert_eq!(server_info.bytes_received, N as u64, "{server_info:?}");
+        // The writer: all acknowledged (+1 for the SYN), nothing left to send.
+        let client_info = client_s.info.unwrap();
+        assert!(
+            (N as u64..=N as u64 + 1).contains(&client_info.bytes_acked),
+            "{client_info:?}"
+        );
+        assert_eq!(client_s.send_queue, 0);
+        assert_eq!(client_info.notsent_bytes, 0);
+        assert_eq!(client_info.unacked, 0);
+        assert!(client_info.snd_cwnd > 0, "{client_info:?}");
+        assert!(client_info.srtt_us > 0, "{client_info:?}");
+        assert!(
+            client_info.min_rtt_us > 0 && client_info.min_rtt_us < 1_000_000,
+            "{client_info:?}"
+        );
+        // busy_time_us has jiffy granularity: a loopback burst this small may read 0.
+
+        // The cookie is the one SO_COOKIE (i.e. bpf_get_socket_cookie) gives.
+        use std::os::fd::AsRawFd;
+        let mut cookie = 0u64;
+        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `cookie`.
+        let rc = unsafe {
+            libc::getsockopt(
+                client.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_COOKIE,
+                (&raw mut cookie).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0);
+        assert_eq!(cookie, client_s.cookie);
+    }
+
+    #[test]
+    fn sockdiag_dump_ipv4() {
+        check_pair("127.0.0.1");
+    }
+
+    #[test]
+    fn sockdiag_dump_ipv6() {
+        if TcpListener::bind(("::1", 0)).is_err() {
+            eprintln!("no IPv6 loopback, skipped");
+            return;
+        }
+        check_pair("::1");
+    }
+
+    #[test]
+    fn sockdiag_tcp_info_short_payload() {
+        assert_eq!(TcpInfo::from_bytes(&[0; 100]), None);
+        let mut raw = vec![0u8; 104];
+        raw[tcpi_offset::SND_CWND..][..4].copy_from_slice(&10u32.to_ne_bytes());
+        let info = TcpInfo::from_bytes(&raw).unwrap();
+        assert_eq!(info.snd_cwnd, 10);
+        assert_eq!(info.bytes_acked, 0, "missing fields read as 0");
+    }
+
+    #[test]
+    fn sockdiag_socket_inodes_missing_process() {
+        let err = socket_inodes(i32::MAX as u32).unwrap_err();
+        assert!(
+            format!("{err:#}").contains(&(i32::MAX).to_string()),
+            "{err:#}"
+        );
+        assert!(socket_inodes(u32::MAX).is_err());
+    }
+
+    #[test]
+    fn sockdiag_descendants_and_comm() {
+        let me = std::process::id();
+        assert!(comm(me).is_some_and(|c| !c.is_empty()));
+        assert_eq!(comm(i32::MAX as u32), None);
+
+        // A child, and a grandchild whose pid the child prints.
+        let mut child = Command::new("sh")
+            .args(["-c", "sleep 5 & echo $!; wait"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let grandchild: u32 = line.trim().parse().unwrap();
+        let mut sleeper = Command::new("sleep").arg("5").spawn().unwrap();
+
+        let found = descendants(me);
+        // SAFETY: kill(2) on processes this test started.
+        unsafe { libc::kill(grandchild as i32, libc::SIGKILL) };
+        let sleeper_comm = comm(sleeper.id());
+        let _ = sleeper.kill();
+        let _ = sleeper.wait();
+        let _ = child.kill();
+        let _ = child.wait();
+
+        assert!(found.contains(&child.id()), "{found:?}");
+        assert!(found.contains(&grandchild), "{found:?}");
+        assert!(found.contains(&sleeper.id()), "{found:?}");
+        assert!(!found.contains(&me));
+        assert_eq!(sleeper_comm.as_deref(), Some("sleep"));
+        assert!(descendants(sleeper.id()).is_empty());
+    }
+}
