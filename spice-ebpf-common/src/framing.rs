@@ -392,9 +392,12 @@ impl DirState {
         Output::Unparsed { reason, detail, at: self.want_at }
     }
 
-    /// Resolves what the next element needs before bytes are read: the link header length on
-    /// a fresh state, and the data header length (mini or full, from both sides' caps) at the
-    /// first data message. Returns an [`Output::Unparsed`] if that is impossible.
+    /// Resolves what the next element needs once its first byte is available: the link header
+    /// length on a fresh state, and the data header length (mini or full, from both sides'
+    /// caps) at the first data message. Call it only when the current call holds the byte at
+    /// `need().0`: the peer's caps may arrive after this direction's link message (a client
+    /// without auth selection reaches the data phase right after it). Returns an
+    /// [`Output::Unparsed`] if resolving is impossible.
     #[inline(always)]
     pub fn prepare(&mut self, peer: &PeerView) -> Output {
         if self.phase == Phase::LinkHeader as u8 && self.want_len == 0 {
@@ -647,7 +650,11 @@ impl DirState {
     /// successful write does not report it again. State is otherwise unchanged.
     #[inline(always)]
     pub fn peek(&mut self, first: &[u8; BUF_LEN], avail: u32, peer: &PeerView) -> Option<MessageInfo> {
-        if self.phase != Phase::DataHeader as u8 || self.have != 0 || self.hdr_len == 0 {
+        // Only at a message boundary: the rejected call must start where a header is due.
+        if self.phase != Phase::DataHeader as u8 || self.have != 0 || self.pos != self.want_at {
+            return None;
+        }
+        if self.prepare(peer) != Output::None || self.hdr_len == 0 {
             return None;
         }
         if self.announced_at == self.want_at {
@@ -684,6 +691,11 @@ pub fn feed<F: FnMut(Output)>(st: &mut DirState, peer: &PeerView, segments: &[&[
     let mut seg_i = 0usize;
     let mut seg_start = call_start;
     loop {
+        if st.is_unparsed() || st.need().0 >= call_end {
+            break;
+        }
+        // Resolve the element only once its first byte is in this call: the data header
+        // length needs the peer's caps, which arrive after the client's link message.
         let out = st.prepare(peer);
         if out != Output::None {
             emit(out);
@@ -692,9 +704,6 @@ pub fn feed<F: FnMut(Output)>(st: &mut DirState, peer: &PeerView, segments: &[&[
             break;
         }
         let (at, remaining) = st.need();
-        if at >= call_end {
-            break;
-        }
         if at < call_start {
             emit(st.stop(UnparsedReason::Internal, 0));
             break;

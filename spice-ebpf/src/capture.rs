@@ -144,15 +144,16 @@ fn emit_unparsed(hdr: &EventHeader, reason: u8, detail: u32, at: u64) {
 extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     let c = unsafe { &mut *(ctx as *mut LoopCtx) };
     let st = unsafe { &mut *c.st };
+    if st.is_unparsed() || st.need().0 >= c.call_end {
+        return 1;
+    }
+    // Resolve the element only once its first byte is in this call (see DirState::prepare).
     let out = st.prepare(&c.peer);
     emit(&c.hdr, &out, 0);
     if st.is_unparsed() {
         return 1;
     }
     let (at, remaining) = st.need();
-    if at >= c.call_end {
-        return 1;
-    }
     if at < c.call_start {
         let out = st.stop(UnparsedReason::Internal, 0);
         emit(&c.hdr, &out, 0);

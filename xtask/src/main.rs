@@ -126,7 +126,7 @@ fn demo(seconds: u32, mode: &str) -> Result<()> {
         .env("RIG_RUN", &xspice_state)
         .args(["start", &port.to_string(), &display.to_string(), "--"])
         .args(&anim))?;
-    let xorg = read_pid(&xspice_state.join("xorg.pid"))?;
+    let xorg = read_pid(&xspice_state.join("Xorg.pid"))?;
 
     let relay_pidfile = run_dir.join("relay.pid");
     let mut stop_relay = Command::new(rig.join("relay.sh"));

@@ -1,0 +1,310 @@
+//! Shared harness of the privileged tests: the project's rig (real spice-server, real spice-gtk
+//! client, real relay, shaped links) and the real `spice-observer` binary.
+//!
+//! Every test first calls [`privileged`]: without root it says so and skips. A kernel without
+//! a needed feature makes the observer fail with a message naming it; [`Observer::start`]
+//! turns that into a loud skip. A verifier rejection is a failure.
+#![allow(dead_code)]
+
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::Value;
+
+/// The rig scripts.
+pub fn rig() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../rig")
+}
+
+/// True if the test can load BPF programs; otherwise prints why and the test returns.
+pub fn privileged(test: &str) -> bool {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP {test}: needs root to load BPF programs (run `cargo xtask test` as root)");
+        return false;
+    }
+    true
+}
+
+/// Runs a command to completion; errors with its output if it fails.
+pub fn sh(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("spawning {cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn read_pid(path: &Path) -> Result<u32> {
+    let s = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    s.trim().parse().with_context(|| format!("pid in {}", path.display()))
+}
+
+/// Rig pieces started by one test; stopped in reverse order when dropped.
+pub struct Rig {
+    pub state: PathBuf,
+    stops: Vec<Command>,
+}
+
+impl Rig {
+    /// `name` keeps the state of concurrent or consecutive tests apart.
+    pub fn new(name: &str) -> Result<Self> {
+        let state = std::env::temp_dir().join(format!("spice-observer-test-{name}"));
+        let _ = std::fs::remove_dir_all(&state);
+        std::fs::create_dir_all(&state)?;
+        Ok(Self { state, stops: Vec::new() })
+    }
+
+    fn on_drop(&mut self, cmd: Command) {
+        self.stops.push(cmd);
+    }
+
+    /// Xspice on 127.0.0.1:`port`, display `:display`, animated by `xanim.py anim`. Returns the
+    /// pid of Xorg, the process that runs spice-server.
+    pub fn xspice(&mut self, port: u16, display: u32, anim: &[&str]) -> Result<u32> {
+        let run = self.state.join(format!("xspice-{port}"));
+        let mut stop = Command::new(rig().join("start-xspice.sh"));
+        stop.env("RIG_RUN", &run).args(["stop", &port.to_string()]);
+        self.on_drop(stop);
+        sh(Command::new(rig().join("start-xspice.sh"))
+            .env("RIG_RUN", &run)
+            .args(["start", &port.to_string(), &display.to_string(), "--"])
+            .args(anim))?;
+        read_pid(&run.join("Xorg.pid"))
+    }
+
+    /// QEMU (TCG) with spice-server on 127.0.0.1:`port`; the guest draws `frames` frames of
+    /// noise and then stops. Returns the qemu pid.
+    pub fn qemu(&mut self, port: u16, frames: u32) -> Result<u32> {
+        let mut stop = Command::new(rig().join("start-qemu.sh"));
+        stop.args(["stop", &port.to_string()]);
+        self.on_drop(stop);
+        sh(Command::new(rig().join("start-qemu.sh")).args([
+            "start",
+            &port.to_string(),
+            "noise",
+            "20",
+            "96",
+            &frames.to_string(),
+        ]))?;
+        read_pid(Path::new(&format!("/tmp/rig-qemu-{port}/qemu.pid")))
+    }
+
+    /// Waits until the QEMU guest has drawn its frames.
+    pub fn qemu_wait_done(&self, port: u16, timeout_s: u32) -> Result<()> {
+        sh(Command::new(rig().join("start-qemu.sh")).args(["wait-done", &port.to_string(), &timeout_s.to_string()]))?;
+        Ok(())
+    }
+
+    /// A `kind` (socat or haproxy) relay from laddr:lport to saddr:sport. Returns its pid.
+    pub fn relay(&mut self, kind: &str, laddr: &str, lport: u16, saddr: &str, sport: u16) -> Result<u32> {
+        let pidfile = self.state.join(format!("relay-{lport}.pid"));
+        let mut stop = Command::new(rig().join("relay.sh"));
+        stop.arg("stop").arg(&pidfile);
+        self.on_drop(stop);
+        sh(Command::new(rig().join("relay.sh"))
+            .args([kind, laddr, &lport.to_string(), saddr, &sport.to_string()])
+            .arg(&pidfile))?;
+        read_pid(&pidfile)
+    }
+
+    /// Client namespace `rigc` with a link of `kind` (`veth`, or `tun D U`), rate-limited to
+    /// `rate` both ways if given. The relay must listen on 198.18.0.1.
+    pub fn shaped_link(&mut self, up: &[&str], rate: Option<&str>) -> Result<()> {
+        let mut down = Command::new(rig().join("shape.sh"));
+        down.env("RIG_STATE", self.state.join("shape")).arg("down");
+        self.on_drop(down);
+        sh(Command::new(rig().join("shape.sh")).env("RIG_STATE", self.state.join("shape")).arg("up").args(up))?;
+        if let Some(r) = rate {
+            sh(Command::new(rig().join("shape.sh")).env("RIG_STATE", self.state.join("shape")).args(["rate", r, r]))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        while let Some(mut c) = self.stops.pop() {
+            let _ = c.stdout(Stdio::null()).stderr(Stdio::null()).status();
+        }
+    }
+}
+
+/// A headless spice-gtk client (rig/client.py), optionally inside network namespace `netns`.
+pub struct Client(Child);
+
+impl Client {
+    pub fn start(uri: &str, seconds: u32, extra: &[&str], netns: Option<&str>) -> Result<Self> {
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, "/usr/bin/python3"]);
+                c
+            }
+            None => Command::new("/usr/bin/python3"),
+        };
+        cmd.arg(rig().join("client.py"))
+            .arg(uri)
+            .args(["--seconds", &seconds.to_string(), "--report", "1000"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        Ok(Self(cmd.spawn().context("starting rig/client.py")?))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A running `spice-observer observe`.
+pub struct Observer {
+    child: Child,
+    json: PathBuf,
+    stderr: mpsc::Receiver<String>,
+    pub log: Vec<String>,
+}
+
+/// What [`Observer::start`] found.
+pub enum Started {
+    Running(Observer),
+    /// The kernel lacks a feature; the message names it.
+    Unsupported(String),
+}
+
+impl Observer {
+    /// Starts observing `pids` for `seconds` and waits until it is attached.
+    pub fn start(pids: &[u32], seconds: f64, json: PathBuf) -> Result<Started> {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_spice-observer"));
+        cmd.arg("observe");
+        for p in pids {
+            cmd.args(["--pid", &p.to_string()]);
+        }
+        cmd.args(["--duration", &seconds.to_string(), "--no-progress", "--json"])
+            .arg(&json)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().context("starting spice-observer")?;
+        let (tx, rx) = mpsc::channel();
+        let err = child.stderr.take().unwrap();
+        thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let out = child.stdout.take().unwrap();
+        thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                println!("observer| {line}");
+            }
+        });
+        let mut log = Vec::new();
+        let t0 = Instant::now();
+        loop {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) => {
+                    eprintln!("observer! {line}");
+                    let attached = line.starts_with("spice-observer: watching");
+                    log.push(line);
+                    if attached {
+                        return Ok(Started::Running(Observer { child, json, stderr: rx, log }));
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let status = child.wait()?;
+                    let text = log.join("\n");
+                    if text.contains("is not available on this kernel") || text.contains("no cgroup2") {
+                        return Ok(Started::Unsupported(text));
+                    }
+                    bail!("spice-observer exited before attaching ({status}):\n{text}");
+                }
+            }
+            if t0.elapsed() > Duration::from_secs(60) {
+                let _ = child.kill();
+                bail!("spice-observer did not attach within 60 s:\n{}", log.join("\n"));
+            }
+        }
+    }
+
+    /// Waits for the end of the observation and returns the JSON report.
+    pub fn finish(mut self) -> Result<Value> {
+        let status = self.child.wait()?;
+        while let Ok(line) = self.stderr.recv_timeout(Duration::from_millis(200)) {
+            eprintln!("observer! {line}");
+            self.log.push(line);
+        }
+        if !status.success() {
+            bail!("spice-observer failed ({status}):\n{}", self.log.join("\n"));
+        }
+        let text = std::fs::read_to_string(&self.json).with_context(|| format!("reading {}", self.json.display()))?;
+        serde_json::from_str(&text).map_err(|e| anyhow!("bad JSON report: {e}"))
+    }
+}
+
+/// Starts the observer or, where the kernel lacks a feature, prints a loud skip.
+#[macro_export]
+macro_rules! observe_or_skip {
+    ($test:expr, $pids:expr, $secs:expr, $json:expr) => {
+        match common::Observer::start($pids, $secs, $json)? {
+            common::Started::Running(o) => o,
+            common::Started::Unsupported(why) => {
+                eprintln!("SKIP {}: kernel feature missing:\n{}", $test, why);
+                return Ok(());
+            }
+        }
+    };
+}
+
+/// Channels of the report whose `pid` is `pid` and type is `ty`.
+pub fn channels<'a>(report: &'a Value, pid: u32, ty: &str) -> Vec<&'a Value> {
+    report["channels"]
+        .as_array()
+        .map(|v| v.iter().filter(|c| c["pid"] == pid && c["channel_type"] == ty).collect())
+        .unwrap_or_default()
+}
+
+/// The channel whose `socket` starts with `local` ("addr:port->").
+pub fn by_local<'a>(report: &'a Value, local: &str) -> Option<&'a Value> {
+    report["channels"].as_array()?.iter().find(|c| {
+        c["socket"].as_str().is_some_and(|s| s.starts_with(&format!("{local}->")))
+    })
+}
+
+/// The remote endpoint of a channel's `socket` ("…->addr:port").
+pub fn remote(c: &Value) -> String {
+    c["socket"].as_str().unwrap_or("").split("->").nth(1).unwrap_or("").to_string()
+}
+
+/// Short description of a channel for assertion messages.
+pub fn describe(c: &Value) -> String {
+    format!(
+        "{} {} pid {} {} (framing {}, W {}, set_acks {}, ack_syncs {}, acks {}, sent {}, received {}, max {})",
+        c["channel_type"], c["channel_id"], c["pid"], c["socket"], c["framing"], c["window"],
+        c["set_acks"], c["ack_syncs"], c["acks"], c["messages_sent"], c["messages_received"], c["in_flight_max"]
+    )
+}
+
+pub fn u(v: &Value) -> u64 {
+    v.as_u64().unwrap_or(u64::MAX)
+}
