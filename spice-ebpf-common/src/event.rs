@@ -57,7 +57,7 @@ pub struct EventHeader {
     pub cookie: u64,
 }
 
-/// A data message started in one direction. 56 bytes.
+/// A data message started in one direction. 64 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MessageEvent {
@@ -75,6 +75,10 @@ pub struct MessageEvent {
     pub flags: u8,
     /// SET_ACK: generation, window. ACK_SYNC: generation. Main INIT: session_id.
     pub prefix: [u32; 2],
+    /// TCP sequence number of the header's first byte (`write_seq` / `copied_seq` space of
+    /// this socket), to place the message against snd_una, snd_nxt, rcv_nxt.
+    pub seq: u32,
+    pub _pad: u32,
 }
 
 /// A link message (client) or link reply (server) was parsed. 48 bytes.

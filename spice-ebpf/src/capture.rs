@@ -43,6 +43,8 @@ pub struct Call {
 #[repr(C)]
 struct LoopCtx {
     st: *mut DirState,
+    /// TCP sequence number of stream offset 0 in this direction.
+    seq_base: u32,
     hdr: EventHeader,
     peer: PeerView,
     call_start: u64,
@@ -64,10 +66,10 @@ fn header(kind_: u8, dir: u8, cookie: u64, tgid: u32, now: u64) -> EventHeader {
 ///
 /// Dispatches to enum-free functions: BTF cannot describe `Output` in a BPF function signature.
 #[inline(always)]
-fn emit(hdr: &EventHeader, out: &Output, flags: u8) {
+fn emit(hdr: &EventHeader, out: &Output, seq_base: u32) {
     match out {
         Output::None => {}
-        Output::Message(m) => emit_message(hdr, m, flags),
+        Output::Message(m) => emit_message(hdr, m, 0, seq_base),
         Output::Link(l) => emit_link(hdr, l),
         Output::Unparsed { reason, detail, at } => emit_unparsed(hdr, *reason as u8, *detail, *at),
     }
@@ -75,7 +77,7 @@ fn emit(hdr: &EventHeader, out: &Output, flags: u8) {
 
 /// Records are written in place in the ring: the BPF stack is 512 bytes for the whole chain.
 #[inline(never)]
-fn emit_message(hdr: &EventHeader, m: &MessageInfo, flags: u8) {
+fn emit_message(hdr: &EventHeader, m: &MessageInfo, flags: u8, seq_base: u32) {
     if m.already_reported {
         return;
     }
@@ -95,6 +97,8 @@ fn emit_message(hdr: &EventHeader, m: &MessageInfo, flags: u8) {
         (*p).hdr_len = m.hdr_len;
         (*p).flags = flags;
         (*p).prefix = m.prefix;
+        (*p).seq = seq_base.wrapping_add(m.at as u32);
+        (*p)._pad = 0;
     }
     e.submit(0);
 }
@@ -149,14 +153,14 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     }
     // Resolve the element only once its first byte is in this call (see DirState::prepare).
     let out = st.prepare(&c.peer);
-    emit(&c.hdr, &out, 0);
+    emit(&c.hdr, &out, c.seq_base);
     if st.is_unparsed() {
         return 1;
     }
     let (at, remaining) = st.need();
     if at < c.call_start {
         let out = st.stop(UnparsedReason::Internal, 0);
-        emit(&c.hdr, &out, 0);
+        emit(&c.hdr, &out, c.seq_base);
         return 1;
     }
     if at >= c.cur_start + c.cur_len {
@@ -165,7 +169,7 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
         c.cur_iov += 1;
         if c.cur_iov >= c.iov_cnt {
             let out = st.stop(UnparsedReason::Internal, 1);
-            emit(&c.hdr, &out, 0);
+            emit(&c.hdr, &out, c.seq_base);
             return 1;
         }
         let mut iov = [0u64; 2];
@@ -174,7 +178,7 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
         if rc != 0 {
             count(counter::USER_READ_FAULT);
             let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
-            emit(&c.hdr, &out, 0);
+            emit(&c.hdr, &out, c.seq_base);
             return 1;
         }
         c.cur_base = iov[0];
@@ -198,13 +202,13 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     if rc != 0 {
         count(counter::USER_READ_FAULT);
         let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
-        emit(&c.hdr, &out, 0);
+        emit(&c.hdr, &out, c.seq_base);
         return 1;
     }
     st.have = have + n;
     if st.have >= st.want_len {
         let out = st.complete(&c.peer);
-        emit(&c.hdr, &out, 0);
+        emit(&c.hdr, &out, c.seq_base);
     }
     0
 }
@@ -326,7 +330,8 @@ pub fn on_call(call: &Call) {
 
     if call.ret <= 0 {
         if call.args.kind != call_kind::UNSUPPORTED {
-            peek_eagain(st, &peer, call, &hdr);
+            let base = if sock.seq_init[d] != 0 { sock.seq_base[d] } else { 0 };
+            peek_eagain(st, &peer, call, &EmitCtx { hdr, seq_base: base });
         }
         return;
     }
@@ -339,7 +344,10 @@ pub fn on_call(call: &Call) {
         sock.seq_init[d] = 1;
     } else {
         let expected = sock.seq_base[d].wrapping_add(call_end as u32);
-        if expected != seq_now && !st.is_unparsed() {
+        // A read that also consumes the peer's FIN advances copied_seq by one more
+        // (tcp_recvmsg_locked, found_fin_ok): not a byte of the stream.
+        let fin = call.dir == dirs::RECV && seq_now == expected.wrapping_add(1);
+        if expected != seq_now && !fin && !st.is_unparsed() {
             // Bytes moved that no traced call accounted for.
             count(counter::UNTRACED_BYTES);
             let out = st.stop(UnparsedReason::UntracedBytes, seq_now.wrapping_sub(expected));
@@ -353,16 +361,24 @@ pub fn on_call(call: &Call) {
         emit(&hdr, &out, 0);
     }
     if !st.is_unparsed() {
-        let span = Span { start: call_start, end: call_end };
+        let span = Span { start: call_start, end: call_end, seq_base: sock.seq_base[d] };
         frame(st, &peer, call, &hdr, &span);
     }
     st.pos = call_end;
 }
 
-/// Stream offsets `[start, end)` of the bytes one call moved.
+/// Record header and sequence base for emissions outside the loop.
+struct EmitCtx {
+    hdr: EventHeader,
+    seq_base: u32,
+}
+
+/// Stream offsets `[start, end)` of the bytes one call moved, and the direction's TCP sequence
+/// number of stream offset 0.
 struct Span {
     start: u64,
     end: u64,
+    seq_base: u32,
 }
 
 /// Runs the framing loop over one call's bytes.
@@ -386,6 +402,7 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, hdr: &EventHeader, spa
     };
     let mut ctx = LoopCtx {
         st: st as *mut DirState,
+        seq_base: span.seq_base,
         hdr: *hdr,
         peer: *peer,
         call_start,
@@ -413,7 +430,7 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, hdr: &EventHeader, spa
 /// A send that moved nothing (EAGAIN) at a message boundary: spice-server has counted the
 /// message already, and its header is in the rejected buffer. Report it now, once.
 #[inline(never)]
-fn peek_eagain(st: &mut DirState, peer: &PeerView, call: &Call, hdr: &EventHeader) {
+fn peek_eagain(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx) {
     let _ = st.prepare(peer);
     if st.is_unparsed() {
         return;
@@ -442,6 +459,6 @@ fn peek_eagain(st: &mut DirState, peer: &PeerView, call: &Call, hdr: &EventHeade
         return;
     }
     if let Some(m) = st.peek(&first, avail, peer) {
-        emit_message(hdr, &m, msg_flags::EAGAIN_START);
+        emit_message(&ec.hdr, &m, msg_flags::EAGAIN_START, ec.seq_base);
     }
 }

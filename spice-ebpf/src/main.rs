@@ -65,6 +65,13 @@ pub fn spice_tcp_state(ctx: BtfTracePointContext) -> i32 {
     0
 }
 
+/// TCP socket destroyed (`tcp_destroy_sock(sk)`).
+#[btf_tracepoint(function = "tcp_destroy_sock")]
+pub fn spice_tcp_destroy(ctx: BtfTracePointContext) -> i32 {
+    probes::tcp_state::on_destroy(ctx.arg(0));
+    0
+}
+
 /// RTT / retransmit / state callbacks of enrolled connections.
 #[sock_ops]
 pub fn spice_sockops(ctx: SockOpsContext) -> u32 {

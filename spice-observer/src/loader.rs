@@ -3,7 +3,7 @@
 //! Hook set `tracepoints` (the only one so far; fentry/fexit are refused and kprobes absent on
 //! the kernels this was built on): `raw_tracepoint/sys_enter`, `tp_btf/sock_send_length`,
 //! `tp_btf/sock_recv_length`, `tp_btf/sched_process_fork`, `tp_btf/sched_process_exit`,
-//! `tp_btf/inet_sock_set_state`, plus `sock_ops` on the cgroup-v2 root when a cgroup2 mount
+//! `tp_btf/inet_sock_set_state`, `tp_btf/tcp_destroy_sock`, plus `sock_ops` on the cgroup-v2 root when a cgroup2 mount
 //! exists (then the hook set is reported as `tracepoints+sockops`).
 
 use std::{fs::File, path::PathBuf};
@@ -26,12 +26,13 @@ use crate::btf::{KernelBtf, VMLINUX_BTF};
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/spice-ebpf"));
 
 /// The `tp_btf` programs: (program name in the object, kernel tracepoint).
-const BTF_TRACEPOINTS: [(&str, &str); 5] = [
+const BTF_TRACEPOINTS: [(&str, &str); 6] = [
     ("spice_sock_send", "sock_send_length"),
     ("spice_sock_recv", "sock_recv_length"),
     ("spice_fork", "sched_process_fork"),
     ("spice_exit", "sched_process_exit"),
     ("spice_tcp_state", "inet_sock_set_state"),
+    ("spice_tcp_destroy", "tcp_destroy_sock"),
 ];
 
 /// Loaded and attached kernel programs.

@@ -1,5 +1,7 @@
-//! `tp_btf/inet_sock_set_state` (net/ipv4/af_inet.c, `inet_sk_state_store` callers): when a
-//! tracked socket reaches TCP_CLOSE, send its last TCP state and drop its kernel state.
+//! `tp_btf/inet_sock_set_state` (`inet_sk_state_store` callers): when a tracked socket reaches
+//! TCP_CLOSE, send its last TCP state. Its framing state stays: data still in the receive
+//! queue can be read after TCP_CLOSE (FIN in FIN_WAIT2, or RST). `tp_btf/tcp_destroy_sock`
+//! (`tcp_v4_destroy_sock`): the socket is gone, drop its kernel state.
 
 use aya_ebpf::helpers::{bpf_ktime_get_ns, generated::bpf_get_socket_cookie};
 use spice_ebpf_common::{
@@ -22,7 +24,6 @@ pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
     }
     let cookie = unsafe { bpf_get_socket_cookie(sk as *mut _) };
     let Some(sock) = SOCKETS.get_ptr(&cookie) else {
-        let _ = TCP_STATE.remove(&cookie);
         return;
     };
     let tgid = unsafe { (*sock).tgid };
@@ -39,6 +40,12 @@ pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
         }
         None => count(counter::RING_FULL),
     }
+}
+
+/// The socket is being destroyed: forget it.
+#[inline(always)]
+pub fn on_destroy(sk: *const u8) {
+    let cookie = unsafe { bpf_get_socket_cookie(sk as *mut _) };
     let _ = SOCKETS.remove(&cookie);
     let _ = TCP_STATE.remove(&cookie);
 }

@@ -1,0 +1,809 @@
+//! Privileged kernel-path tests: the real `spice-observer` binary watches scripted SPICE peers
+//! (`spice-peer`, real processes over real loopback TCP) that cut their byte streams in the
+//! awkward ways real peers do (split headers, many messages per call, one message over many
+//! calls, headers split across iovecs, every send and receive syscall, full headers, EAGAIN,
+//! ACK windows, non-SPICE streams). Every count the observer reports is compared with what the
+//! peer's `SUMMARY` says its syscalls actually moved.
+//!
+//! Each test runs one observation of several peer pairs at once: the servers are started
+//! first, the clients are forked but held at a gate (`sh -c 'read; exec spice-peer client'`,
+//! so their pid is known and stays the same), the observer attaches to the servers (and to
+//! some clients), then the clients are released. Run serially: `--test-threads=1`.
+
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Read, Write},
+    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use common::{describe, privileged, u};
+use serde_json::{Value, json};
+
+const PEER: &str = env!("CARGO_BIN_EXE_spice-peer");
+/// The peers give up (exit 1) after waiting this long for accept, connect, a read or a write.
+const PEER_TIMEOUT_MS: &str = "20000";
+
+// ---------------------------------------------------------------------------------------------
+// Peer processes
+// ---------------------------------------------------------------------------------------------
+
+/// A `spice-peer server` process, listening on a free port.
+struct Server {
+    child: Child,
+    out: BufReader<ChildStdout>,
+    port: u16,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Result<Self> {
+        let mut child = Command::new(PEER)
+            .args(["server", "--listen", "127.0.0.1:0", "--timeout-ms", PEER_TIMEOUT_MS])
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting spice-peer server")?;
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line)?;
+        let port = line
+            .strip_prefix("listening ")
+            .ok_or_else(|| anyhow!("spice-peer server {args:?}: first line {line:?}"))?
+            .trim()
+            .parse()?;
+        Ok(Self { child, out, port })
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+/// A `spice-peer client` process held at a gate until [`Client::go`]: the shell reads one line
+/// from its stdin, then execs the peer, which keeps the pid the observer was given.
+struct Client {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    out: Option<ChildStdout>,
+}
+
+impl Client {
+    fn start(port: u16, args: &[&str]) -> Result<Self> {
+        let mut child = Command::new("/bin/sh")
+            .arg("-c")
+            .arg(r#"read go && exec "$0" "$@""#)
+            .arg(PEER)
+            .args(["client", "--connect", &format!("127.0.0.1:{port}"), "--timeout-ms", PEER_TIMEOUT_MS])
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting gated spice-peer client")?;
+        let stdin = child.stdin.take();
+        let out = child.stdout.take();
+        Ok(Self { child, stdin, out })
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Opens the gate: the shell execs the client, which connects.
+    fn go(&mut self) -> Result<()> {
+        let mut stdin = self.stdin.take().ok_or_else(|| anyhow!("client released twice"))?;
+        stdin.write_all(b"go\n")?;
+        Ok(())
+    }
+}
+
+/// Reads a peer's stdout to the end, waits for it, returns its SUMMARY.
+fn summary_of(child: &mut Child, out: &mut dyn Read, what: &str) -> Result<Value> {
+    let mut text = String::new();
+    out.read_to_string(&mut text)?;
+    let status = child.wait()?;
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("SUMMARY "))
+        .ok_or_else(|| anyhow!("{what}: no SUMMARY line ({status}) in {text:?}"))?;
+    let v: Value = serde_json::from_str(line).with_context(|| format!("{what}: SUMMARY"))?;
+    ensure!(status.success(), "{what} failed ({status}): error {}", v["error"]);
+    ensure!(v["error"].is_null(), "{what}: error {}", v["error"]);
+    Ok(v)
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One observation of several peer pairs
+// ---------------------------------------------------------------------------------------------
+
+/// A server/client pair: peer options and whether the observer watches the client too.
+struct Spec {
+    name: &'static str,
+    server: Vec<&'static str>,
+    client: Vec<&'static str>,
+    watch_client: bool,
+}
+
+fn spec(name: &'static str, server: &[&'static str], client: &[&'static str], watch_client: bool) -> Spec {
+    Spec { name, server: server.to_vec(), client: client.to_vec(), watch_client }
+}
+
+/// A finished pair: both SUMMARYs and pids.
+struct Done {
+    name: &'static str,
+    s: Value,
+    c: Value,
+    spid: u32,
+    cpid: u32,
+    watch_client: bool,
+}
+
+/// Starts every pair's server, the observer (servers and the chosen clients), releases the
+/// clients, waits for all peers, then for the observer's report; hands both to `check`.
+/// The exchange must finish well inside the observation window.
+fn observe(test: &str, secs: f64, specs: Vec<Spec>, check: impl FnOnce(&Value, &[Done]) -> Result<()>) -> Result<()> {
+    let mut running = Vec::new();
+    for sp in &specs {
+        let server = Server::start(&sp.server).with_context(|| sp.name)?;
+        let client = Client::start(server.port, &sp.client).with_context(|| sp.name)?;
+        running.push((server, client));
+    }
+    let mut pids = Vec::new();
+    for (sp, (server, client)) in specs.iter().zip(&running) {
+        pids.push(server.pid());
+        if sp.watch_client {
+            pids.push(client.pid());
+        }
+    }
+    let json = std::env::temp_dir().join(format!("spice-observer-kernel-paths-{test}.json"));
+    let obs = observe_or_skip!(test, &pids, secs, json);
+    let t0 = Instant::now();
+    for (_, client) in running.iter_mut() {
+        client.go()?;
+    }
+    let mut done = Vec::new();
+    for (sp, (mut server, mut client)) in specs.iter().zip(running) {
+        let mut cout = client.out.take().unwrap();
+        let c = summary_of(&mut client.child, &mut cout, &format!("{} client", sp.name))?;
+        let s = summary_of(&mut server.child, &mut server.out, &format!("{} server", sp.name))?;
+        done.push(Done { name: sp.name, s, c, spid: server.pid(), cpid: client.pid(), watch_client: sp.watch_client });
+    }
+    let took = t0.elapsed();
+    eprintln!("{test}: peers done in {:.2} s", took.as_secs_f64());
+    ensure!(
+        took < Duration::from_secs_f64(secs - 0.5),
+        "{test}: the peers took {took:?}, too close to the {secs} s observation"
+    );
+    let report = obs.finish()?;
+    check(&report, &done)?;
+    check_clean(&report)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks
+// ---------------------------------------------------------------------------------------------
+
+/// No information lost anywhere.
+fn check_clean(report: &Value) -> Result<()> {
+    ensure!(u(&report["events_lost"]) == 0, "events_lost {}: {}", report["events_lost"], report["kernel_counters"]);
+    let k = &report["kernel_counters"];
+    for name in ["ring_full", "socket_map_full", "pending_map_full", "user_read_fault", "loop_limit", "untraced_bytes"] {
+        ensure!(u(&k[name]) == 0, "kernel counter {name} = {}: {k}", k[name]);
+    }
+    ensure!(u(&k["calls_traced"]) > 0, "no call traced: {k}");
+    Ok(())
+}
+
+/// The one channel the observer reports for `pid`.
+fn only_channel(report: &Value, pid: u32, what: &str) -> Result<Value> {
+    let all: Vec<&Value> =
+        report["channels"].as_array().unwrap().iter().filter(|c| c["pid"] == pid).collect();
+    ensure!(all.len() == 1, "{what}: {} channels for pid {pid}: {:#?}", all.len(), all.iter().map(|c| describe(c)).collect::<Vec<_>>());
+    Ok(all[0].clone())
+}
+
+fn channel_name(t: u64) -> &'static str {
+    match t {
+        1 => "main",
+        2 => "display",
+        3 => "inputs",
+        4 => "cursor",
+        _ => "?",
+    }
+}
+
+/// The observer's counts for one end equal what that peer's syscalls moved.
+fn check_counts(c: &Value, p: &Value, what: &str) -> Result<()> {
+    let d = format!("{what}: {}", describe(c));
+    let (sent, recv) = (&p["sent"], &p["received"]);
+    ensure!(u(&sent["unfinished_messages"]) == 0, "{what}: the peer left messages unfinished: {sent}");
+    for (field, got, want) in [
+        ("messages_sent", &c["messages_sent"], &sent["messages"]),
+        ("bytes_sent", &c["bytes_sent"], &sent["data_bytes"]),
+        ("messages_sent_by_type", &c["messages_sent_by_type"], &sent["by_type"]),
+        ("messages_received", &c["messages_received"], &recv["messages"]),
+        ("bytes_received", &c["bytes_received"], &recv["data_bytes"]),
+        ("messages_received_by_type", &c["messages_received_by_type"], &recv["by_type"]),
+    ] {
+        ensure!(got == want, "{field}: observer {got}, peer {want}\n  {d}\n  peer sent {sent}\n  peer received {recv}");
+    }
+    ensure!(u(&c["records_lost"]) == 0, "records_lost: {d}");
+    Ok(())
+}
+
+/// A framed pair: the server end (and the client end if watched) framed with the negotiated
+/// header, as the right end and channel, with exact counts.
+fn check_pair(report: &Value, x: &Done) -> Result<()> {
+    let header = x.s["header"].as_str().ok_or_else(|| anyhow!("{}: no header in server SUMMARY", x.name))?;
+    ensure!(x.s["outcome"] == "ok" && x.c["outcome"] == "ok", "{}: outcomes {} / {}", x.name, x.s["outcome"], x.c["outcome"]);
+    ensure!(x.c["header"] == header, "{}: peers disagree on the header", x.name);
+    ensure!(x.s["sent"]["by_type"] == x.c["received"]["by_type"], "{}: peers disagree", x.name);
+    let mut ends = vec![(x.spid, &x.s, "server")];
+    if x.watch_client {
+        ends.push((x.cpid, &x.c, "client"));
+    }
+    for (pid, p, end) in ends {
+        let what = format!("{} {end}", x.name);
+        let c = only_channel(report, pid, &what)?;
+        let d = describe(&c);
+        ensure!(c["framing"] == header, "{what}: framing {} ({}), expected {header}: {d}", c["framing"], c["unparsed_detail"]);
+        ensure!(c["unparsed_reason"].is_null(), "{what}: unparsed {}: {d}", c["unparsed_reason"]);
+        ensure!(c["end"] == end, "{what}: end {}: {d}", c["end"]);
+        let ty = channel_name(u(&p["channel"]["type"]));
+        ensure!(c["channel_type"] == ty && c["channel_id"] == p["channel"]["id"], "{what}: channel {} {}: {d}", c["channel_type"], c["channel_id"]);
+        check_counts(&c, p, &what)?;
+    }
+    if !x.watch_client {
+        ensure!(
+            report["channels"].as_array().unwrap().iter().all(|c| c["pid"] != x.cpid),
+            "{}: the unwatched client {} appears in the report",
+            x.name,
+            x.cpid
+        );
+    }
+    Ok(())
+}
+
+fn check_pairs(report: &Value, done: &[Done]) -> Result<()> {
+    for x in done {
+        check_pair(report, x)?;
+    }
+    Ok(())
+}
+
+fn find<'a>(done: &'a [Done], name: &str) -> &'a Done {
+    done.iter().find(|x| x.name == name).unwrap_or_else(|| panic!("no pair {name}"))
+}
+
+fn n(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------------
+
+/// Headers written in two calls (cut after 1, 3 or 11 bytes, mini and full), and readers that
+/// take 1, 2 or a few exact bytes per call, so that headers arrive in pieces on both ends.
+#[test]
+fn split_headers_and_small_reads() -> Result<()> {
+    const T: &str = "split_headers_and_small_reads";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let specs = vec![
+        spec(
+            "split3-read1",
+            &["--messages", "200", "--body-size", "5", "--split-header", "--split-at", "3"],
+            &["--recv-size", "1"],
+            true,
+        ),
+        spec(
+            "full-split11-exact4",
+            &["--messages", "150", "--split-header", "--split-at", "11", "--set-ack", "--window", "6", "--recv-exact", "--recv-size", "4"],
+            &["--header", "full", "--recv-exact", "--recv-size", "4", "--split-header", "--split-at", "11", "--messages", "20"],
+            true,
+        ),
+        spec(
+            "client-split1-server-read2",
+            &["--messages", "100", "--set-ack", "--window", "4", "--recv-size", "2"],
+            &["--messages", "60", "--body-size", "3", "--split-header", "--split-at", "1", "--recv-size", "5"],
+            true,
+        ),
+        spec(
+            "split5-readv-exact",
+            &["--messages", "120", "--body-size", "0", "--split-header", "--split-at", "5", "--send-syscall", "sendmsg"],
+            &["--recv-exact", "--recv-syscall", "readv", "--recv-iovs", "2", "--recv-size", "3"],
+            false,
+        ),
+    ];
+    observe(T, 3.0, specs, |report, done| {
+        check_pairs(report, done)?;
+        let x = find(done, "split3-read1");
+        ensure!(n(&x.c["received"]["calls"]) > n(&x.c["received"]["bytes"]), "1-byte reads expected");
+        ensure!(n(&x.s["sent"]["calls"]) >= 400, "split writes expected: {}", x.s["sent"]);
+        ensure!(find(done, "full-split11-exact4").s["header"] == "full", "full headers expected");
+        Ok(())
+    })
+}
+
+/// Many whole messages per call: batches of 300 empty messages (mini and full headers,
+/// write and writev with the headers split across iovecs), small bodies through sendmsg,
+/// client batches, and receivers that get hundreds of messages per read.
+#[test]
+fn many_messages_per_call() -> Result<()> {
+    const T: &str = "many_messages_per_call";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let specs = vec![
+        spec(
+            "300-empty-write",
+            &["--messages", "900", "--batch", "300", "--body-size", "0", "--msg-type", "102"],
+            &["--messages", "600", "--batch", "300", "--body-size", "0", "--msg-type", "4"],
+            true,
+        ),
+        spec(
+            "300-empty-full-writev",
+            &["--messages", "600", "--batch", "300", "--body-size", "0", "--send-syscall", "writev"],
+            &["--header", "full", "--recv-syscall", "recvmsg", "--recv-iovs", "7"],
+            true,
+        ),
+        spec(
+            "300-empty-iov-split",
+            &["--messages", "600", "--batch", "300", "--body-size", "0", "--send-syscall", "writev", "--iov-split", "--split-at", "4"],
+            &["--recv-size", "100000"],
+            true,
+        ),
+        spec(
+            "300-small-sendmsg",
+            &["--messages", "900", "--batch", "300", "--body-size", "3", "--send-syscall", "sendmsg", "--iov-split", "--split-at", "2"],
+            &["--messages", "300", "--batch", "300", "--body-size", "1", "--send-syscall", "sendto"],
+            true,
+        ),
+        spec(
+            "batches-cut-by-the-gate",
+            &["--messages", "500", "--batch", "50", "--body-size", "7", "--set-ack", "--window", "20"],
+            &[],
+            true,
+        ),
+    ];
+    observe(T, 3.0, specs, |report, done| {
+        check_pairs(report, done)?;
+        let x = find(done, "300-empty-write");
+        // Link: reply, two cap words, result (4 calls); then 3 calls of 300 messages.
+        ensure!(n(&x.s["sent"]["calls"]) == 4 + 3, "batched writes expected: {}", x.s["sent"]);
+        ensure!(find(done, "300-empty-full-writev").s["header"] == "full", "full headers expected");
+        // A receiver got many messages per read.
+        let r = &find(done, "300-empty-iov-split").c["received"];
+        ensure!(n(&r["calls"]) < 100, "large reads expected: {r}");
+        Ok(())
+    })
+}
+
+/// One message over many calls: 200 kB bodies in 100-byte writes, 1-byte body writes after a
+/// split header, a client's chunked messages, and readers taking 100 bytes per readv.
+#[test]
+fn message_over_many_calls() -> Result<()> {
+    const T: &str = "message_over_many_calls";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let specs = vec![
+        spec(
+            "200k-in-100",
+            &["--messages", "5", "--body-size", "200000", "--chunk", "100", "--set-ack", "--window", "2"],
+            &["--recv-syscall", "readv", "--recv-iovs", "3", "--recv-size", "100"],
+            true,
+        ),
+        spec(
+            "1-byte-chunks",
+            &["--messages", "3", "--body-size", "2000", "--chunk", "1", "--split-header", "--split-at", "2", "--send-syscall", "writev"],
+            &["--messages", "4", "--body-size", "30000", "--chunk", "13", "--send-syscall", "sendmsg"],
+            true,
+        ),
+        spec(
+            "1MB-full",
+            &["--messages", "2", "--body-size", "1000000", "--chunk", "4093", "--send-syscall", "sendto"],
+            &["--header", "full", "--recv-syscall", "recvfrom", "--recv-size", "777"],
+            true,
+        ),
+    ];
+    observe(T, 4.0, specs, |report, done| {
+        check_pairs(report, done)?;
+        let x = find(done, "200k-in-100");
+        ensure!(n(&x.s["sent"]["calls"]) >= 5 * 2000, "chunked writes expected: {}", x.s["sent"]);
+        let x = find(done, "1-byte-chunks");
+        ensure!(n(&x.c["sent"]["calls"]) >= 4 * 2300, "chunked client writes expected: {}", x.c["sent"]);
+        Ok(())
+    })
+}
+
+/// The header itself split across two iovecs of one writev / sendmsg (mini and full, both
+/// ends), and readers whose readv / recvmsg iovecs cut headers on arrival.
+#[test]
+fn header_split_across_iovecs() -> Result<()> {
+    const T: &str = "header_split_across_iovecs";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let specs = vec![
+        spec(
+            "writev-2",
+            &["--messages", "200", "--iov-split", "--split-at", "2", "--send-syscall", "writev", "--set-ack", "--window", "5"],
+            &["--iov-split", "--split-at", "1", "--send-syscall", "writev", "--messages", "30", "--recv-syscall", "readv", "--recv-iovs", "4", "--recv-size", "10"],
+            true,
+        ),
+        spec(
+            "sendmsg-5",
+            &["--messages", "200", "--iov-split", "--split-at", "5", "--send-syscall", "sendmsg", "--recv-syscall", "recvmsg", "--recv-iovs", "5", "--recv-size", "11"],
+            &["--iov-split", "--split-at", "3", "--send-syscall", "sendmsg", "--messages", "40", "--body-size", "0", "--recv-syscall", "recvmsg", "--recv-iovs", "3", "--recv-size", "9"],
+            true,
+        ),
+        spec(
+            "full-sendmsg-13",
+            &["--messages", "100", "--body-size", "33", "--iov-split", "--split-at", "13", "--send-syscall", "sendmsg", "--set-ack", "--window", "3"],
+            &["--header", "full", "--iov-split", "--split-at", "9", "--send-syscall", "writev", "--messages", "10", "--recv-syscall", "readv", "--recv-iovs", "8", "--recv-size", "40"],
+            true,
+        ),
+    ];
+    observe(T, 3.0, specs, |report, done| {
+        check_pairs(report, done)?;
+        ensure!(find(done, "full-sendmsg-13").s["header"] == "full", "full headers expected");
+        Ok(())
+    })
+}
+
+/// Every send syscall (write, writev, sendmsg, sendto) and every receive syscall (read,
+/// readv, recvmsg, recvfrom) on both ends, in both directions, all pairs watched on both ends.
+#[test]
+fn every_send_and_receive_syscall_on_both_ends() -> Result<()> {
+    const T: &str = "every_send_and_receive_syscall_on_both_ends";
+    if !privileged(T) {
+        return Ok(());
+    }
+    const SEND: [&str; 4] = ["write", "writev", "sendmsg", "sendto"];
+    const RECV: [&str; 4] = ["read", "readv", "recvmsg", "recvfrom"];
+    const NAMES: [&str; 4] = ["rot0", "rot1", "rot2", "rot3"];
+    let mut specs = Vec::new();
+    for i in 0..4 {
+        // Server i: send SEND[i], receive RECV[i]; client: send SEND[i+1], receive RECV[i+2].
+        specs.push(spec(
+            NAMES[i],
+            &["--messages", "150", "--set-ack", "--window", "3", "--send-syscall", SEND[i], "--recv-syscall", RECV[i]],
+            &["--messages", "25", "--body-size", "9", "--send-syscall", SEND[(i + 1) % 4], "--recv-syscall", RECV[(i + 2) % 4], "--recv-size", "7"],
+            true,
+        ));
+    }
+    observe(T, 3.0, specs, |report, done| {
+        check_pairs(report, done)?;
+        for (i, x) in done.iter().enumerate() {
+            let p = &x.s["write_pattern"];
+            ensure!(p["send_syscall"] == SEND[i] && p["recv_syscall"] == RECV[i], "{}: pattern {p}", x.name);
+            // 150 draws with W=3: the client ACKs 50 times, sends 25 own messages and an ACK_SYNC.
+            ensure!(x.s["received"]["by_type"] == json!({"1": 1, "2": 50, "101": 25}), "{}: {}", x.name, x.s["received"]);
+        }
+        Ok(())
+    })
+}
+
+/// Full 18-byte headers whichever side lacks MINI_HEADER, and without auth selection (the
+/// ticket right after the link message); a mini control in the same observation.
+#[test]
+fn full_headers() -> Result<()> {
+    const T: &str = "full_headers";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let specs = vec![
+        spec("client-full", &["--messages", "100", "--set-ack", "--window", "4"], &["--header", "full", "--messages", "10"], true),
+        spec("server-full", &["--header", "full", "--messages", "100", "--body-size", "100", "--link-one-write"], &["--messages", "5"], true),
+        spec("no-common-caps", &["--messages", "50", "--set-ack", "--window", "5"], &["--no-common-caps", "--messages", "3"], true),
+        spec("mini-no-auth-selection", &["--messages", "50", "--set-ack", "--window", "5"], &["--common-caps", "0x08", "--messages", "3"], true),
+        spec(
+            "full-split17",
+            &["--header", "full", "--messages", "60", "--split-header", "--split-at", "17", "--set-ack", "--window", "2"],
+            &["--recv-size", "5", "--messages", "7", "--split-header", "--split-at", "1"],
+            true,
+        ),
+    ];
+    observe(T, 3.0, specs, |report, done| {
+        check_pairs(report, done)?;
+        for x in done {
+            let want = if x.name == "mini-no-auth-selection" { "mini" } else { "full" };
+            ensure!(x.s["header"] == want, "{}: the peers negotiated {} headers, {want} expected", x.name, x.s["header"]);
+        }
+        Ok(())
+    })
+}
+
+/// Non-blocking writers behind a 4 KiB send buffer and slow readers: EAGAIN at message starts
+/// (reported then, exactly once) and in the middle of bodies (header-like ones included).
+#[test]
+fn eagain_starts() -> Result<()> {
+    const T: &str = "eagain_starts";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let slow = ["--recv-size", "4096", "--recv-pause-ms", "1"];
+    let specs = vec![
+        spec(
+            "small-writev",
+            &["--nonblock", "--sndbuf", "4096", "--messages", "3000", "--body-size", "200", "--send-syscall", "writev"],
+            &slow,
+            true,
+        ),
+        spec(
+            "small-write-full",
+            &["--nonblock", "--sndbuf", "4096", "--messages", "2000", "--body-size", "100", "--send-syscall", "write"],
+            &["--header", "full", "--recv-size", "4096", "--recv-pause-ms", "1", "--recv-syscall", "recvmsg"],
+            true,
+        ),
+        spec(
+            "big-sendmsg-window",
+            &["--nonblock", "--sndbuf", "4096", "--messages", "20", "--body-size", "65536", "--send-syscall", "sendmsg", "--set-ack", "--window", "4"],
+            &["--recv-size", "8192", "--recv-pause-ms", "1"],
+            true,
+        ),
+        spec(
+            "header-like-bodies",
+            &["--nonblock", "--sndbuf", "4096", "--messages", "4", "--body-size", "300000", "--body-fill", "2", "--send-syscall", "sendto"],
+            &slow,
+            false,
+        ),
+        spec(
+            "client-eagain",
+            &["--messages", "10", "--recv-size", "4096", "--recv-pause-ms", "1"],
+            &["--nonblock", "--sndbuf", "4096", "--messages", "2000", "--body-size", "150", "--send-syscall", "writev"],
+            true,
+        ),
+    ];
+    observe(T, 4.0, specs, |report, done| {
+        check_pairs(report, done)?;
+        let mut starts = BTreeMap::new();
+        for x in done {
+            let mut ends = vec![(x.spid, &x.s, "s2c", "server")];
+            if x.watch_client {
+                ends.push((x.cpid, &x.c, "c2s", "client"));
+            }
+            for (pid, p, dir, end) in ends {
+                let c = only_channel(report, pid, x.name)?;
+                let f = &p["framing"][dir];
+                // The framing code, fed this peer's calls (EAGAIN ones by peek), predicts which
+                // message starts are first seen on a rejected call.
+                ensure!(f["peek_mismatched"] == 0 && f["peeked"] == f["already_reported"], "{} {end}: peer framing {f}", x.name);
+                ensure!(
+                    c["messages_sent_eagain_start"] == f["peeked"],
+                    "{} {end}: messages_sent_eagain_start {}, the peer's EAGAINs at message starts {} (EAGAINs in all {}): {}",
+                    x.name,
+                    c["messages_sent_eagain_start"],
+                    f["peeked"],
+                    p["sent"]["eagain"],
+                    describe(&c)
+                );
+                starts.insert(format!("{} {end}", x.name), (n(&f["peeked"]), n(&p["sent"]["eagain"])));
+            }
+        }
+        eprintln!("EAGAIN (at message starts, all): {starts:?}");
+        for k in ["small-writev server", "small-write-full server", "client-eagain client"] {
+            ensure!(starts[k].0 > 0, "{k}: no EAGAIN at a message start happened, the path is not exercised: {starts:?}");
+        }
+        let (at_start, all) = starts["header-like-bodies server"];
+        ensure!(all > at_start, "header-like-bodies: no EAGAIN in the middle of a body: {starts:?}");
+        Ok(())
+    })
+}
+
+/// The ACK window through the peers: SET_ACK, ACK_SYNC and ACKs (spice-gtk and spice-html5
+/// cadences, a non-default generation, a cursor channel), and a client that never ACKs so the
+/// server stalls at 2W+1.
+#[test]
+fn ack_window() -> Result<()> {
+    const T: &str = "ack_window";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let specs = vec![
+        spec("gtk-w7", &["--messages", "300", "--set-ack", "--window", "7"], &[], true),
+        spec("stalled-w5", &["--messages", "100", "--set-ack", "--window", "5", "--stall-timeout-ms", "400"], &["--no-acks"], true),
+        spec("html5-w5-gen9", &["--messages", "199", "--set-ack", "--window", "5", "--generation", "9"], &["--ack-cadence", "html5"], true),
+        spec("cursor-w2", &["--messages", "80", "--set-ack", "--window", "2", "--msg-type", "102"], &["--channel-type", "4", "--channel-id", "1"], false),
+        spec("stalled-w1-split", &["--messages", "50", "--set-ack", "--window", "1", "--stall-timeout-ms", "400", "--split-header"], &["--no-acks", "--recv-size", "1"], false),
+    ];
+    observe(T, 3.0, specs, |report, done| {
+        check_pairs(report, done)?;
+        for x in done {
+            let a = &x.s["acks"];
+            let w = n(&a["window"]);
+            let c = only_channel(report, x.spid, x.name)?;
+            let d = format!("{}: {} (peer acks {a})", x.name, describe(&c));
+            let stalled = x.name.starts_with("stalled");
+            ensure!(u(&c["set_acks"]) == 1, "set_acks: {d}");
+            ensure!(u(&c["window"]) == w, "window: {d}");
+            ensure!(c["ack_generation"] == a["generation"], "generation: {d}");
+            ensure!(u(&c["acks_ignored"]) == 0, "acks_ignored: {d}");
+            ensure!(u(&c["starts_while_stalled"]) == 0, "starts_while_stalled: {d}");
+            ensure!(u(&c["urgent_pair_peaks"]) == 0, "urgent_pair_peaks: {d}");
+            ensure!(c["in_flight_limit"].as_i64() == Some(2 * w as i64 + 1), "in_flight_limit: {d}");
+            // The final count is spice-server's: 1 + messages after SET_ACK − W × ACKs.
+            ensure!(c["in_flight_now"] == a["final_count"], "in_flight_now {} vs the peer's final count: {d}", c["in_flight_now"]);
+            let max = c["in_flight_max"].as_i64().unwrap_or(-1);
+            if stalled {
+                ensure!(a["stalled_timeout"] == true && n(&a["max_count"]) == 2 * w + 1, "{}: the peer did not stall: {a}", x.name);
+                ensure!(max == 2 * w as i64 + 1, "in_flight_max {max}, 2W+1 = {} expected: {d}", 2 * w + 1);
+                ensure!(u(&c["messages_sent"]) == 2 * w + 1, "messages_sent: {d}");
+                ensure!(u(&c["ack_syncs"]) == 0 && u(&c["acks"]) == 0, "no ACK_SYNC / ACK expected: {d}");
+                ensure!(u(&c["stalls"]) == 1, "stalls: {d}");
+                let f = c["stalled_fraction"].as_f64().unwrap_or(0.0);
+                ensure!(f > 0.5, "stalled_fraction {f} after a 400 ms stall: {d}");
+            } else {
+                ensure!(a["stalled_timeout"] == false, "{}: the peer stalled: {a}", x.name);
+                ensure!(u(&c["ack_syncs"]) == 1 && c["ack_sync_generation"] == a["generation"], "ack_syncs: {d}");
+                ensure!(c["acks"] == a["acks_matched"] && n(&a["acks_matched"]) > 0, "acks: {d}");
+                ensure!(max >= 1 && max <= n(&a["max_count"]) as i64 && max <= 2 * w as i64 + 1, "in_flight_max {max}: {d}");
+            }
+        }
+        // Cadences: gtk ACKs every W messages after the SET_ACK, html5 counts the SET_ACK too.
+        ensure!(find(done, "gtk-w7").s["acks"]["acks_matched"] == 300 / 7, "gtk cadence");
+        ensure!(find(done, "html5-w5-gen9").s["acks"]["acks_matched"] == 200 / 5, "html5 cadence");
+        // The watched client ends replay the same window from the other side.
+        for name in ["gtk-w7", "stalled-w5", "html5-w5-gen9"] {
+            let x = find(done, name);
+            let c = only_channel(report, x.cpid, name)?;
+            let a = &x.s["acks"];
+            ensure!(u(&c["set_acks"]) == 1 && c["window"] == a["window"], "{name} client: {}", describe(&c));
+            ensure!(c["acks"] == x.c["acks"]["acks_sent"], "{name} client acks: {} vs {}", describe(&c), x.c["acks"]);
+            ensure!(c["in_flight_now"] == a["final_count"], "{name} client final count: {}", describe(&c));
+        }
+        Ok(())
+    })
+}
+
+/// Streams the observer cannot or must not frame: garbage, TLS and WebSocket starts, SASL,
+/// link refusals (error reply, bad result, error after the reply), an out-of-range message
+/// type. Each is reported unparsed with its reason, and a good pair observed at the same time
+/// keeps exact counts.
+#[test]
+fn unreadable_streams_and_refusals() -> Result<()> {
+    const T: &str = "unreadable_streams_and_refusals";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let specs = vec![
+        spec("good", &["--messages", "200", "--set-ack", "--window", "10"], &["--messages", "20"], true),
+        spec("garbage-server", &["--garbage", "--garbage-len", "100"], &[], true),
+        spec("garbage-client", &[], &["--garbage", "--seed", "7"], true),
+        spec("tls-server", &["--tls-bytes"], &[], true),
+        spec("tls-client", &[], &["--tls-bytes"], true),
+        spec("websocket-client", &[], &["--websocket"], true),
+        spec("sasl", &["--sasl", "--messages", "30", "--set-ack", "--window", "3"], &["--sasl", "--messages", "5"], true),
+        spec("link-error-9", &["--link-error", "9"], &[], true),
+        spec("result-7", &["--result", "7"], &[], true),
+        spec("error-after-reply-8", &["--error-after-reply", "8"], &[], true),
+        spec("bad-type", &["--set-ack", "--window", "4", "--messages", "20", "--msg-type", "1001"], &[], true),
+        spec("good-2", &["--messages", "100", "--split-header", "--body-size", "0"], &["--recv-size", "3"], true),
+    ];
+    observe(T, 3.0, specs, |report, done| {
+        for x in done {
+            // (reason, detail substring, server → client messages framed before the stop,
+            // client → server messages framed: that direction stays parsed).
+            let (reason, detail, s2c, c2s): (&str, Option<&str>, u64, u64) = match x.name {
+                "good" | "good-2" => {
+                    check_pair(report, x)?;
+                    continue;
+                }
+                "garbage-server" | "garbage-client" => ("not_spice", None, 0, 0),
+                "tls-server" | "tls-client" => ("tls", None, 0, 0),
+                "websocket-client" => ("websocket", None, 0, 0),
+                "sasl" => ("sasl", None, 0, 0),
+                "link-error-9" => ("link_refused", Some("(9)"), 0, 0),
+                "result-7" => ("link_refused", Some("(7)"), 0, 0),
+                "error-after-reply-8" => ("link_error_after_reply", None, 0, 0),
+                // SET_ACK is framed, then the first draw's type is out of range; the client's
+                // ACK_SYNC and 5 ACKs are still framed.
+                "bad-type" => ("bad_header", Some("message type 1001"), 1, 6),
+                other => bail!("unknown pair {other}"),
+            };
+            if x.name == "bad-type" {
+                ensure!(x.s["received"]["by_type"] == json!({"1": 1, "2": 5}), "{}: the server read {}", x.name, x.s["received"]);
+            }
+            for (pid, end) in [(x.spid, "server"), (x.cpid, "client")] {
+                let c = only_channel(report, pid, &format!("{} {end}", x.name))?;
+                let d = format!("{} {end}: {} ({} / {})", x.name, describe(&c), c["unparsed_reason"], c["unparsed_detail"]);
+                ensure!(c["framing"] == "unparsed" && c["unparsed_reason"] == reason, "{reason} expected: {d}");
+                if let Some(want) = detail {
+                    ensure!(c["unparsed_detail"].as_str().unwrap_or("").contains(want), "detail {want:?} expected: {d}");
+                }
+                let (msgs_out, msgs_in) = if end == "server" { (s2c, c2s) } else { (c2s, s2c) };
+                ensure!(u(&c["messages_sent"]) == msgs_out && u(&c["messages_received"]) == msgs_in, "messages sent / received {msgs_out} / {msgs_in} expected: {d}");
+                ensure!(u(&c["records_lost"]) == 0, "records_lost: {d}");
+            }
+        }
+        // The peers really went through their scripts.
+        ensure!(find(done, "link-error-9").c["link"]["refused"] == 9, "link-error-9 client");
+        ensure!(find(done, "result-7").c["outcome"] == "link_refused", "result-7 client");
+        ensure!(find(done, "error-after-reply-8").c["link"]["error_after_reply"] == 8, "error-after-reply-8 client");
+        ensure!(find(done, "sasl").c["received"]["by_type"] == json!({"3": 1, "304": 30}), "sasl data went through");
+        ensure!(find(done, "bad-type").c["received"]["by_type"] == json!({"3": 1, "1001": 20}), "bad-type data went through");
+        Ok(())
+    })
+}
+
+/// The reader sleeps until the server has written everything and closed its side, so one
+/// read returns the last messages and also consumes the FIN (Linux advances `copied_seq` by
+/// one for the FIN in that same call). The messages of that read must still be counted, and a
+/// refusal read together with the FIN must keep its reason.
+#[test]
+fn last_read_that_also_takes_the_fin() -> Result<()> {
+    const T: &str = "last_read_that_also_takes_the_fin";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let slow = ["--recv-pause-ms", "250"];
+    let specs = vec![
+        spec("data-and-fin", &["--messages", "10"], &slow, true),
+        spec("result-7-and-fin", &["--result", "7"], &slow, true),
+    ];
+    observe(T, 3.0, specs, |report, done| {
+        let x = find(done, "data-and-fin");
+        // Reads: link reply, then result + 10 messages + FIN, then nothing (EOF).
+        ensure!(n(&x.c["received"]["calls"]) <= 4, "{}: the client did not read in a few calls: {}", x.name, x.c["received"]);
+        check_pair(report, x)?;
+        let x = find(done, "result-7-and-fin");
+        ensure!(x.c["outcome"] == "link_refused", "{}: {}", x.name, x.c["outcome"]);
+        let c = only_channel(report, x.cpid, "result-7-and-fin client")?;
+        ensure!(
+            c["unparsed_reason"] == "link_refused",
+            "{} client: reason {} ({}), link_refused expected: {}",
+            x.name,
+            c["unparsed_reason"],
+            c["unparsed_detail"],
+            describe(&c)
+        );
+        Ok(())
+    })
+}
+
+/// The server half-closes first (FIN_WAIT2), reads slowly, and the client's last messages
+/// arrive together with its FIN: the server's socket reaches TCP_CLOSE (FIN in FIN_WAIT2 →
+/// TIME_WAIT) while those messages still wait in its receive queue. They are read afterwards
+/// and must be counted like any other (both when they are ≥ 16 bytes and when fewer).
+#[test]
+fn data_read_after_the_socket_reached_tcp_close() -> Result<()> {
+    const T: &str = "data_read_after_the_socket_reached_tcp_close";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let specs = vec![
+        spec("five-messages", &["--messages", "10", "--recv-pause-ms", "300"], &["--messages", "5"], false),
+        spec("one-small-message", &["--messages", "10", "--recv-pause-ms", "300"], &["--messages", "1", "--body-size", "2"], false),
+    ];
+    observe(T, 3.0, specs, |report, done| {
+        for x in done {
+            ensure!(n(&x.s["received"]["messages"]) >= 1, "{}: {}", x.name, x.s["received"]);
+            let c = only_channel(report, x.spid, x.name)?;
+            ensure!(c["closed"] == true, "{}: close not seen: {}", x.name, describe(&c));
+        }
+        check_pairs(report, done)
+    })
+}
