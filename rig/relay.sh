@@ -21,6 +21,32 @@
 #             `stop` signals the whole group.  Default 8 KiB per read (-b).
 #   haproxy : 2.6, mode tcp, one process (-db: foreground, no daemon fork);
 #             timeouts 1 h so idle SPICE channels (inputs, cursor) are not cut.
+#
+# Socket buffers (optional env, bytes; unset/empty/0 = kernel autotuning as before):
+#   RIG_RELAY_RCVBUF=N  SO_RCVBUF on the relay's connection TOWARD spice-server
+#                       (set before connect(), so the window scale fits).  A slow
+#                       client leg's backlog reaches this receive queue once the
+#                       client-leg send queue is full: with autotuning that holds
+#                       ~0.6 MB first, so add a small RIG_RELAY_SNDBUF (e.g. 65536).
+#                       socat: `TCP:SADDR:SPORT,rcvbuf=N`; haproxy: `tune.rcvbuf.server N`
+#   RIG_RELAY_SNDBUF=N  SO_SNDBUF on the relay's connection TOWARD the client.
+#                       socat: `TCP-LISTEN:...,sndbuf=N` (the accepted sockets inherit
+#                       it); haproxy: `tune.sndbuf.client N`
+#   RIG_RELAY_BUFSIZE=N the relay's userspace buffer: socat `-b N` (default 8192),
+#                       haproxy `tune.bufsize N` (default 16384)
+# The kernel doubles SO_RCVBUF/SO_SNDBUF (skmem rb/tb = 2*N in `ss -tm`) and
+# caps N at net.core.rmem_max / wmem_max (4194304 here; a warning is printed when N
+# is larger; raise the sysctl if you need more).  Fixed buffers turn autotuning
+# off for that socket.  e.g.
+#   RIG_RELAY_RCVBUF=2097152 rig/relay.sh socat 198.18.0.1 6905 127.0.0.1 5905 /tmp/t1/relay.pid
+#   ss -tmi 'dport = :5905'     # relay->server leg: skmem:(r...,rb4194304,...)
+#
+# Syscalls (for an eBPF observer of the relay): socat moves the bytes with
+# read()/write(); haproxy with recvfrom()/sendto() (recv/send).  Neither splices:
+# socat never does, and the generated haproxy config says `nosplice` (global) and
+# `no option splice-auto|splice-request|splice-response` (defaults), which are
+# also haproxy 2.6's defaults.  (Verified with strace -f on a live session.)
+#
 # `start` returns once the port listens.  Stale state: a PIDFILE left by an
 # earlier run is stopped first (only if its PID is still socat/haproxy); a port
 # held by anything else is an error.  LISTEN_ADDR must exist (for 198.18.0.1:
@@ -54,19 +80,50 @@ rig_stop_pidfile "$pidf" "$RE" 1
 if rig_listening "$lport"; then
     echo "port $lport is already in use:" >&2; rig_listener_info "$lport" >&2; exit 1
 fi
+# optional socket/userspace buffer sizes (see header)
+rcvbuf=${RIG_RELAY_RCVBUF:-0} sndbuf=${RIG_RELAY_SNDBUF:-0} bufsize=${RIG_RELAY_BUFSIZE:-0}
+for v in rcvbuf sndbuf bufsize; do
+    [[ ${!v} =~ ^[0-9]+$ ]] || rig_die "RIG_RELAY_${v^^} must be a number of bytes, got '${!v}'"
+done
+bufmax() { sysctl -n "net.core.$1" 2>/dev/null || echo 0; }
+if [[ $rcvbuf -gt 0 && $rcvbuf -gt $(bufmax rmem_max) ]]; then
+    echo "warning: RIG_RELAY_RCVBUF=$rcvbuf > net.core.rmem_max=$(bufmax rmem_max): the kernel caps it" >&2
+fi
+if [[ $sndbuf -gt 0 && $sndbuf -gt $(bufmax wmem_max) ]]; then
+    echo "warning: RIG_RELAY_SNDBUF=$sndbuf > net.core.wmem_max=$(bufmax wmem_max): the kernel caps it" >&2
+fi
+bufdesc=""
+[[ $rcvbuf -gt 0 ]] && bufdesc+=" rcvbuf(server leg)=$rcvbuf"
+[[ $sndbuf -gt 0 ]] && bufdesc+=" sndbuf(client leg)=$sndbuf"
+[[ $bufsize -gt 0 ]] && bufdesc+=" bufsize=$bufsize"
 case "$kind" in
 socat)
-    setsid socat -d "TCP-LISTEN:$lport,bind=$laddr,reuseaddr,fork" "TCP:$saddr:$sport" \
+    lopts="" copts="" sopts=()
+    [[ $sndbuf -gt 0 ]] && lopts=",sndbuf=$sndbuf"
+    [[ $rcvbuf -gt 0 ]] && copts=",rcvbuf=$rcvbuf"
+    [[ $bufsize -gt 0 ]] && sopts=(-b "$bufsize")
+    setsid socat -d "${sopts[@]}" "TCP-LISTEN:$lport,bind=$laddr,reuseaddr,fork$lopts" "TCP:$saddr:$sport$copts" \
         >"$log" 2>&1 </dev/null &
     echo $! >"$pidf"
     ;;
 haproxy)
     cfg=${pidf%.pid}.cfg
+    tune=""
+    [[ $rcvbuf -gt 0 ]] && tune+="    tune.rcvbuf.server $rcvbuf"$'\n'
+    [[ $sndbuf -gt 0 ]] && tune+="    tune.sndbuf.client $sndbuf"$'\n'
+    [[ $bufsize -gt 0 ]] && tune+="    tune.bufsize $bufsize"$'\n'
+    # nosplice + `no option splice-*`: bytes go through recv()/send() in
+    # userspace, where an observer of haproxy's syscalls sees them (splice is
+    # off by default in 2.6 too; this makes it explicit)
     cat >"$cfg" <<EOF
 global
     maxconn 256
-defaults
+    nosplice
+${tune}defaults
     mode tcp
+    no option splice-auto
+    no option splice-request
+    no option splice-response
     timeout connect 5s
     timeout client 1h
     timeout server 1h
@@ -90,4 +147,4 @@ if ! rig_alive "$pid" || ! rig_listening "$lport"; then
     echo "relay did not start:" >&2; cat "$log" >&2 || true
     rig_stop_pidfile "$pidf" "$RE" 1; exit 1
 fi
-echo "$kind relay $laddr:$lport -> $saddr:$sport pid $pid ($pidf)"
+echo "$kind relay $laddr:$lport -> $saddr:$sport pid $pid ($pidf)${bufdesc}"

@@ -1,6 +1,7 @@
 #!/bin/bash
-# Link shaping for the client<->relay leg, without netem (this kernel has
-# HTB, TBF, u32, cls_bpf, ingress, IFB, veth, TUN, netns; no netem/fq/etf).
+# Link shaping for the client<->relay leg.  Delay uses netem when the kernel
+# has it (probed, see `netem`), else the userspace delay line of `up tun` (this
+# kernel: HTB, TBF, u32, cls_bpf, ingress, IFB, veth, TUN, netns; no netem/fq/etf).
 #
 # Topology made by `up` (the client lives in its own network namespace; the
 # relay and the SPICE server stay in the root namespace, server on 127.0.0.1):
@@ -17,7 +18,19 @@
 #   rig/shape.sh rate DOWN [UP]          # HTB on rigr0 (relay->client) [and rigc0;
 #                                        # UP omitted = rigc0 left as it is]
 #   rig/shape.sh tbf DOWN [UP]           # same with TBF instead of HTB
-#   rig/shape.sh rate off                # remove rate limits (both ends)
+#   rig/shape.sh rate off                # remove rate limits (both ends; a netem delay stays)
+#   rig/shape.sh netem                   # probe: does `tc qdisc add ... netem delay`
+#                                        # work here?  prints "netem: yes" (exit 0) or
+#                                        # "netem: no (...)" (exit 1); tried on `lo` of a
+#                                        # throwaway netns, nothing else is touched
+#   rig/shape.sh delay DOWN_MS [UP_MS]   # veth link + netem: delay on rigr0 (relay->client)
+#                                        # and rigc0 (client->relay; UP_MS defaults to
+#                                        # DOWN_MS); combines with rate/tbf (netem becomes
+#                                        # the HTB leaf / the TBF child).  No netem: exit 1
+#                                        # with "use: shape.sh up tun DOWN_MS UP_MS"
+#   rig/shape.sh delay off               # remove the netem delay (rates stay)
+#   rig/shape.sh up auto [DOWN_MS [UP_MS]] # netem here? then `up veth` + `delay D U`,
+#                                        # else `up tun D U` (the delay line); says which
 #   rig/shape.sh lo PORT RATE            # no namespaces: HTB+u32 on lo, sport PORT
 #   rig/shape.sh lo-off
 #   rig/shape.sh rmem "4096 65536 262144"  # tcp_rmem inside the namespace only (per-netns
@@ -29,8 +42,10 @@
 #
 # Env (all optional; use different values to run two topologies side by side):
 #   RIG_NS=rigc  RIG_A=rigr0  RIG_B=rigc0  RIG_IPA=198.18.0.1  RIG_IPB=198.18.0.2
-#   RIG_STATE=/run/rig-shape-$RIG_NS  (delayline pid/log, link kind; `lo` leaves a
-#   marker $RIG_STATE.lo)   QLIMIT=100
+#   RIG_STATE=/run/rig-shape-$RIG_NS  (delayline pid/log, link kind, rate.a/rate.b,
+#   delay; `lo` leaves a marker $RIG_STATE.lo)   QLIMIT=100
+#   NETEM_LIMIT=1000  (netem queue in packets: it holds the packets in flight
+#   on the "wire" too, so it must exceed rate*delay/MTU, unlike QLIMIT)
 # Interface names must be at most 15 characters.
 #
 # Stale state: `up` first removes whatever an earlier run left with the same
@@ -41,7 +56,10 @@
 #
 # Rates are tc rates (e.g. 8mbit, 500kbit).  Leaf queues are `pfifo limit
 # $QLIMIT` (default 100 packets) so the standing queue is in the sockets,
-# not in a deep qdisc.  Run the client as:
+# not in a deep qdisc (with `delay` the leaf is `netem delay Nms limit
+# $NETEM_LIMIT` instead).  `rate`, `tbf` and `delay` remember their settings in
+# $RIG_STATE and rebuild the device's whole qdisc tree from them, so they can be
+# given in any order.  Run the client as:
 #   ip netns exec rigc /path/to/rig/client.py spice://198.18.0.1:6905
 # and the relay as:  rig/relay.sh socat 198.18.0.1 6905 127.0.0.1 5905 PIDFILE
 set -Eeuo pipefail
@@ -54,6 +72,7 @@ B=${RIG_B:-rigc0}          # client-namespace end
 IPA=${RIG_IPA:-198.18.0.1}
 IPB=${RIG_IPB:-198.18.0.2}
 QLIMIT=${QLIMIT:-100}
+NETEM_LIMIT=${NETEM_LIMIT:-1000}
 STATE=${RIG_STATE:-/run/rig-shape-$NS}
 LO_MARK=$STATE.lo          # set by `lo`, kept apart so that `up` does not undo it
 DL_RE='delayline\.py'
@@ -84,9 +103,46 @@ cleanup() {
     rm -rf "$STATE"
 }
 
+# netem_probe: 0 if `tc qdisc add ... netem delay` works in this kernel.
+# Tried on lo of a throwaway namespace (no module autoload here: no
+# /lib/modules; where there is one, tc's request loads sch_netem).
+# Sets NETEM_WHY to tc's error.
+NETEM_WHY=""
+netem_probe() {
+    local pns="${NS}-netemprobe-$$" rc=0
+    ip netns del "$pns" 2>/dev/null || true
+    ip netns add "$pns" || { NETEM_WHY="cannot create probe netns $pns"; return 1; }
+    NETEM_WHY=$(ip netns exec "$pns" tc qdisc add dev lo root netem delay 1ms 2>&1) || rc=1
+    ip netns del "$pns" 2>/dev/null || true
+    NETEM_WHY=${NETEM_WHY//$'\n'/ }
+    return $rc
+}
+
+netem_cmd() {
+    if netem_probe; then
+        echo "netem: yes (tc qdisc ... netem delay works): use \`$0 up veth\` + \`$0 delay DOWN_MS UP_MS\` (or \`up auto D U\`)"
+        return 0
+    fi
+    echo "netem: no (${NETEM_WHY:-tc failed}): delay with \`$0 up tun DOWN_MS UP_MS\` (delayline.py)"
+    return 1
+}
+
 up() {
     local kind=${1:-veth}
-    [[ $kind == veth || $kind == tun ]] || { echo "up veth|tun" >&2; exit 2; }
+    if [[ $kind == auto ]]; then
+        local d=${2:-10} u=${3:-${2:-10}}
+        if netem_probe; then
+            echo "up auto: netem available -> veth + netem delay ${d}/${u} ms"
+            up veth; delay_cmd "$d" "$u" >/dev/null
+            echo "veth+netem down=${d}ms up=${u}ms" >"$STATE/kind"
+            echo "up: $(cat "$STATE/kind")"
+        else
+            echo "up auto: no netem (${NETEM_WHY:-?}) -> tun + delayline.py ${d}/${u} ms"
+            up tun "$d" "$u"
+        fi
+        return 0
+    fi
+    [[ $kind == veth || $kind == tun ]] || { echo "up veth|tun|auto" >&2; exit 2; }
     cleanup
     mkdir -p "$STATE"
     trap 'echo "up failed; cleaning up" >&2; cleanup' ERR
@@ -122,25 +178,74 @@ up() {
     echo "up: $(cat "$STATE/kind"); client netns $NS ($B $IPB) <-> $A $IPA"
 }
 
-qdisc_set() {  # qdisc_set KIND RATE DEV [netns-prefix...]
-    local kind=$1 rate=$2 dev=$3; shift 3
+# qdisc_set KIND RATE DEV DELAY_MS [netns-prefix...]: (re)build DEV's root
+# qdisc tree: KIND htb|tbf at RATE (or RATE off = no shaper), with netem
+# DELAY_MS (0 = none) as the HTB leaf / TBF child / root.
+qdisc_set() {
+    local kind=$1 rate=$2 dev=$3 dms=$4; shift 4
+    local leaf=(pfifo limit "$QLIMIT")
+    [[ $dms != 0 ]] && leaf=(netem delay "${dms}ms" limit "$NETEM_LIMIT")
     "$@" tc qdisc del dev "$dev" root 2>/dev/null || true
-    [[ $rate == off ]] && return 0
+    if [[ $rate == off ]]; then
+        [[ $dms != 0 ]] && "$@" tc qdisc add dev "$dev" root handle 1: "${leaf[@]}"
+        return 0
+    fi
     if [[ $kind == htb ]]; then
         "$@" tc qdisc add dev "$dev" root handle 1: htb default 10
         "$@" tc class add dev "$dev" parent 1: classid 1:10 htb rate "$rate" ceil "$rate" quantum 1514
-        "$@" tc qdisc add dev "$dev" parent 1:10 handle 10: pfifo limit "$QLIMIT"
+        "$@" tc qdisc add dev "$dev" parent 1:10 handle 10: "${leaf[@]}"
     else
         # burst must hold at least one MTU packet; latency bounds the queue
-        "$@" tc qdisc add dev "$dev" root tbf rate "$rate" burst 16kb latency 100ms
+        "$@" tc qdisc add dev "$dev" root handle 1: tbf rate "$rate" burst 16kb latency 100ms
+        [[ $dms != 0 ]] && "$@" tc qdisc add dev "$dev" parent 1:1 handle 10: "${leaf[@]}"
     fi
+    return 0
+}
+
+# remembered settings: $STATE/rate.a|rate.b = "KIND RATE", $STATE/delay = "DOWN UP"
+get_rate() { cat "$STATE/rate.$1" 2>/dev/null || echo "htb off"; }
+get_delay() {  # get_delay a|b -> ms
+    local d u
+    [[ -f $STATE/delay ]] && read -r d u <"$STATE/delay" || { echo 0; return; }
+    if [[ $1 == a ]]; then echo "${d:-0}"; else echo "${u:-0}"; fi
+}
+rebuild() {  # rebuild a|b
+    local k r
+    read -r k r < <(get_rate "$1")
+    if [[ $1 == a ]]; then qdisc_set "$k" "$r" "$A" "$(get_delay a)"
+    else qdisc_set "$k" "$r" "$B" "$(get_delay b)" inns; fi
+}
+need_link() {
+    if [[ ! -f $STATE/kind ]] || ! dev_exists "$A"; then rig_die "link is not up (run: $0 up veth|tun)"; fi
 }
 
 rate() {
     local kind=$1 down=${2:?rate DOWN [UP]} upr=${3:-}
-    if [[ ! -f $STATE/kind ]] || ! dev_exists "$A"; then rig_die "link is not up (run: $0 up veth|tun)"; fi
-    qdisc_set "$kind" "$down" "$A"
-    if [[ -n $upr || $down == off ]]; then qdisc_set "$kind" "${upr:-off}" "$B" inns; fi
+    need_link
+    echo "$kind $down" >"$STATE/rate.a"
+    rebuild a
+    if [[ -n $upr || $down == off ]]; then echo "$kind ${upr:-off}" >"$STATE/rate.b"; rebuild b; fi
+    status
+}
+
+delay_cmd() {
+    local down=${1:?delay DOWN_MS [UP_MS] | delay off} upd=${2:-${1:-}}
+    need_link
+    if [[ $(cat "$STATE/kind") == tun* ]]; then
+        rig_die "link is $(cat "$STATE/kind"): its delay is delayline.py's (set by \`up tun DOWN_MS UP_MS\`)"
+    fi
+    if [[ $down == off ]]; then
+        rm -f "$STATE/delay"
+    else
+        [[ $down =~ ^[0-9]+$ && $upd =~ ^[0-9]+$ ]] || rig_die "delay: DOWN_MS/UP_MS must be whole milliseconds"
+        if ! netem_probe; then
+            echo "${0##*/}: no netem in this kernel (${NETEM_WHY:-tc failed}); for delay use: $0 up tun $down $upd" >&2
+            exit 1
+        fi
+        echo "$down $upd" >"$STATE/delay"
+    fi
+    rebuild a
+    rebuild b
     status
 }
 
@@ -165,6 +270,7 @@ lo_off() {
 
 status() {
     if [[ -f $STATE/kind ]]; then echo "link: $(cat "$STATE/kind")"; else echo "link: down"; fi
+    [[ -f $STATE/delay ]] && echo "netem delay (down up ms): $(cat "$STATE/delay")"
     echo "--- root $A"; tc -s qdisc show dev "$A" 2>/dev/null || true
     echo "--- $NS $B"; ns_exists && { inns tc -s qdisc show dev "$B" 2>/dev/null || true; }
     if [[ -f $STATE/delayline.pid ]] && kill -USR1 "$(cat "$STATE/delayline.pid")" 2>/dev/null; then
@@ -186,6 +292,8 @@ rate) shift; rate htb "$@";;
 tbf) shift; rate tbf "$@";;
 lo) shift; lo_shape "$@";;
 lo-off) lo_off;;
+netem) netem_cmd;;
+delay) shift; delay_cmd "$@";;
 rmem) shift; inns sysctl -w net.ipv4.tcp_rmem="${1:?\"MIN DEF MAX\"}";;
 status) status;;
 down) down;;

@@ -1,7 +1,7 @@
 #!/bin/bash
 # End-to-end smoke test of the rig (needs root and scripts/setup.sh done):
 #
-#   rig/smoke.sh [xspice] [veth] [tun] [qemu]     # default: xspice veth tun
+#   rig/smoke.sh [xspice] [veth] [tun] [qemu] [relaybuf] [auto]   # default: xspice veth tun
 #
 #   xspice : Xspice (noise) + socat relay on 127.0.0.1 + client.py 6 s with a
 #            SIGUSR1/SIGUSR2 pause; checks display traffic in the SUMMARY
@@ -11,6 +11,11 @@
 #   qemu   : start-qemu.sh with 100 frames, client through the relay; checks
 #            display traffic, then that the guest stops drawing (no display
 #            bytes after "rig: done")
+#   relaybuf : socat and haproxy with RIG_RELAY_RCVBUF=1048576 RIG_RELAY_SNDBUF=262144;
+#            checks skmem rb2097152 on the relay->server sockets and tb524288 on
+#            the relay->client sockets of a live session (`ss -tm`)
+#   auto   : shape.sh up auto 20 20 (netem if the kernel has it, else the TUN
+#            delay line); checks ping RTT 38-60 ms; down
 # Ports 15905 (server), 16905 (relay), 15906 (qemu), display :15, state under
 # $RIG_SMOKE_DIR (default /tmp/rig-smoke).  Everything it starts is stopped on
 # exit, also on failure.  Prints "N passed, N failed".
@@ -91,6 +96,36 @@ t_qemu() {
     "$HERE/relay.sh" stop "$D/relay.pid"
     RIG_RUN=$D/qemu "$HERE/start-qemu.sh" stop $QP
     [[ $b -gt 1000000 && ${tail_rate:-1} -eq 0 ]]
+}
+
+t_relaybuf() {
+    RIG_RUN=$D/xspice "$HERE/start-xspice.sh" start $SP $DN -- --mode noise --fps 20 --size 128x96
+    local k c ok=0 srv cli
+    for k in socat haproxy; do
+        RIG_RELAY_RCVBUF=1048576 RIG_RELAY_SNDBUF=262144 "$HERE/relay.sh" $k 127.0.0.1 $RP 127.0.0.1 $SP "$D/relay.pid"
+        "$HERE/client.py" spice://127.0.0.1:$RP --seconds 3 --report 3 >"$D/client.log" &
+        c=$!
+        sleep 1.5
+        # distinct skmem rb / tb values over the session's (4) connections
+        srv=$(ss -Htm state established "dport = :$SP" | grep -o ',rb[0-9]*' | sort -u | tr -d ',' | tr '\n' ' ')
+        cli=$(ss -Htm state established "sport = :$RP" | grep -o ',tb[0-9]*' | sort -u | tr -d ',' | tr '\n' ' ')
+        wait $c
+        echo "$k: relay->server sockets ${srv}; relay->client sockets ${cli}"
+        [[ $srv == "rb2097152 " && $cli == "tb524288 " ]] || ok=1
+        "$HERE/relay.sh" stop "$D/relay.pid"
+    done
+    RIG_RUN=$D/xspice "$HERE/start-xspice.sh" stop $SP
+    return $ok
+}
+
+t_auto() {
+    "$HERE/shape.sh" netem || true
+    "$HERE/shape.sh" up auto 20 20
+    local avg
+    avg=$(ip netns exec "$RIG_NS" ping -c 5 -i 0.2 -q "${RIG_IPA:-198.18.0.1}" | awk -F/ '/^rtt/ {print $5}')
+    echo "ping rtt avg $avg ms"
+    "$HERE/shape.sh" down
+    ! ip netns list | grep -qw "$RIG_NS" && awk -v a="$avg" 'BEGIN {exit !(a >= 38 && a <= 60)}'
 }
 
 for t in "${tests[@]}"; do

@@ -9,7 +9,9 @@ mod events;
 mod loader;
 mod model;
 mod observe;
+mod plot;
 mod report;
+mod sampler;
 mod sockdiag;
 
 use std::{path::PathBuf, time::Duration};
@@ -49,6 +51,10 @@ enum Command {
         /// Append every decoded kernel record to PATH (for debugging the capture).
         #[arg(long, value_name = "PATH")]
         dump_events: Option<PathBuf>,
+        /// Draw, per display channel, the in-flight count over time as stacked stages with the
+        /// 2W+1 line, and the link throughput under it, into an SVG file.
+        #[arg(long, value_name = "PATH.svg")]
+        plot: Option<PathBuf>,
     },
 }
 
@@ -56,7 +62,7 @@ fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Observe { pids, duration, json, sample_ms, no_progress, dump_events } => {
+        Command::Observe { pids, duration, json, sample_ms, no_progress, dump_events, plot } => {
             if !(duration >= 0.0 && duration.is_finite()) {
                 anyhow::bail!("--duration must be a number of seconds ≥ 0");
             }
@@ -67,6 +73,7 @@ fn main() -> Result<()> {
                 sample: Duration::from_millis(sample_ms.max(1)),
                 progress: !no_progress,
                 dump_events,
+                plot,
             };
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(observe::run(opts))

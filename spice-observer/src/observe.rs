@@ -19,9 +19,9 @@ use tokio::{
 use crate::{
     events,
     loader::Capture,
-    model::Model,
+    model::{Model, chain::Chain},
     report::{self, PidReport, TcpReport},
-    sockdiag,
+    sampler, sockdiag,
 };
 
 /// Options of one observation.
@@ -39,6 +39,67 @@ pub struct ObserveOptions {
     pub progress: bool,
     /// Append every decoded kernel record to this file (debugging aid).
     pub dump_events: Option<PathBuf>,
+    /// Write the stage plot (SVG) here.
+    pub plot: Option<PathBuf>,
+}
+
+/// The plotted series of every display channel chain with samples.
+fn plot_series(model: &Model, chains: &[Chain], started_ns: u64) -> Vec<crate::plot::ChannelSeries> {
+    use crate::model::chain::{NO_RELAY_STAGES, STAGES};
+    let mut out = Vec::new();
+    for chain in chains {
+        let Some(s) = model.sockets.get(&chain.server) else { continue };
+        if s.channel().map(|c| c.0) != Some(channel::DISPLAY) || !s.window.active() {
+            continue;
+        }
+        let samples: Vec<_> = chain.samples.iter().filter(|x| x.placement.is_some()).collect();
+        if samples.is_empty() {
+            continue;
+        }
+        let stage_idx: Vec<usize> = if chain.backend.is_some() {
+            if chain.client_leg.is_some() && chain.is_transparent() { (0..STAGES.len()).collect() } else { vec![0, 1, 2, 3] }
+        } else {
+            NO_RELAY_STAGES.to_vec()
+        };
+        let stages = stage_idx
+            .iter()
+            .map(|&i| (STAGES[i].to_string(), samples.iter().map(|x| x.placement.unwrap().counts[i]).collect()))
+            .collect();
+        let t_s: Vec<f64> = samples.iter().map(|x| x.t_ns.saturating_sub(started_ns) as f64 / 1e9).collect();
+        let mut throughput = Vec::with_capacity(samples.len());
+        let mut prev: Option<(u64, u64)> = None;
+        for x in &samples {
+            let v = match (prev, x.delivered) {
+                (Some((t0, d0)), Some(d1)) if x.t_ns > t0 => d1.saturating_sub(d0) as f64 * 8.0 / ((x.t_ns - t0) as f64 / 1e9) / 1e6,
+                _ => 0.0,
+            };
+            throughput.push(v);
+            if let Some(d) = x.delivered {
+                prev = Some((x.t_ns, d));
+            }
+        }
+        let relay = chain.backend.is_some().then(|| samples.iter().map(|x| x.relay_visible.unwrap_or(0)).collect());
+        let (ctype, cid) = s.channel().unwrap_or((0, 0));
+        out.push(crate::plot::ChannelSeries {
+            title: format!(
+                "{} {} — {} pid {}, {}",
+                spice_ebpf_common::protocol::channel_type_name(ctype),
+                cid,
+                s.comm,
+                s.pid,
+                match (s.local, s.remote) {
+                    (Some(l), Some(r)) => format!("{l}->{r}"),
+                    _ => String::new(),
+                }
+            ),
+            limit: (s.window.threshold() + 1) as u32,
+            t_s,
+            stages,
+            relay_visible: relay,
+            throughput_mbit: throughput,
+        });
+    }
+    out
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
@@ -173,6 +234,7 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     );
 
     let mut model = Model::default();
+    let mut chains: Vec<Chain> = Vec::new();
     let mut sample = tokio::time::interval(opts.sample);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let deadline = tokio::time::sleep(opts.duration.unwrap_or(Duration::from_secs(u64::MAX / 4)));
@@ -207,12 +269,20 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
                 guard.clear_ready();
             }
             _ = sample.tick() => {
-                let cookies: Vec<u64> = model.sockets.iter().filter(|(_, s)| s.closed_ns.is_none()).map(|(c, _)| *c).collect();
-                for c in cookies {
-                    if let Some(snap) = cap.tcp_state(c) {
-                        model.tcp_sample(c, snap);
+                // Apply what the kernel has recorded up to now, then sample the queues.
+                let r = ring.get_mut();
+                while let Some(item) = r.next() {
+                    match events::decode(&item) {
+                        Ok(ev) => {
+                            if let Some(d) = dump.as_mut() {
+                                let _ = writeln!(d, "{ev:?}");
+                            }
+                            model.apply(&ev)
+                        }
+                        Err(e) => { decode_errors += 1; debug!("bad record: {e}"); }
                     }
                 }
+                sampler::sample(&mut cap, &mut model, &mut chains, monotonic_ns());
             }
             _ = tick.tick() => {
                 ticks += 1;
@@ -251,10 +321,18 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     let counters = cap.counters()?;
     let tcp = final_tcp(&model);
     let duration_s = (end_ns - started_ns) as f64 / 1e9;
-    let mut rep = report::build(&model, end_ns, duration_s, &cap.hook_set, &counters, &cap.degraded, pid_reports, &tcp, started_ns);
+    let mut rep = report::build(&model, end_ns, duration_s, &cap.hook_set, &counters, &cap.degraded, pid_reports, &tcp, started_ns, &chains);
     if decode_errors > 0 {
         rep.degraded.push(format!("{decode_errors} ring record(s) could not be decoded"));
         rep.events_lost += decode_errors;
+    }
+    if let Some(path) = &opts.plot {
+        let series = plot_series(&model, &chains, started_ns);
+        if series.is_empty() {
+            eprintln!("spice-observer: no display channel with stage samples: {} not written", path.display());
+        } else {
+            crate::plot::write_svg(path, &series)?;
+        }
     }
     let table = report::render(&rep);
     match &opts.json {

@@ -11,7 +11,10 @@ use spice_ebpf_common::{
     protocol::{channel, channel_type_name, link_error_name},
 };
 
-use crate::model::{Model, SocketModel};
+use crate::model::{
+    Model, SocketModel,
+    chain::{Chain, ChainSample, NO_RELAY_STAGES, Placement, STAGES, Transparency},
+};
 
 /// TCP state of one socket at the end of the run.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -64,6 +67,59 @@ pub struct FlowReport {
     pub mean_message_bytes: f64,
 }
 
+/// One stage's statistics over the samples (counts in messages, bytes of the in-flight range).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StageStat {
+    pub now: u32,
+    pub p50: u32,
+    pub max: u32,
+    pub bytes_p50: u64,
+}
+
+/// How a channel's chain (spice-server → relay → client) was assembled and sampled.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ChainReport {
+    /// The relay's socket toward spice-server (same TCP connection), `"laddr:port->raddr:port"`.
+    pub backend: Option<String>,
+    /// The relay's socket toward the client carrying the same channel.
+    pub client_leg: Option<String>,
+    pub relay_pid: Option<u32>,
+    /// Why the legs were paired.
+    pub pairing: Vec<String>,
+    /// `no_relay`, `unknown` (nothing compared yet), `transparent`, or `changed` (the relay
+    /// inserted, dropped or rewrote a message: stages past its receive queue are not placed).
+    pub transparency: &'static str,
+    pub transparency_detail: Option<String>,
+    /// Stages this chain can place.
+    pub placeable_stages: Vec<&'static str>,
+    /// Samples taken, and those with every socket's TCP position available.
+    pub samples: usize,
+    pub samples_placed: usize,
+    /// At every placed sample, placed + unplaced messages equal spice-server's count.
+    pub stages_add_up: bool,
+    pub unplaced_max: u32,
+    /// Median delivery rate the kernel measured on the client-facing link over the samples
+    /// (`tcpi_delivery_rate`), Mbit/s: what the link delivers.
+    pub link_rate_mbit: Option<f64>,
+    /// Throughput delivered on the client-facing link (bytes TCP-acknowledged by the client, or
+    /// by the relay's peer) over the samples, Mbit/s.
+    pub link_delivered_mbit: Option<f64>,
+    /// Share of the run the client's receive window limited the client-facing link
+    /// (`tcpi_rwnd_limited` over elapsed time).
+    pub link_rwnd_limited_fraction: Option<f64>,
+    /// smoothed RTT of the client-facing link, microseconds.
+    pub link_srtt_us: Option<u32>,
+    /// Samples where the relay-visible count was above spice-server's count (never expected:
+    /// a relay cannot have read more than spice-server started).
+    pub relay_above_true_samples: usize,
+    /// Share of samples where the relay-visible count was below spice-server's count.
+    pub relay_below_true_fraction: Option<f64>,
+    /// Share of samples where the gap (true − relay-visible) equals, within one message, the
+    /// messages placed before the relay has read them (server_writing + server_notsent +
+    /// server_unacked + proxy_recv_queue).
+    pub relay_gap_upstream_fraction: Option<f64>,
+}
+
 /// One watched socket (a SPICE channel when framed).
 #[derive(Clone, Debug, Serialize)]
 pub struct ChannelReport {
@@ -102,6 +158,9 @@ pub struct ChannelReport {
     /// Message type number → messages written / read.
     pub messages_sent_by_type: BTreeMap<String, u64>,
     pub messages_received_by_type: BTreeMap<String, u64>,
+    /// Message type number → bytes (headers included) written / read.
+    pub bytes_sent_by_type: BTreeMap<String, u64>,
+    pub bytes_received_by_type: BTreeMap<String, u64>,
     /// Written messages first seen on a send that failed with EAGAIN (already counted by
     /// spice-server then).
     pub messages_sent_eagain_start: u64,
@@ -127,6 +186,18 @@ pub struct ChannelReport {
     pub observed_s: f64,
     pub closed: bool,
     pub tcp: Option<TcpReport>,
+    /// The count a relay-side observer reports (messages the relay read from spice-server
+    /// minus W × the ACKs it passed on): time-weighted median and maximum. Relay chains only.
+    pub in_flight_relay_p50: Option<i64>,
+    pub in_flight_relay_max: Option<i64>,
+    /// Where spice-server's in-flight messages are: stage → statistics over the samples.
+    pub stages: Option<BTreeMap<&'static str, StageStat>>,
+    pub chain: Option<ChainReport>,
+    /// Messages sent per smoothed RTT of the client-facing link (compare with 2W+1).
+    pub messages_per_srtt: Option<f64>,
+    /// The window's throughput ceiling 2W / (srtt + W × mean message size / link rate),
+    /// messages per second.
+    pub window_ceiling_msgs_per_s: Option<f64>,
     /// One-line judgement (display channels).
     pub verdict: Option<String>,
 }
@@ -185,7 +256,13 @@ fn detail_text(reason: UnparsedReason, detail: u32, at: u64) -> String {
     }
 }
 
-/// Judges one display channel from its window statistics and TCP state.
+/// Judges one display channel from its window statistics, stage split and TCP state.
+///
+/// In order: client bound (the client's receive window limited the client-facing link ≥ 20%
+/// of the time), link bound (throughput ≥ 70% of the delivery rate the kernel measured on the
+/// client-facing link), ACK-window bound (count above 2W ≥ 50% of the time), send-buffer bound
+/// (qemu's unsent bytes hold most of the in-flight bytes while the count stays below 2W),
+/// partly window bound (≥ 5%), idle, or neither.
 pub fn verdict(c: &ChannelReport) -> Option<String> {
     if c.channel_type != channel_type_name(channel::DISPLAY) {
         return None;
@@ -197,24 +274,78 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
         return Some("no SET_ACK seen: the ACK window is unknown".into());
     };
     let stalled = c.stalled_fraction.unwrap_or(0.0);
-    let notsent = c.tcp.as_ref().map_or(0, |t| t.notsent_max_bytes);
-    Some(if stalled >= 0.5 {
+    let flow = &c.server_to_client;
+    let chain = c.chain.as_ref();
+    let stage_bytes = |name: &str| c.stages.as_ref().and_then(|s| s.get(name)).map_or(0, |s| s.bytes_p50);
+    let total_bytes: u64 = c.stages.as_ref().map_or(0, |s| s.values().map(|v| v.bytes_p50).sum());
+    let relay = chain.is_some_and(|ch| ch.backend.is_some());
+    let queued: u64 = if relay {
+        ["server_writing", "server_notsent", "server_unacked", "proxy_recv_queue", "proxy_inside", "proxy_notsent"]
+            .iter()
+            .map(|n| stage_bytes(n))
+            .sum()
+    } else {
+        stage_bytes("server_writing") + stage_bytes("server_notsent")
+    };
+    let link = chain.and_then(|ch| ch.link_rate_mbit).filter(|r| *r > 0.0);
+    let delivered = chain.and_then(|ch| ch.link_delivered_mbit).unwrap_or(flow.mbit_per_s);
+    let util = link.map(|r| delivered / r);
+    let rwnd = chain.and_then(|ch| ch.link_rwnd_limited_fraction).unwrap_or(0.0);
+    let kib = |b: u64| b / 1024;
+    Some(if flow.messages_per_s < 1.0 && stalled < 0.05 {
+        format!("idle: {:.1} msgs/s", flow.messages_per_s)
+    } else if rwnd >= 0.2 {
         format!(
-            "ACK-window bound: spice-server waited for ACKs {:.0}% of the time (in flight p50 {p50} of {limit}, W={w})",
+            "client bound: the client's receive window held the link back {:.0}% of the time (paused or slow client); in flight p50 {p50} of {limit}",
+            rwnd * 100.0
+        )
+    } else if let (Some(u), Some(rate)) = (util.filter(|u| *u >= 0.7), link) {
+        let biggest = ["server_notsent", "server_unacked", "proxy_recv_queue", "proxy_inside", "proxy_notsent"]
+            .into_iter()
+            .map(|n| (stage_bytes(n), n))
+            .max()
+            .filter(|(b, _)| *b > 0)
+            .map_or(String::new(), |(b, n)| format!(", most in {n} ({} KiB)", kib(b)));
+        format!(
+            "link bound (cwnd/rate): {:.1} Mbit/s delivered, the link's rate is {:.1} Mbit/s ({:.0}%); in flight p50 {p50} of {limit}, {} of {} KiB in flight queued before the link{biggest}{}",
+            delivered,
+            rate,
+            u * 100.0,
+            kib(queued),
+            kib(total_bytes),
+            if stalled >= 0.05 { format!("; at the window {:.0}% of the time", stalled * 100.0) } else { String::new() }
+        )
+    } else if stalled >= 0.5 {
+        let ceiling = match (c.messages_per_srtt, c.window_ceiling_msgs_per_s) {
+            (Some(m), Some(ceil)) => format!(
+                "; {m:.1} msgs per srtt against {limit}, window ceiling {ceil:.0} msgs/s vs {:.0} measured",
+                flow.messages_per_s
+            ),
+            _ => String::new(),
+        };
+        format!(
+            "ACK-window bound: spice-server waited for ACKs {:.0}% of the time (in flight p50 {p50} of {limit}, W={w}){ceiling}",
             stalled * 100.0
         )
-    } else if notsent >= 256 * 1024 {
+    } else if c.stages.is_some() && stage_bytes("server_notsent") >= (256 * 1024).max(total_bytes / 2) && p50 < 2 * w as i64 {
         format!(
-            "send-queue bound: up to {} KiB waited unsent in the socket; window stalled {:.0}% (in flight p50 {p50} of {limit})",
-            notsent / 1024,
-            stalled * 100.0
+            "send-buffer bound: {} KiB of the {} KiB in flight wait unsent in qemu's socket while the count stays at p50 {p50} of {limit}",
+            kib(stage_bytes("server_notsent")),
+            kib(total_bytes)
+        )
+    } else if c.stages.is_none() && c.tcp.as_ref().is_some_and(|t| t.notsent_max_bytes >= 256 * 1024) && stalled < 0.5 {
+        format!(
+            "send-buffer bound: up to {} KiB waited unsent in the socket (in flight p50 {p50} of {limit})",
+            kib(c.tcp.as_ref().map_or(0, |t| t.notsent_max_bytes as u64))
         )
     } else if stalled >= 0.05 {
-        format!("partly window bound: stalled {:.0}% of the time (in flight p50 {p50} of {limit})", stalled * 100.0)
-    } else if c.server_to_client.messages_per_s < 1.0 {
-        format!("idle: {:.1} msgs/s", c.server_to_client.messages_per_s)
+        format!("partly window bound: at the window {:.0}% of the time (in flight p50 {p50} of {limit})", stalled * 100.0)
     } else {
-        format!("not window bound: in flight p50 {p50} of {limit}, stalled {:.1}% of the time", stalled * 100.0)
+        format!(
+            "neither window nor link binds: in flight p50 {p50} of {limit}, at the window {:.1}% of the time{}",
+            stalled * 100.0,
+            util.map_or(String::new(), |u| format!(", link {:.0}% used", u * 100.0))
+        )
     })
 }
 
@@ -227,6 +358,9 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
     let recv = &s.dirs[1];
     let by_type = |d: &crate::model::DirStats| {
         d.by_type.iter().map(|(t, (n, _))| (t.to_string(), *n)).collect::<BTreeMap<_, _>>()
+    };
+    let bytes_by_type = |d: &crate::model::DirStats| {
+        d.by_type.iter().map(|(t, (_, b))| (t.to_string(), *b)).collect::<BTreeMap<_, _>>()
     };
     let flow = match s.s2c() {
         Some(i) => {
@@ -278,6 +412,8 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         bytes_received: recv.bytes,
         messages_sent_by_type: by_type(send),
         messages_received_by_type: by_type(recv),
+        bytes_sent_by_type: bytes_by_type(send),
+        bytes_received_by_type: bytes_by_type(recv),
         messages_sent_eagain_start: send.eagain_starts,
         server_to_client: flow,
         in_flight_now: active.then_some(w.count),
@@ -292,10 +428,139 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         observed_s,
         closed: s.closed_ns.is_some(),
         tcp,
+        in_flight_relay_p50: None,
+        in_flight_relay_max: None,
+        stages: None,
+        chain: None,
+        messages_per_srtt: None,
+        window_ceiling_msgs_per_s: None,
         verdict: None,
     };
     c.verdict = verdict(&c);
     c
+}
+
+fn quantile_u(v: &mut [u64], q: f64) -> u64 {
+    if v.is_empty() {
+        return 0;
+    }
+    v.sort_unstable();
+    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+    v[i]
+}
+
+/// Adds a chain's stage statistics, relay-visible count and seed-style figures to the report
+/// row of its spice-server socket, and recomputes the verdict.
+pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s: f64) {
+    let sock = |cookie: Option<u64>| cookie.and_then(|k| model.sockets.get(&k));
+    let name = |s: &SocketModel| match (s.local, s.remote) {
+        (Some(l), Some(r)) => format!("{l}->{r}"),
+        _ => format!("cookie:{}", s.cookie),
+    };
+    let backend = sock(chain.backend);
+    let client_leg = sock(chain.client_leg);
+    if let Some(b) = backend.filter(|b| b.window.active()) {
+        c.in_flight_relay_p50 = Some(b.window.quantile(0.5));
+        c.in_flight_relay_max = Some(b.window.max);
+    }
+    let placeable: Vec<usize> = match (chain.backend.is_some(), chain.client_leg.is_some() && chain.is_transparent()) {
+        (false, _) => NO_RELAY_STAGES.to_vec(),
+        (true, true) => (0..STAGES.len()).collect(),
+        (true, false) => vec![0, 1, 2, 3],
+    };
+    let placed: Vec<&ChainSample> = chain.samples.iter().filter(|s| s.placement.is_some()).collect();
+    let mut stages = BTreeMap::new();
+    for &i in &placeable {
+        let mut counts: Vec<u64> = placed.iter().map(|s| s.placement.unwrap().counts[i] as u64).collect();
+        let mut bytes: Vec<u64> = placed.iter().map(|s| s.placement.unwrap().bytes[i]).collect();
+        stages.insert(
+            STAGES[i],
+            StageStat {
+                now: placed.last().map_or(0, |s| s.placement.unwrap().counts[i]),
+                p50: quantile_u(&mut counts.clone(), 0.5) as u32,
+                max: counts.iter_mut().map(|v| *v as u32).max().unwrap_or(0),
+                bytes_p50: quantile_u(&mut bytes, 0.5),
+            },
+        );
+    }
+    let add_up = placed.iter().all(|s| {
+        let p = s.placement.unwrap();
+        (p.placed() + p.unplaced) as i64 == s.in_flight.max(0)
+    });
+    let (link_srtt, rwnd) = match chain.link_info {
+        Some((first, last)) => {
+            let busy = last.busy_time_us.saturating_sub(first.busy_time_us);
+            let rwnd = last.rwnd_limited_us.saturating_sub(first.rwnd_limited_us);
+            let span = (duration_s * 1e6).max(1.0);
+            let _ = busy;
+            (Some(last.srtt_us), Some((rwnd as f64 / span).min(1.0)))
+        }
+        None => (None, None),
+    };
+    // The median delivery rate: single samples overshoot after bursts (HTB, GRO).
+    let rate = (!chain.delivery_rates.is_empty()).then(|| quantile_u(&mut chain.delivery_rates.clone(), 0.5) as f64);
+    if let (Some(w), Some(srtt)) = (c.window, link_srtt) {
+        let srtt_s = srtt as f64 / 1e6;
+        c.messages_per_srtt = Some(c.server_to_client.messages_per_s * srtt_s);
+        if let Some(rate) = rate {
+            let mean = c.server_to_client.mean_message_bytes;
+            c.window_ceiling_msgs_per_s = Some(2.0 * w as f64 / (srtt_s + w as f64 * mean / rate));
+        }
+    }
+    let with_relay: Vec<(i64, i64, Placement)> = placed
+        .iter()
+        .filter_map(|s| s.relay_visible.map(|r| (s.in_flight, r, s.placement.unwrap())))
+        .collect();
+    let frac = |n: usize| (!with_relay.is_empty()).then(|| n as f64 / with_relay.len() as f64);
+    let relay_above = with_relay.iter().filter(|(t, r, _)| r > t).count();
+    let relay_below = frac(with_relay.iter().filter(|(t, r, _)| r < t).count());
+    let gap_upstream = frac(
+        with_relay
+            .iter()
+            .filter(|(t, r, p)| {
+                let upstream: i64 = p.counts[..4].iter().map(|&v| v as i64).sum();
+                ((t - r) - upstream).abs() <= 1
+            })
+            .count(),
+    );
+    let delivered: Vec<(u64, u64)> = chain.samples.iter().filter_map(|s| s.delivered.map(|d| (s.t_ns, d))).collect();
+    let delivered_mbit = match (delivered.first(), delivered.last()) {
+        (Some(&(t0, d0)), Some(&(t1, d1))) if t1 > t0 => Some(d1.saturating_sub(d0) as f64 * 8.0 / ((t1 - t0) as f64 / 1e9) / 1e6),
+        _ => None,
+    };
+    let (transparency, detail) = match (&chain.backend, &chain.transparency) {
+        (None, _) => ("no_relay", None),
+        (Some(_), Transparency::Unknown) => ("unknown", None),
+        (Some(_), Transparency::Transparent { compared }) => ("transparent", Some(format!("{compared} messages compared"))),
+        (Some(_), Transparency::Changed { direction, index, detail }) => {
+            ("changed", Some(format!("{direction}, from message {index}: {detail}")))
+        }
+    };
+    c.chain = Some(ChainReport {
+        backend: backend.map(name),
+        client_leg: client_leg.map(name),
+        relay_pid: backend.map(|b| b.pid),
+        pairing: chain.pairing.clone(),
+        transparency,
+        transparency_detail: detail,
+        placeable_stages: placeable.iter().map(|&i| STAGES[i]).collect(),
+        samples: chain.samples.len(),
+        samples_placed: placed.len(),
+        stages_add_up: add_up,
+        unplaced_max: placed.iter().map(|s| s.placement.unwrap().unplaced).max().unwrap_or(0),
+        link_rate_mbit: rate.map(|r| r * 8.0 / 1e6),
+        link_delivered_mbit: delivered_mbit,
+        link_rwnd_limited_fraction: rwnd,
+        link_srtt_us: link_srtt,
+        relay_above_true_samples: relay_above,
+        relay_below_true_fraction: relay_below,
+        relay_gap_upstream_fraction: gap_upstream,
+    });
+    // Stages exist only where spice-server keeps an ACK window (display, cursor).
+    if c.window.is_some() {
+        c.stages = Some(stages);
+    }
+    c.verdict = verdict(c);
 }
 
 /// Sort key: process, session, channel type and id, socket.
@@ -322,12 +587,27 @@ pub fn build(
     pids: Vec<PidReport>,
     tcp_final: &BTreeMap<u64, TcpReport>,
     started_ns: u64,
+    chains: &[Chain],
 ) -> Report {
     let mut channels: Vec<ChannelReport> = model
         .sockets
         .values()
-        .map(|s| channel_report(s, end_ns, tcp_final.get(&s.cookie).cloned()))
+        .map(|s| {
+            let mut c = channel_report(s, end_ns, tcp_final.get(&s.cookie).cloned());
+            if let Some(chain) = chains.iter().find(|ch| ch.server == s.cookie) {
+                add_chain(&mut c, chain, model, duration_s);
+            }
+            c
+        })
         .collect();
+    // Verdicts belong to spice-server's channels: a relay's legs are part of those chains.
+    let relay_pids: std::collections::HashSet<u32> =
+        channels.iter().filter(|c| c.end == Some("client")).map(|c| c.pid).collect();
+    for c in channels.iter_mut() {
+        if c.end != Some("server") || relay_pids.contains(&c.pid) {
+            c.verdict = None;
+        }
+    }
     channels.sort_by_key(order);
     let kernel_counters: BTreeMap<&'static str, u64> =
         counter::NAMES.iter().zip(counters.iter()).map(|(n, v)| (*n, *v)).collect();
@@ -423,6 +703,82 @@ pub fn render(r: &Report) -> String {
             opt(c.tcp.as_ref().map(|t| t.notsent_bytes)),
             opt(c.tcp.as_ref().map(|t| t.total_retrans)),
         );
+    }
+    let chained: Vec<&ChannelReport> = r.channels.iter().filter(|c| c.chain.as_ref().is_some_and(|ch| ch.backend.is_some())).collect();
+    if !chained.is_empty() {
+        let _ = writeln!(out, "\nrelay pairing (spice-server socket => relay leg toward it | relay leg toward the client):");
+        for c in chained {
+            let ch = c.chain.as_ref().unwrap();
+            let _ = writeln!(
+                out,
+                "  {:<10} {} => relay pid {} {} | {}  [{}]",
+                format!("{} {}", c.channel_type, opt(c.channel_id)),
+                c.socket,
+                opt(ch.relay_pid),
+                ch.backend.as_deref().unwrap_or("-"),
+                ch.client_leg.as_deref().unwrap_or("not found"),
+                ch.transparency,
+            );
+        }
+    }
+    let seed: Vec<&ChannelReport> = r.channels.iter().filter(|c| c.stages.is_some()).collect();
+    if !seed.is_empty() {
+        let short = ["writing", "notsent", "unacked", "p_recvq", "p_inside", "p_notsent", "c_unacked", "c_owesack"];
+        let _ = writeln!(out, "\nspice-server's in-flight messages, per display and cursor channel (stage columns: p50 messages)");
+        let _ = writeln!(
+            out,
+            "{:<12} {:>3} {:>7} {:>7} {:>8} {:>7} {:>14} {:>11} {:>7} {:>8} {:>13}  {}",
+            "CHANNEL", "W", "MBIT/S", "MSGS/S", "MEAN KiB", "SRTT ms", "MSGS/SRTT", "CEIL msgs/s", "AT 2W+1", "STALLS/s", "p50 relay/true",
+            short.join(" ")
+        );
+        for c in seed {
+            let chain = c.chain.as_ref();
+            let stages = c.stages.as_ref().unwrap();
+            let cols: Vec<String> = STAGES
+                .iter()
+                .zip(short)
+                .map(|(name, s)| match stages.get(name) {
+                    Some(st) => format!("{:>w$}", st.p50, w = s.len()),
+                    None => format!("{:>w$}", "-", w = s.len()),
+                })
+                .collect();
+            let secs = c.observed_s.max(1e-9);
+            let _ = writeln!(
+                out,
+                "{:<12} {:>3} {:>7.2} {:>7.1} {:>8.1} {:>7} {:>14} {:>11} {:>7} {:>8.2} {:>13}  {}",
+                format!("{} {}", c.channel_type, opt(c.channel_id)),
+                opt(c.window),
+                c.server_to_client.mbit_per_s,
+                c.server_to_client.messages_per_s,
+                c.server_to_client.mean_message_bytes / 1024.0,
+                opt(chain.and_then(|ch| ch.link_srtt_us).map(|v| format!("{:.1}", v as f64 / 1000.0))),
+                match (c.messages_per_srtt, c.in_flight_limit) {
+                    (Some(m), Some(l)) => format!("{m:.1} of {l}"),
+                    _ => "-".into(),
+                },
+                opt(c.window_ceiling_msgs_per_s.map(|v| format!("{v:.0}"))),
+                opt(c.stalled_fraction.map(|f| format!("{:.1}%", f * 100.0))),
+                c.stalls as f64 / secs,
+                format!("{} / {}", opt(c.in_flight_relay_p50), opt(c.in_flight_p50)),
+                cols.join(" ")
+            );
+            if let Some(ch) = chain {
+                for p in &ch.pairing {
+                    let _ = writeln!(out, "    paired: {p}");
+                }
+                if ch.transparency == "changed" {
+                    let _ = writeln!(
+                        out,
+                        "    relay is NOT byte-transparent ({}): only {} placed",
+                        ch.transparency_detail.as_deref().unwrap_or(""),
+                        ch.placeable_stages.join(", ")
+                    );
+                }
+                if !ch.stages_add_up {
+                    let _ = writeln!(out, "    WARNING: at some samples the stages did not add up to the count");
+                }
+            }
+        }
     }
     let unparsed: Vec<_> = r.channels.iter().filter(|c| c.framing == "unparsed").collect();
     if !unparsed.is_empty() {

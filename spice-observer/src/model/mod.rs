@@ -3,9 +3,13 @@
 //! records ([`crate::events::Event`]), in ring order (the ring serialises reservations, so
 //! records of one thread arrive in program order).
 
+pub mod chain;
 pub mod window;
 
-use std::{collections::BTreeMap, net::SocketAddr};
+use std::{
+    collections::{BTreeMap, VecDeque},
+    net::SocketAddr,
+};
 
 use spice_ebpf_common::{
     event::{EventHeader, LinkEvent, MessageEvent, TcpSnapshot, dir, msg_flags},
@@ -24,6 +28,23 @@ pub struct Unparsed {
     /// Stream offset (bytes) where it stopped.
     pub at: u64,
 }
+
+/// One framed message, as kept for placing in-flight messages and comparing relay legs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MsgSpan {
+    /// 1-based ordinal in its direction.
+    pub index: u64,
+    /// Stream offsets of the header's first byte and one past the body's last byte.
+    pub at: u64,
+    pub end: u64,
+    pub msg_type: u16,
+}
+
+/// How many recent messages each direction keeps: far more than the most a window can hold
+/// in flight (2W+2 = 82).
+pub const RECENT: usize = 4096;
+/// How many first messages each direction keeps to pair relay legs.
+pub const FINGERPRINT: usize = 16;
 
 /// Per-direction counts of one socket. "Direction" is relative to the watched process:
 /// index [`dir::SEND`] holds what it wrote, [`dir::RECV`] what it read.
@@ -52,6 +73,22 @@ pub struct DirStats {
     /// Timestamps (CLOCK_MONOTONIC ns) of the first and last message.
     pub first_ns: Option<u64>,
     pub last_ns: u64,
+    /// TCP sequence number of stream offset 0 (from the first message record).
+    pub seq_base: Option<u32>,
+    /// The last [`RECENT`] messages.
+    pub recent: VecDeque<MsgSpan>,
+    /// The first [`FINGERPRINT`] messages.
+    pub first: Vec<MsgSpan>,
+}
+
+impl DirStats {
+    /// The kept message with ordinal `index`, if still kept.
+    pub fn by_index(&self, index: u64) -> Option<&MsgSpan> {
+        let last = self.recent.back()?;
+        let back = last.index.checked_sub(index)? as usize;
+        let i = self.recent.len().checked_sub(1 + back)?;
+        self.recent.get(i).filter(|m| m.index == index)
+    }
 }
 
 /// Everything known about one watched TCP socket.
@@ -164,6 +201,15 @@ impl SocketModel {
         }
         ds.first_ns.get_or_insert(m.hdr.ts_ns);
         ds.last_ns = m.hdr.ts_ns;
+        ds.seq_base.get_or_insert(m.seq.wrapping_sub(m.at as u32));
+        let span = MsgSpan { index: m.index, at: m.at, end: m.at + bytes, msg_type: m.msg_type };
+        if ds.recent.len() == RECENT {
+            ds.recent.pop_front();
+        }
+        ds.recent.push_back(span);
+        if ds.first.len() < FINGERPRINT {
+            ds.first.push(span);
+        }
         match ds.role {
             Role::ServerToClient => {
                 self.window.server_message(m.hdr.ts_ns, m.msg_type, m.prefix);

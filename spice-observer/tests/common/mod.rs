@@ -109,14 +109,26 @@ impl Rig {
 
     /// A `kind` (socat or haproxy) relay from laddr:lport to saddr:sport. Returns its pid.
     pub fn relay(&mut self, kind: &str, laddr: &str, lport: u16, saddr: &str, sport: u16) -> Result<u32> {
+        self.relay_env(kind, laddr, lport, saddr, sport, &[])
+    }
+
+    /// [`Rig::relay`] with rig settings in the environment (e.g. `RIG_RELAY_RCVBUF`).
+    pub fn relay_env(&mut self, kind: &str, laddr: &str, lport: u16, saddr: &str, sport: u16, env: &[(&str, &str)]) -> Result<u32> {
         let pidfile = self.state.join(format!("relay-{lport}.pid"));
         let mut stop = Command::new(rig().join("relay.sh"));
         stop.arg("stop").arg(&pidfile);
         self.on_drop(stop);
         sh(Command::new(rig().join("relay.sh"))
+            .envs(env.iter().copied())
             .args([kind, laddr, &lport.to_string(), saddr, &sport.to_string()])
             .arg(&pidfile))?;
         read_pid(&pidfile)
+    }
+
+    /// Runs `shape.sh ARGS` (after [`Rig::shaped_link`]), e.g. `["rmem", "4096 65536 262144"]`.
+    pub fn shape(&mut self, args: &[&str]) -> Result<()> {
+        sh(Command::new(rig().join("shape.sh")).env("RIG_STATE", self.state.join("shape")).args(args))?;
+        Ok(())
     }
 
     /// Client namespace `rigc` with a link of `kind` (`veth`, or `tun D U`), rate-limited to
@@ -193,8 +205,13 @@ pub enum Started {
 impl Observer {
     /// Starts observing `pids` for `seconds` and waits until it is attached.
     pub fn start(pids: &[u32], seconds: f64, json: PathBuf) -> Result<Started> {
+        Self::start_with(pids, seconds, json, &[])
+    }
+
+    /// Like [`Observer::start`], with extra `observe` arguments (e.g. `--plot PATH`).
+    pub fn start_with(pids: &[u32], seconds: f64, json: PathBuf, extra: &[&str]) -> Result<Started> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_spice-observer"));
-        cmd.arg("observe");
+        cmd.arg("observe").args(extra);
         for p in pids {
             cmd.args(["--pid", &p.to_string()]);
         }
@@ -266,7 +283,10 @@ impl Observer {
 #[macro_export]
 macro_rules! observe_or_skip {
     ($test:expr, $pids:expr, $secs:expr, $json:expr) => {
-        match common::Observer::start($pids, $secs, $json)? {
+        observe_or_skip!($test, $pids, $secs, $json, &[])
+    };
+    ($test:expr, $pids:expr, $secs:expr, $json:expr, $extra:expr) => {
+        match common::Observer::start_with($pids, $secs, $json, $extra)? {
             common::Started::Running(o) => o,
             common::Started::Unsupported(why) => {
                 eprintln!("SKIP {}: kernel feature missing:\n{}", $test, why);
