@@ -266,3 +266,34 @@ fn delayed_link_window_binds_small_messages() -> Result<()> {
     ensure!(ceiling.is_finite() && measured > 0.0, "ceiling not computed: {d}");
     Ok(())
 }
+
+/// A relay that inserts a message toward the client: detected, reported, and the split then
+/// places only the stages up to the relay's receive queue. Channels it leaves alone stay
+/// transparent.
+#[test]
+fn non_transparent_relay_is_detected() -> Result<()> {
+    const T: &str = "non_transparent_relay_is_detected";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let mut rig = Rig::new(T)?;
+    let xorg = rig.xspice(5958, 58, &["--mode", "rects", "--fps", "50", "--count", "20"])?;
+    let relay = rig.mangle_relay(6958, 5958)?;
+    let obs = observe_or_skip!(T, &[xorg, relay], 8.0, rig.state.join("report.json"));
+    let _client = Client::start("spice://127.0.0.1:6958", 30, &[], None)?;
+    let report = obs.finish()?;
+    check_clean(&report)?;
+    let c = display(&report, xorg)?;
+    let ch = &c["chain"];
+    ensure!(ch["client_leg"].is_string(), "client leg not paired: {ch}");
+    ensure!(ch["transparency"] == "changed", "insertion not detected: {ch}");
+    let detail = ch["transparency_detail"].as_str().unwrap_or("");
+    ensure!(detail.contains("server_to_client") && detail.contains("type 102"), "detail: {detail}");
+    let placeable: Vec<&str> = ch["placeable_stages"].as_array().unwrap().iter().filter_map(|v| v.as_str()).collect();
+    ensure!(placeable == ["server_writing", "server_notsent", "server_unacked", "proxy_recv_queue"], "placeable: {placeable:?}");
+    ensure!(c["stages"].get("client_owes_ack").is_none(), "client-side stages reported: {}", c["stages"]);
+    ensure!(ch["stages_add_up"] == true && u(&ch["unplaced_max"]) > 0, "unplaced messages not counted: {ch}");
+    let cursor = &channels(&report, xorg, "cursor")[0];
+    ensure!(cursor["chain"]["transparency"] != "changed", "cursor untouched but flagged: {}", cursor["chain"]);
+    Ok(())
+}

@@ -15,7 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::Value;
 
 /// The rig scripts.
@@ -123,6 +123,30 @@ impl Rig {
             .args([kind, laddr, &lport.to_string(), saddr, &sport.to_string()])
             .arg(&pidfile))?;
         read_pid(&pidfile)
+    }
+
+    /// rig/mangle-relay.py (a relay that inserts one message toward the client on display
+    /// channels: not byte-transparent) from 127.0.0.1:`lport` to 127.0.0.1:`sport`. Returns its pid.
+    pub fn mangle_relay(&mut self, lport: u16, sport: u16) -> Result<u32> {
+        let pidfile = self.state.join(format!("mangle-{lport}.pid"));
+        let mut child = Command::new("/usr/bin/python3")
+            .arg(rig().join("mangle-relay.py"))
+            .args(["--listen", &format!("127.0.0.1:{lport}"), "--server", &format!("127.0.0.1:{sport}")])
+            .arg("--pidfile")
+            .arg(&pidfile)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting rig/mangle-relay.py")?;
+        let pid = child.id();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line)?;
+        ensure!(line.trim() == "listening", "mangle-relay did not start: {line:?}");
+        let mut stop = Command::new("kill");
+        stop.arg(pid.to_string());
+        self.on_drop(stop);
+        std::mem::forget(child);
+        Ok(pid)
     }
 
     /// Runs `shape.sh ARGS` (after [`Rig::shaped_link`]), e.g. `["rmem", "4096 65536 262144"]`.
