@@ -199,6 +199,33 @@ fn progress_line(model: &Model, started_ns: u64, lost: u64) -> String {
     )
 }
 
+/// Where ring records go: the model, and optionally a dump file.
+struct Sink {
+    model: Model,
+    decode_errors: u64,
+    dump: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+impl Sink {
+    /// Applies every record waiting in the ring.
+    fn drain(&mut self, ring: &mut aya::maps::RingBuf<aya::maps::MapData>) {
+        while let Some(item) = ring.next() {
+            match events::decode(&item) {
+                Ok(ev) => {
+                    if let Some(d) = self.dump.as_mut() {
+                        let _ = writeln!(d, "{ev:?}");
+                    }
+                    self.model.apply(&ev);
+                }
+                Err(e) => {
+                    self.decode_errors += 1;
+                    debug!("bad record: {e}");
+                }
+            }
+        }
+    }
+}
+
 /// Runs one observation and prints its report.
 pub async fn run(opts: ObserveOptions) -> Result<()> {
     if opts.pids.is_empty() {
@@ -233,7 +260,6 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         }
     );
 
-    let mut model = Model::default();
     let mut chains: Vec<Chain> = Vec::new();
     let mut sample = tokio::time::interval(opts.sample);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -242,53 +268,34 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let tty = std::io::stderr().is_terminal();
-    let mut decode_errors = 0u64;
     let mut ticks = 0u64;
-    let mut dump = match &opts.dump_events {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
-        None => None,
+    let mut sink = Sink {
+        model: Model::default(),
+        decode_errors: 0,
+        dump: match &opts.dump_events {
+            Some(p) => Some(std::io::BufWriter::new(
+                std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+            )),
+            None => None,
+        },
     };
     loop {
         tokio::select! {
             guard = ring.readable_mut() => {
                 let mut guard = guard?;
-                let r = guard.get_inner_mut();
-                while let Some(item) = r.next() {
-                    match events::decode(&item) {
-                        Ok(ev) => {
-                            if let Some(d) = dump.as_mut() {
-                                let _ = writeln!(d, "{ev:?}");
-                            }
-                            model.apply(&ev)
-                        }
-                        Err(e) => { decode_errors += 1; debug!("bad record: {e}"); }
-                    }
-                }
+                sink.drain(guard.get_inner_mut());
                 guard.clear_ready();
             }
             _ = sample.tick() => {
                 // Apply what the kernel has recorded up to now, then sample the queues.
-                let r = ring.get_mut();
-                while let Some(item) = r.next() {
-                    match events::decode(&item) {
-                        Ok(ev) => {
-                            if let Some(d) = dump.as_mut() {
-                                let _ = writeln!(d, "{ev:?}");
-                            }
-                            model.apply(&ev)
-                        }
-                        Err(e) => { decode_errors += 1; debug!("bad record: {e}"); }
-                    }
-                }
-                sampler::sample(&mut cap, &mut model, &mut chains, monotonic_ns());
+                sink.drain(ring.get_mut());
+                sampler::sample(&mut cap, &mut sink.model, &mut chains, monotonic_ns());
             }
             _ = tick.tick() => {
                 ticks += 1;
                 if opts.progress {
                     let lost = cap.counters().map(|c| (0..c.len() as u32).filter(|&i| spice_ebpf_common::config::counter::is_loss(i)).map(|i| c[i as usize]).sum()).unwrap_or(0);
-                    let line = progress_line(&model, started_ns, lost);
+                    let line = progress_line(&sink.model, started_ns, lost);
                     if tty {
                         eprint!("\r\x1b[K{line}");
                         let _ = std::io::stderr().flush();
@@ -305,17 +312,8 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     if tty && opts.progress {
         eprintln!();
     }
-    // Drain what is left in the ring.
-    {
-        let r = ring.get_mut();
-        while let Some(item) = r.next() {
-            if let Ok(ev) = events::decode(&item) {
-                model.apply(&ev);
-            } else {
-                decode_errors += 1;
-            }
-        }
-    }
+    sink.drain(ring.get_mut());
+    let Sink { mut model, decode_errors, .. } = sink;
     let end_ns = monotonic_ns();
     model.finish(end_ns);
     let counters = cap.counters()?;

@@ -822,3 +822,110 @@ pub fn render(r: &Report) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A display channel with W=40, given window and flow figures.
+    fn display(stalled: f64, p50: i64, msgs_per_s: f64, mbit: f64) -> ChannelReport {
+        ChannelReport {
+            socket: "127.0.0.1:5900->127.0.0.1:40000".into(),
+            cookie: 1,
+            pid: 1,
+            comm: "qemu".into(),
+            end: Some("server"),
+            session_id: Some(7),
+            channel_type: "display",
+            channel_id: Some(0),
+            framing: "mini",
+            unparsed_reason: None,
+            unparsed_detail: None,
+            window: Some(40),
+            ack_generation: Some(1),
+            ack_sync_generation: Some(1),
+            set_acks: 1,
+            ack_syncs: 1,
+            acks: 10,
+            acks_ignored: 0,
+            messages_sent: 0,
+            bytes_sent: 0,
+            messages_received: 0,
+            bytes_received: 0,
+            messages_sent_by_type: BTreeMap::new(),
+            messages_received_by_type: BTreeMap::new(),
+            bytes_sent_by_type: BTreeMap::new(),
+            bytes_received_by_type: BTreeMap::new(),
+            messages_sent_eagain_start: 0,
+            server_to_client: FlowReport { messages: 100, bytes: 0, messages_per_s: msgs_per_s, mbit_per_s: mbit, mean_message_bytes: 50_000.0 },
+            in_flight_now: Some(p50),
+            in_flight_p50: Some(p50),
+            in_flight_max: Some(81),
+            in_flight_limit: Some(81),
+            stalled_fraction: Some(stalled),
+            stalls: 0,
+            starts_while_stalled: 0,
+            urgent_pair_peaks: 0,
+            records_lost: 0,
+            observed_s: 10.0,
+            closed: false,
+            tcp: None,
+            in_flight_relay_p50: None,
+            in_flight_relay_max: None,
+            stages: None,
+            chain: None,
+            messages_per_srtt: None,
+            window_ceiling_msgs_per_s: None,
+            verdict: None,
+        }
+    }
+
+    fn with_link(mut c: ChannelReport, rate: f64, delivered: f64, rwnd: f64, notsent_bytes: u64) -> ChannelReport {
+        let mut stages = BTreeMap::new();
+        stages.insert("server_notsent", StageStat { bytes_p50: notsent_bytes, ..Default::default() });
+        stages.insert("client_owes_ack", StageStat { bytes_p50: 100_000, ..Default::default() });
+        c.stages = Some(stages);
+        c.chain = Some(ChainReport {
+            backend: Some("relay".into()),
+            link_rate_mbit: Some(rate),
+            link_delivered_mbit: Some(delivered),
+            link_rwnd_limited_fraction: Some(rwnd),
+            ..Default::default()
+        });
+        c
+    }
+
+    fn starts(c: &ChannelReport, prefix: &str) -> bool {
+        verdict(c).unwrap().starts_with(prefix)
+    }
+
+    #[test]
+    fn verdicts_in_order() {
+        // A busy link at its rate: link bound even though the count sits at the window.
+        assert!(starts(&with_link(display(0.8, 81, 20.0, 8.0), 7.6, 7.5, 0.0, 2 << 20), "link bound"));
+        // The link has room but spice-server waits for ACKs: window bound.
+        assert!(starts(&with_link(display(0.8, 81, 900.0, 0.4), 7.6, 0.4, 0.0, 0), "ACK-window bound"));
+        // The client's receive window held the link back: client bound, whatever else.
+        assert!(starts(&with_link(display(0.8, 81, 20.0, 8.0), 7.6, 7.5, 0.5, 0), "client bound"));
+        // qemu's unsent bytes hold the backlog, count below the window, link not saturated.
+        assert!(starts(&with_link(display(0.0, 30, 20.0, 4.0), 7.6, 4.0, 0.0, 3 << 20), "send-buffer bound"));
+        // Nothing binds.
+        assert!(starts(&with_link(display(0.0, 10, 20.0, 1.0), 1000.0, 1.0, 0.0, 0), "neither"));
+        assert!(starts(&display(0.0, 1, 0.2, 0.0), "idle"));
+        assert!(starts(&display(0.1, 10, 20.0, 1.0), "partly window bound"));
+    }
+
+    #[test]
+    fn no_verdict_for_other_channels_or_unparsed_streams() {
+        let mut c = display(0.0, 1, 10.0, 1.0);
+        c.channel_type = "cursor";
+        assert_eq!(verdict(&c), None);
+        let mut c = display(0.0, 1, 10.0, 1.0);
+        c.framing = "unparsed";
+        c.unparsed_reason = Some("tls");
+        assert!(starts(&c, "cannot judge"));
+        let mut c = display(0.0, 1, 10.0, 1.0);
+        c.window = None;
+        assert!(starts(&c, "no SET_ACK"));
+    }
+}

@@ -268,7 +268,7 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
             chains.push(Chain::new(s.cookie));
         }
     }
-    let used: HashSet<u64> = chains.iter().flat_map(|c| [c.backend, c.client_leg]).flatten().collect();
+    let mut used: HashSet<u64> = chains.iter().flat_map(|c| [c.backend, c.client_leg]).flatten().collect();
     for chain in chains.iter_mut() {
         let Some(server) = model.sockets.get(&chain.server) else { continue };
         if chain.backend.is_none() {
@@ -290,6 +290,7 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
             });
             if let Some(b) = found {
                 chain.backend = Some(b.cookie);
+                used.insert(b.cookie);
                 let b_seq = b.s2c().and_then(|d| b.dirs[d].seq_base);
                 chain.pairing.push(format!(
                     "backend: relay pid {} socket {} is the same TCP connection ({}{})",
@@ -339,6 +340,7 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
                     .count();
                 if compared > 0 || candidates == 1 {
                     chain.client_leg = Some(c.cookie);
+                    used.insert(c.cookie);
                     chain.pairing.push(format!(
                         "client leg: relay socket {} carries the same link message{}",
                         c.local.map(|a| a.to_string()).unwrap_or_default(),
