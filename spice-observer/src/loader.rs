@@ -88,7 +88,7 @@ impl Capture {
                 aya::EbpfError::MapError(aya::maps::MapError::CreateError { name, io_error, .. })
                     if io_error.kind() == std::io::ErrorKind::PermissionDenied =>
                 {
-                    anyhow!("creating BPF map `{name}`: permission denied (run as root or with CAP_BPF + CAP_PERFMON)")
+                    anyhow!("creating BPF map `{name}`: permission denied (run spice-observer as root)")
                 }
                 other => anyhow!("loading the eBPF object: {other}"),
             })?;

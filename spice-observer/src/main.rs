@@ -31,9 +31,10 @@ struct Cli {
 enum Command {
     /// Watch processes (spice-server / qemu, a SPICE relay) for a while and report per channel:
     /// framing, ACK window W, in-flight messages (spice-server's exact count), stalls, rates
-    /// and TCP state. Needs root (or CAP_BPF + CAP_PERFMON + CAP_NET_ADMIN).
+    /// and TCP state; with a relay watched too, where each in-flight message is. Run as root.
     Observe {
-        /// Process to watch: its threads, and the children it forks from now on. Repeatable.
+        /// Process to watch: its threads, the children it already has, and those it forks from
+        /// now on. A thread id is resolved to its process. Repeatable.
         #[arg(long = "pid", required = true, value_name = "PID")]
         pids: Vec<u32>,
         /// Seconds to observe; 0 = until Ctrl-C (SIGINT) or SIGTERM.
@@ -48,7 +49,7 @@ enum Command {
         /// Do not print the live progress line.
         #[arg(long)]
         no_progress: bool,
-        /// Append every decoded kernel record to PATH (for debugging the capture).
+        /// Write every decoded kernel record to PATH, one per line (for debugging the capture).
         #[arg(long, value_name = "PATH")]
         dump_events: Option<PathBuf>,
         /// Draw, per display channel, the in-flight count over time as stacked stages with the

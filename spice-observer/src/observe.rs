@@ -2,7 +2,7 @@
 //! while, then print a table (and optionally JSON).
 
 use std::{
-    collections::{BTreeMap, HashSet},
+    collections::{BTreeMap, HashMap},
     io::{IsTerminal, Write},
     path::PathBuf,
     time::Duration,
@@ -113,34 +113,57 @@ const TCP_LISTEN: u8 = 10;
 const TCP_ESTABLISHED: u8 = 1;
 const TCP_CLOSE_WAIT: u8 = 8;
 
-/// Enrols listening ports for sockops and marks already-connected sockets of the watched
-/// processes (and their existing descendants) so that they are reported as unparsed rather
-/// than misread mid-stream.
-fn prepare_sockets(cap: &mut Capture, pids: &[u32]) -> Result<(usize, usize)> {
-    let mut inodes = HashSet::new();
+/// A connection that was open before observation started.
+pub struct Existing {
+    pub cookie: u64,
+    pub pid: u32,
+    pub local: std::net::SocketAddr,
+    pub remote: std::net::SocketAddr,
+}
+
+/// Enrols the watched processes' listening ports for sockops and marks their already-connected
+/// sockets in the kernel (reported, never framed: a SPICE stream can only be framed from its
+/// link phase). Must run before the processes are watched, or a busy socket's first traced call
+/// would create its framing state unmarked. Returns the ports enrolled and the connections.
+fn prepare_sockets(cap: &mut Capture, pids: &[u32]) -> Result<(usize, Vec<Existing>)> {
+    let mut owner = HashMap::new();
     for &pid in pids {
-        inodes.extend(sockdiag::socket_inodes(pid)?);
-        for child in sockdiag::descendants(pid) {
-            inodes.extend(sockdiag::socket_inodes(child).unwrap_or_default());
+        for inode in sockdiag::socket_inodes(pid).unwrap_or_default() {
+            owner.entry(inode).or_insert(pid);
         }
     }
     let mut ports = 0;
-    let mut existing = 0;
+    let mut existing = Vec::new();
     match sockdiag::dump_tcp() {
         Ok(socks) => {
-            for s in socks.iter().filter(|s| inodes.contains(&s.inode)) {
+            for s in socks.iter() {
+                let Some(&pid) = owner.get(&s.inode) else { continue };
                 if s.state == TCP_LISTEN {
                     cap.watch_port(s.local.port())?;
                     ports += 1;
                 } else if s.state == TCP_ESTABLISHED || s.state == TCP_CLOSE_WAIT {
                     cap.mark_preexisting(s.cookie)?;
-                    existing += 1;
+                    existing.push(Existing { cookie: s.cookie, pid, local: s.local, remote: s.remote });
                 }
             }
         }
         Err(e) => warn!("sock_diag dump failed ({e:#}); sockops enrolment and pre-existing socket detection are off"),
     }
     Ok((ports, existing))
+}
+
+/// The process (thread group) of `pid`: a thread id given by mistake (what `top -H` shows)
+/// resolves to its process.
+fn thread_group(pid: u32) -> Result<u32> {
+    let proc = procfs::process::Process::new(pid as i32).map_err(|_| anyhow::anyhow!("no process with pid {pid}"))?;
+    let status = proc.status().with_context(|| format!("reading /proc/{pid}/status"))?;
+    Ok(status.tgid as u32)
+}
+
+/// Creates (truncates) an output file now, so that a bad path fails before observing.
+fn check_writable(path: &std::path::Path, what: &str) -> Result<()> {
+    std::fs::File::create(path).with_context(|| format!("cannot write the {what} to {}", path.display()))?;
+    Ok(())
 }
 
 /// Best TCP state per socket at the end: a sock_diag snapshot where the socket still exists in
@@ -182,12 +205,16 @@ fn progress_line(model: &Model, started_ns: u64, lost: u64) -> String {
     let secs = (monotonic_ns() - started_ns) as f64 / 1e9;
     let msgs: u64 = model.sockets.values().map(|s| s.dirs[0].messages + s.dirs[1].messages).sum();
     let framed = model.sockets.values().filter(|s| matches!(s.framing(), "mini" | "full")).count();
+    // spice-server's display channels only: a relay's client-facing legs are server ends too.
+    let relays: std::collections::HashSet<u32> =
+        model.sockets.values().filter(|s| s.is_server_end() == Some(false)).map(|s| s.pid).collect();
     let mut display = Vec::new();
     for s in model.sockets.values() {
         if s.closed_ns.is_none()
             && s.window.active()
             && s.channel().map(|c| c.0) == Some(channel::DISPLAY)
             && s.is_server_end() == Some(true)
+            && !relays.contains(&s.pid)
         {
             display.push(format!("{}/{}", s.window.count, s.window.threshold() + 1));
         }
@@ -231,29 +258,53 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     if opts.pids.is_empty() {
         bail!("give at least one --pid");
     }
-    let mut pid_reports = Vec::new();
+    let me = std::process::id();
+    let mut roots: Vec<u32> = Vec::new();
     for &pid in &opts.pids {
-        let Some(comm) = sockdiag::comm(pid) else {
-            bail!("no process with pid {pid}");
-        };
-        pid_reports.push(PidReport { pid, comm });
-    }
-    let mut cap = Capture::load()?;
-    for &pid in &opts.pids {
-        cap.watch_pid(pid)?;
-        for child in sockdiag::descendants(pid) {
-            cap.watch_pid(child)?;
+        let tgid = thread_group(pid)?;
+        if tgid != pid {
+            eprintln!("spice-observer: pid {pid} is a thread of process {tgid}; watching process {tgid}");
+        }
+        if tgid == me {
+            bail!("refusing to watch the observer itself (pid {me})");
+        }
+        if !roots.contains(&tgid) {
+            roots.push(tgid);
         }
     }
-    let (ports, existing) = prepare_sockets(&mut cap, &opts.pids)?;
+    let pid_reports: Vec<PidReport> = roots
+        .iter()
+        .map(|&pid| PidReport { pid, comm: sockdiag::comm(pid).unwrap_or_default() })
+        .collect();
+    if let Some(p) = opts.json.as_ref().filter(|p| p.as_os_str() != "-") {
+        check_writable(p, "JSON report")?;
+    }
+    if let Some(p) = &opts.plot {
+        check_writable(p, "plot")?;
+    }
+    let mut cap = Capture::load()?;
+    // The roots and the children they already have (a socat listener's live connections).
+    let mut watched = roots.clone();
+    for &pid in &roots {
+        for child in sockdiag::descendants(pid) {
+            if child != me && !watched.contains(&child) {
+                watched.push(child);
+            }
+        }
+    }
+    let (ports, existing) = prepare_sockets(&mut cap, &watched)?;
+    for &pid in &watched {
+        cap.watch_pid(pid)?;
+    }
     // SAFETY: the ring owns its map fd, which stays open and unchanged for the AsyncFd's life.
     let mut ring = unsafe { AsyncFd::register_with_interest(cap.take_ring()?, Interest::READABLE) }
         .map_err(|e| anyhow::anyhow!("polling the event ring: {}", e.into_parts().1))?;
     let started_ns = monotonic_ns();
     eprintln!(
-        "spice-observer: watching {} (hook set {}; {ports} listening port(s) enrolled, {existing} connection(s) already open); {}",
+        "spice-observer: watching {} (hook set {}; {ports} listening port(s) enrolled, {} connection(s) already open); {}",
         pid_reports.iter().map(|p| format!("pid {} ({})", p.pid, p.comm)).collect::<Vec<_>>().join(", "),
         cap.hook_set,
+        existing.len(),
         match opts.duration {
             Some(d) => format!("{:.0} s", d.as_secs_f64()),
             None => "until Ctrl-C".into(),
@@ -269,8 +320,12 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let tty = std::io::stderr().is_terminal();
     let mut ticks = 0u64;
+    let mut model = Model::default();
+    for e in &existing {
+        model.add_existing(e.cookie, e.pid, e.local, e.remote, started_ns);
+    }
     let mut sink = Sink {
-        model: Model::default(),
+        model,
         decode_errors: 0,
         dump: match &opts.dump_events {
             Some(p) => Some(std::io::BufWriter::new(
@@ -293,6 +348,12 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
             }
             _ = tick.tick() => {
                 ticks += 1;
+                if roots.iter().all(|&p| sockdiag::comm(p).is_none()) {
+                    eprintln!("\nspice-observer: every watched process has exited");
+                    if opts.duration.is_none() {
+                        break;
+                    }
+                }
                 if opts.progress {
                     let lost = cap.counters().map(|c| (0..c.len() as u32).filter(|&i| spice_ebpf_common::config::counter::is_loss(i)).map(|i| c[i as usize]).sum()).unwrap_or(0);
                     let line = progress_line(&sink.model, started_ns, lost);
@@ -316,6 +377,13 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     let Sink { mut model, decode_errors, .. } = sink;
     let end_ns = monotonic_ns();
     model.finish(end_ns);
+    // Name sockets after their process, not the thread that first used them.
+    let mut comms: HashMap<u32, Option<String>> = HashMap::new();
+    for s in model.sockets.values_mut() {
+        if let Some(c) = comms.entry(s.pid).or_insert_with(|| sockdiag::comm(s.pid)) {
+            s.comm = c.clone();
+        }
+    }
     let counters = cap.counters()?;
     let tcp = final_tcp(&model);
     let duration_s = (end_ns - started_ns) as f64 / 1e9;
@@ -324,14 +392,7 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         rep.degraded.push(format!("{decode_errors} ring record(s) could not be decoded"));
         rep.events_lost += decode_errors;
     }
-    if let Some(path) = &opts.plot {
-        let series = plot_series(&model, &chains, started_ns);
-        if series.is_empty() {
-            eprintln!("spice-observer: no display channel with stage samples: {} not written", path.display());
-        } else {
-            crate::plot::write_svg(path, &series)?;
-        }
-    }
+    // Table and JSON first: a failing plot must not lose them.
     let table = report::render(&rep);
     match &opts.json {
         Some(p) if p.as_os_str() == "-" => {
@@ -344,6 +405,17 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
                 .with_context(|| format!("writing {}", p.display()))?;
         }
         None => print!("{table}"),
+    }
+    if let Some(path) = &opts.plot {
+        let series = plot_series(&model, &chains, started_ns);
+        if series.is_empty() {
+            eprintln!(
+                "spice-observer: no display channel of spice-server with stage samples; {} left empty",
+                path.display()
+            );
+        } else {
+            crate::plot::write_svg(path, &series)?;
+        }
     }
     Ok(())
 }

@@ -673,12 +673,15 @@ pub fn render(r: &Report) -> String {
         "SOCKET", "PID", "COMM", "CHANNEL", "W", "MSGS/S", "MBIT/S", "MEAN KiB", "SRTT ms",
         "INFLT p50/max", "STALL%", "STALLS/s", "ACKS", "NOTSENT", "RETRANS"
     );
-    for c in &r.channels {
+    let not_spice = |c: &&ChannelReport| matches!(c.unparsed_reason, Some("not_spice") | Some("http"));
+    let hidden = r.channels.iter().filter(not_spice).count();
+    for c in r.channels.iter().filter(|c| !not_spice(c)) {
         let chan = match c.channel_id {
             Some(id) => format!("{} {}", c.channel_type, id),
             None => c.channel_type.to_string(),
         };
         let chan = if c.framing == "unparsed" { format!("{chan}!") } else { chan };
+        let chan = if c.closed { format!("{chan}~") } else { chan };
         let inflight = match (c.in_flight_p50, c.in_flight_max, c.in_flight_limit) {
             (Some(p), Some(m), Some(l)) => format!("{p}/{m} of {l}"),
             _ => "-".into(),
@@ -780,7 +783,22 @@ pub fn render(r: &Report) -> String {
             }
         }
     }
-    let unparsed: Vec<_> = r.channels.iter().filter(|c| c.framing == "unparsed").collect();
+    if r.channels.len() == hidden {
+        let _ = writeln!(
+            out,
+            "no SPICE channel seen: watch spice-server's (qemu's) pid and start the observer before the client connects"
+        );
+    }
+    if hidden > 0 {
+        let _ = writeln!(out, "{hidden} other TCP socket(s) of the watched processes carry no SPICE (not listed; see --json)");
+    }
+    if r.channels.iter().any(|c| c.end == Some("client")) && !r.channels.iter().any(|c| c.chain.is_some()) {
+        let _ = writeln!(
+            out,
+            "note: only a relay's sockets were seen; add spice-server's (qemu's) pid to place the in-flight messages"
+        );
+    }
+    let unparsed: Vec<_> = r.channels.iter().filter(|c| c.framing == "unparsed" && !not_spice(c)).collect();
     if !unparsed.is_empty() {
         let _ = writeln!(out, "unparsed (!):");
         for c in unparsed {

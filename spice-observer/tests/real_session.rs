@@ -187,3 +187,30 @@ fn qemu_session_through_socat() -> Result<()> {
     ensure!(u(&display["server_to_client"]["messages"]) > 100, "too few draws: {}", describe(display));
     Ok(())
 }
+
+/// Connections opened before the observer started are listed with their TCP state and marked
+/// `attached_mid_stream`: never misread mid-stream (a busy display socket's first traced write
+/// must not be taken for the start of a stream).
+#[test]
+fn existing_connections_are_listed_not_framed() -> Result<()> {
+    const T: &str = "existing_connections_are_listed_not_framed";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let mut rig = Rig::new(T)?;
+    let xorg = rig.xspice(5947, 47, &["--mode", "rects", "--fps", "50", "--count", "20"])?;
+    let relay = rig.relay("socat", "127.0.0.1", 6947, "127.0.0.1", 5947)?;
+    let _client = Client::start("spice://127.0.0.1:6947", 30, &[], None)?;
+    thread::sleep(Duration::from_secs(3));
+    let obs = observe_or_skip!(T, &[xorg, relay], 2.0, rig.state.join("report.json"));
+    let report = obs.finish()?;
+    ensure!(u(&report["events_lost"]) == 0, "events lost: {}", report["kernel_counters"]);
+    let all = report["channels"].as_array().unwrap();
+    ensure!(all.len() == 12, "4 channels × (spice-server + 2 relay legs) expected, got {}", all.len());
+    for c in all {
+        ensure!(c["framing"] == "unparsed" && c["unparsed_reason"] == "attached_mid_stream", "{} {}", describe(c), c["unparsed_reason"]);
+        ensure!(u(&c["messages_sent"]) == 0 && u(&c["messages_received"]) == 0, "framed mid-stream: {}", describe(c));
+        ensure!(c["tcp"]["srtt_us"].as_u64().is_some(), "no TCP state: {}", describe(c));
+    }
+    Ok(())
+}

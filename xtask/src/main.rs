@@ -104,6 +104,11 @@ fn read_pid(path: &Path) -> Result<u32> {
 }
 
 fn demo(seconds: u32, mode: &str) -> Result<()> {
+    let anim: Vec<&str> = match mode {
+        "noise" => vec!["--mode", "noise", "--fps", "20", "--size", "256x192"],
+        "rects" => vec!["--mode", "rects", "--fps", "50", "--count", "20"],
+        other => bail!("unknown --mode {other} (noise or rects)"),
+    };
     setup(true)?;
     run(cargo().args(["build", "--release", "-p", "spice-observer"]))?;
     let rig = root().join("rig");
@@ -117,11 +122,6 @@ fn demo(seconds: u32, mode: &str) -> Result<()> {
     let mut stop_x = Command::new(rig.join("start-xspice.sh"));
     stop_x.env("RIG_RUN", &xspice_state).args(["stop", &port.to_string()]);
     cleanup.0.push(stop_x);
-    let anim: Vec<&str> = match mode {
-        "noise" => vec!["--mode", "noise", "--fps", "20", "--size", "256x192"],
-        "rects" => vec!["--mode", "rects", "--fps", "50", "--count", "20"],
-        other => bail!("unknown --mode {other} (noise or rects)"),
-    };
     run(Command::new(rig.join("start-xspice.sh"))
         .env("RIG_RUN", &xspice_state)
         .args(["start", &port.to_string(), &display.to_string(), "--"])
@@ -140,7 +140,7 @@ fn demo(seconds: u32, mode: &str) -> Result<()> {
     // Observer first, so it sees every channel's link phase.
     let mut obs: Child = Command::new(&observer)
         .args(["observe", "--pid", &xorg.to_string(), "--pid", &relay.to_string()])
-        .args(["--duration", &(seconds + 2).to_string()])
+        .args(["--duration", &seconds.to_string()])
         .spawn()
         .context("starting spice-observer (needs root)")?;
     thread::sleep(Duration::from_millis(1500));

@@ -297,6 +297,18 @@ impl Model {
         }
     }
 
+    /// Lists a connection that was open before observation started: reported with its TCP
+    /// state, never framed ([`UnparsedReason::AttachedMidStream`]).
+    pub fn add_existing(&mut self, cookie: u64, pid: u32, local: SocketAddr, remote: SocketAddr, now_ns: u64) {
+        let hdr = EventHeader { tgid: pid, ts_ns: now_ns, cookie, ..Default::default() };
+        let s = self.socket(&hdr);
+        s.local = Some(local);
+        s.remote = Some(remote);
+        for d in s.dirs.iter_mut() {
+            d.unparsed.get_or_insert(Unparsed { reason: UnparsedReason::AttachedMidStream, detail: 0, at: 0 });
+        }
+    }
+
     /// Records a TCP state sample read from the kernel map.
     pub fn tcp_sample(&mut self, cookie: u64, snap: TcpSnapshot) {
         if let Some(s) = self.sockets.get_mut(&cookie) {
