@@ -360,7 +360,7 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
                     if tty {
                         eprint!("\r\x1b[K{line}");
                         let _ = std::io::stderr().flush();
-                    } else if ticks % 5 == 0 {
+                    } else if ticks.is_multiple_of(5) {
                         eprintln!("{line}");
                     }
                 }
@@ -386,8 +386,19 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     }
     let counters = cap.counters()?;
     let tcp = final_tcp(&model);
-    let duration_s = (end_ns - started_ns) as f64 / 1e9;
-    let mut rep = report::build(&model, end_ns, duration_s, &cap.hook_set, &counters, &cap.degraded, pid_reports, &tcp, started_ns, &chains);
+    let mut rep = report::build(
+        &model,
+        report::RunInfo {
+            started_ns,
+            end_ns,
+            hook_set: &cap.hook_set,
+            counters: &counters,
+            degraded: &cap.degraded,
+            pids: pid_reports,
+            tcp_final: &tcp,
+            chains: &chains,
+        },
+    );
     if decode_errors > 0 {
         rep.degraded.push(format!("{decode_errors} ring record(s) could not be decoded"));
         rep.events_lost += decode_errors;

@@ -576,19 +576,24 @@ fn order(c: &ChannelReport) -> (u32, u32, u8, u8, String) {
     (c.pid, c.session_id.unwrap_or(u32::MAX), t, c.channel_id.unwrap_or(0), c.socket.clone())
 }
 
-/// Assembles the report. `tcp_final` gives the best TCP state per cookie.
-pub fn build(
-    model: &Model,
-    end_ns: u64,
-    duration_s: f64,
-    hook_set: &str,
-    counters: &[u64; counter::COUNT as usize],
-    degraded: &[String],
-    pids: Vec<PidReport>,
-    tcp_final: &BTreeMap<u64, TcpReport>,
-    started_ns: u64,
-    chains: &[Chain],
-) -> Report {
+/// What the run knows besides the model, for [`build`].
+pub struct RunInfo<'a> {
+    /// CLOCK_MONOTONIC ns at the start and the end of observation.
+    pub started_ns: u64,
+    pub end_ns: u64,
+    pub hook_set: &'a str,
+    pub counters: &'a [u64; counter::COUNT as usize],
+    pub degraded: &'a [String],
+    pub pids: Vec<PidReport>,
+    /// Best TCP state per cookie.
+    pub tcp_final: &'a BTreeMap<u64, TcpReport>,
+    pub chains: &'a [Chain],
+}
+
+/// Assembles the report: one row per socket, chains and verdicts added.
+pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
+    let RunInfo { started_ns, end_ns, hook_set, counters, degraded, pids, tcp_final, chains } = run;
+    let duration_s = end_ns.saturating_sub(started_ns) as f64 / 1e9;
     let mut channels: Vec<ChannelReport> = model
         .sockets
         .values()
