@@ -12,9 +12,16 @@ pub const EBPF_TOOLCHAIN: &str = "nightly-2026-05-19";
 
 fn main() -> anyhow::Result<()> {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../spice-ebpf");
-    println!("cargo:rerun-if-changed={}", concat!(env!("CARGO_MANIFEST_DIR"), "/../spice-ebpf-common/src"));
+    println!(
+        "cargo:rerun-if-changed={}",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../spice-ebpf-common/src")
+    );
     aya_build::build_ebpf(
-        [Package { name: "spice-ebpf", root_dir: root, ..Default::default() }],
+        [Package {
+            name: "spice-ebpf",
+            root_dir: root,
+            ..Default::default()
+        }],
         Toolchain::Custom(EBPF_TOOLCHAIN),
     )
 }

@@ -294,7 +294,11 @@ pub enum Output {
     Link(LinkInfo),
     Message(MessageInfo),
     /// Framing stopped at stream offset `at`.
-    Unparsed { reason: UnparsedReason, detail: u32, at: u64 },
+    Unparsed {
+        reason: UnparsedReason,
+        detail: u32,
+        at: u64,
+    },
 }
 
 #[inline(always)]
@@ -389,7 +393,11 @@ impl DirState {
         self.phase = Phase::Unparsed as u8;
         self.reason = reason as u8;
         self.detail = detail;
-        Output::Unparsed { reason, detail, at: self.want_at }
+        Output::Unparsed {
+            reason,
+            detail,
+            at: self.want_at,
+        }
     }
 
     /// Resolves what the next element needs once its first byte is available: the link header
@@ -408,7 +416,11 @@ impl DirState {
             }
             let peer_caps = peer.common_caps;
             let mini = (self.common_caps & peer_caps & CAP_MINI_HEADER) != 0;
-            self.hdr_len = if mini { MINI_HEADER_LEN } else { FULL_HEADER_LEN };
+            self.hdr_len = if mini {
+                MINI_HEADER_LEN
+            } else {
+                FULL_HEADER_LEN
+            };
             self.want_len = self.hdr_len as u32;
             self.have = 0;
         }
@@ -419,7 +431,10 @@ impl DirState {
     /// current element (`(want_at + have, want_len - have)`).
     #[inline(always)]
     pub fn need(&self) -> (u64, u32) {
-        (self.want_at + self.have as u64, self.want_len.saturating_sub(self.have))
+        (
+            self.want_at + self.have as u64,
+            self.want_len.saturating_sub(self.have),
+        )
     }
 
     fn after_link(&mut self) {
@@ -452,7 +467,10 @@ impl DirState {
     /// Checks that `n_caps` cap words at `caps_offset` fit inside the link body.
     fn caps_fit(&self, caps_offset: u32, n_common: u32, n_channel: u32, min_offset: u32) -> bool {
         let end = caps_offset as u64 + 4 * (n_common as u64 + n_channel as u64);
-        caps_offset >= min_offset && n_common <= 1024 && n_channel <= 1024 && end <= self.link_size as u64
+        caps_offset >= min_offset
+            && n_common <= 1024
+            && n_channel <= 1024
+            && end <= self.link_size as u64
     }
 
     /// Interprets a complete element (`have == want_len`) and moves to the next one.
@@ -482,7 +500,9 @@ impl DirState {
                 self.started = 1;
                 if peer.started {
                     self.role = Role::ServerToClient as u8;
-                    if self.link_size < LINK_REPLY_MIN || self.link_size > LINK_REPLY_MIN + LINK_MESS_MAX {
+                    if self.link_size < LINK_REPLY_MIN
+                        || self.link_size > LINK_REPLY_MIN + LINK_MESS_MAX
+                    {
                         return self.stop(UnparsedReason::BadLink, self.link_size);
                     }
                     self.want(at + LINK_HEADER_LEN as u64, 4, Phase::ReplyError);
@@ -507,7 +527,11 @@ impl DirState {
                 }
                 self.caps_offset = caps_offset;
                 if n_common > 0 {
-                    self.want(LINK_HEADER_LEN as u64 + caps_offset as u64, 4, Phase::CommonCaps);
+                    self.want(
+                        LINK_HEADER_LEN as u64 + caps_offset as u64,
+                        4,
+                        Phase::CommonCaps,
+                    );
                     Output::None
                 } else {
                     self.common_caps = 0;
@@ -538,7 +562,11 @@ impl DirState {
                 self.caps_offset = caps_offset;
                 self.channel_type = peer.channel_type;
                 if n_common > 0 {
-                    self.want(LINK_HEADER_LEN as u64 + caps_offset as u64, 4, Phase::CommonCaps);
+                    self.want(
+                        LINK_HEADER_LEN as u64 + caps_offset as u64,
+                        4,
+                        Phase::CommonCaps,
+                    );
                     Output::None
                 } else {
                     self.common_caps = 0;
@@ -556,7 +584,11 @@ impl DirState {
             Phase::AuthMechanism => {
                 let mechanism = le_u32(&self.buf, 0);
                 if mechanism == AUTH_MECHANISM_SPICE {
-                    self.want(at + (AUTH_MECHANISM_LEN + TICKET_LEN) as u64, 0, Phase::DataHeader);
+                    self.want(
+                        at + (AUTH_MECHANISM_LEN + TICKET_LEN) as u64,
+                        0,
+                        Phase::DataHeader,
+                    );
                     self.hdr_len = 0;
                     Output::None
                 } else if mechanism == AUTH_MECHANISM_SASL {
@@ -636,7 +668,11 @@ impl DirState {
             already_reported,
             prefix,
         };
-        self.want(at + hdr_len as u64 + size as u64, hdr_len as u32, Phase::DataHeader);
+        self.want(
+            at + hdr_len as u64 + size as u64,
+            hdr_len as u32,
+            Phase::DataHeader,
+        );
         Output::Message(out)
     }
 
@@ -649,7 +685,12 @@ impl DirState {
     /// the prefix it needs), returns the message and remembers its offset so that the later
     /// successful write does not report it again. State is otherwise unchanged.
     #[inline(always)]
-    pub fn peek(&mut self, first: &[u8; BUF_LEN], avail: u32, peer: &PeerView) -> Option<MessageInfo> {
+    pub fn peek(
+        &mut self,
+        first: &[u8; BUF_LEN],
+        avail: u32,
+        peer: &PeerView,
+    ) -> Option<MessageInfo> {
         // Only at a message boundary: the rejected call must start where a header is due.
         if self.phase != Phase::DataHeader as u8 || self.have != 0 || self.pos != self.want_at {
             return None;
@@ -714,7 +755,9 @@ pub fn feed<F: FnMut(Output)>(st: &mut DirState, peer: &PeerView, segments: &[&[
         }
         let seg = segments[seg_i];
         let off = (at - seg_start) as usize;
-        let n = (remaining as usize).min(seg.len() - off).min((call_end - at) as usize);
+        let n = (remaining as usize)
+            .min(seg.len() - off)
+            .min((call_end - at) as usize);
         let have = st.have as usize;
         st.buf[have..have + n].copy_from_slice(&seg[off..off + n]);
         st.have += n as u32;

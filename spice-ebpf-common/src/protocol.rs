@@ -139,7 +139,11 @@ pub const fn link_error_name(code: u32) -> &'static str {
 ///
 /// `server_to_client` selects the direction; channel-specific numbers (≥ 101) depend on the
 /// channel type (`spice.proto`). Returns `None` for numbers this table does not name.
-pub const fn message_name(channel_type: u8, server_to_client: bool, msg_type: u16) -> Option<&'static str> {
+pub const fn message_name(
+    channel_type: u8,
+    server_to_client: bool,
+    msg_type: u16,
+) -> Option<&'static str> {
     if server_to_client {
         match msg_type {
             1 => return Some("MIGRATE"),

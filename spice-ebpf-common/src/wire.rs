@@ -45,7 +45,11 @@ impl HeaderKind {
     pub fn negotiated(client_common_caps: &[u32], server_common_caps: &[u32]) -> HeaderKind {
         let c = client_common_caps.first().copied().unwrap_or(0);
         let s = server_common_caps.first().copied().unwrap_or(0);
-        if c & s & CAP_MINI_HEADER != 0 { HeaderKind::Mini } else { HeaderKind::Full }
+        if c & s & CAP_MINI_HEADER != 0 {
+            HeaderKind::Mini
+        } else {
+            HeaderKind::Full
+        }
     }
 
     /// `"mini"` or `"full"` (for reports).
@@ -89,7 +93,14 @@ pub fn link_mess(
     common_caps: &[u32],
     channel_caps: &[u32],
 ) -> Vec<u8> {
-    link_mess_with_caps_offset(connection_id, channel_type, channel_id, common_caps, channel_caps, LINK_MESS_MIN)
+    link_mess_with_caps_offset(
+        connection_id,
+        channel_type,
+        channel_id,
+        common_caps,
+        channel_caps,
+        LINK_MESS_MIN,
+    )
 }
 
 /// [`link_mess`] with the caps at `caps_offset` (relative to byte 16, ≥ 18); the bytes between
@@ -104,7 +115,10 @@ pub fn link_mess_with_caps_offset(
     channel_caps: &[u32],
     caps_offset: u32,
 ) -> Vec<u8> {
-    assert!(caps_offset >= LINK_MESS_MIN, "caps_offset {caps_offset} < 18");
+    assert!(
+        caps_offset >= LINK_MESS_MIN,
+        "caps_offset {caps_offset} < 18"
+    );
     let n = (common_caps.len() + channel_caps.len()) as u32;
     let size = caps_offset + 4 * n;
     let mut v = Vec::with_capacity(16 + size as usize);
@@ -311,7 +325,10 @@ pub struct MessageWriter {
 impl MessageWriter {
     /// A writer whose first full-header serial is 1.
     pub fn new(kind: HeaderKind) -> Self {
-        MessageWriter { kind, next_serial: 1 }
+        MessageWriter {
+            kind,
+            next_serial: 1,
+        }
     }
 
     /// The next header for a body of `size` bytes (takes a serial).
@@ -388,12 +405,15 @@ impl Session {
 
     /// True if the client advertised PROTOCOL_AUTH_SELECTION, i.e. sends the mechanism word.
     pub fn auth_selection(&self) -> bool {
-        self.client_common_caps.first().is_some_and(|c| c & CAP_AUTH_SELECTION != 0)
+        self.client_common_caps
+            .first()
+            .is_some_and(|c| c & CAP_AUTH_SELECTION != 0)
     }
 
     /// H_c: the `size` field of the client link header.
     pub fn client_link_size(&self) -> u32 {
-        self.caps_offset + 4 * (self.client_common_caps.len() + self.client_channel_caps.len()) as u32
+        self.caps_offset
+            + 4 * (self.client_common_caps.len() + self.client_channel_caps.len()) as u32
     }
 
     /// H_s: the `size` field of the server link header.
@@ -496,7 +516,10 @@ mod tests {
         assert_eq!(e.len(), 194);
         assert_eq!(u32::from_le_bytes(e[16..20].try_into().unwrap()), 7);
 
-        assert_eq!(set_ack(HeaderKind::Mini, 1, 20), [3, 0, 8, 0, 0, 0, 1, 0, 0, 0, 20, 0, 0, 0]);
+        assert_eq!(
+            set_ack(HeaderKind::Mini, 1, 20),
+            [3, 0, 8, 0, 0, 0, 1, 0, 0, 0, 20, 0, 0, 0]
+        );
         assert_eq!(ack(HeaderKind::Mini), [2, 0, 0, 0, 0, 0]);
         assert_eq!(ack(HeaderKind::Full).len(), 18);
         let s = Session::new(2, 0);

@@ -8,7 +8,7 @@
 #![cfg(feature = "std")]
 
 use spice_ebpf_common::framing::{
-    feed, DirState, LinkInfo, BUF_LEN, MessageInfo, Output, Phase, UnparsedReason, MAX_MESSAGE_SIZE,
+    BUF_LEN, DirState, LinkInfo, MAX_MESSAGE_SIZE, MessageInfo, Output, Phase, UnparsedReason, feed,
 };
 use spice_ebpf_common::protocol::{channel, msg_client, msg_server};
 use spice_ebpf_common::wire::{self, HeaderKind, MessageWriter, Session};
@@ -96,7 +96,15 @@ fn unparsed(out: &[Output]) -> (UnparsedReason, u32, u64) {
 
 /// Expected MessageInfo (prefix [0, 0], not already reported).
 fn m(at: u64, index: u64, msg_type: u16, size: u32, hdr_len: u8) -> MessageInfo {
-    MessageInfo { at, index, size, msg_type, hdr_len, already_reported: false, prefix: [0, 0] }
+    MessageInfo {
+        at,
+        index,
+        size,
+        msg_type,
+        hdr_len,
+        already_reported: false,
+        prefix: [0, 0],
+    }
 }
 
 fn display_session() -> Session {
@@ -116,18 +124,35 @@ fn link_spice_gtk_client_and_spice_server_reply() {
     let (c, s) = k.link(&sess);
     assert_eq!(
         c,
-        LinkInfo { role: C2S, link_size: 22, connection_id: 0, channel_type: 2, channel_id: 0, common_caps: 0x09 }
+        LinkInfo {
+            role: C2S,
+            link_size: 22,
+            connection_id: 0,
+            channel_type: 2,
+            channel_id: 0,
+            common_caps: 0x09
+        }
     );
     // The server direction takes the channel type from the client; it has no channel id.
     assert_eq!(
         s,
-        LinkInfo { role: S2C, link_size: 186, connection_id: 0, channel_type: 2, channel_id: 0, common_caps: 0x0B }
+        LinkInfo {
+            role: S2C,
+            link_size: 186,
+            connection_id: 0,
+            channel_type: 2,
+            channel_id: 0,
+            common_caps: 0x0B
+        }
     );
     // §1.8: client data at H_c + 148 = 170, server data at H_s + 20 = 206; mini headers.
     assert_eq!(k.c2s.need(), (170, 6));
     assert_eq!(k.s2c.need(), (206, 6));
     assert_eq!((k.c2s.hdr_len, k.s2c.hdr_len), (6, 6));
-    assert_eq!((k.c2s.phase(), k.s2c.phase()), (Phase::DataHeader, Phase::DataHeader));
+    assert_eq!(
+        (k.c2s.phase(), k.s2c.phase()),
+        (Phase::DataHeader, Phase::DataHeader)
+    );
 }
 
 #[test]
@@ -150,7 +175,10 @@ fn link_with_channel_caps_on_client_and_none_on_server() {
             common_caps: 0x09
         }
     );
-    assert_eq!((s.link_size, s.channel_type, s.common_caps), (182, channel::CURSOR, 0x0B));
+    assert_eq!(
+        (s.link_size, s.channel_type, s.common_caps),
+        (182, channel::CURSOR, 0x0B)
+    );
     assert_eq!(k.c2s.need(), (16 + 34 + 132, 6));
     assert_eq!(k.s2c.need(), (202, 6));
 }
@@ -218,7 +246,11 @@ fn link_no_auth_selection_ticket_follows_link_message() {
     let mut k = Sock::default();
     let c = k.c(&[&sess.client_link()]);
     assert_eq!(only_link(&c).common_caps, 0x08);
-    assert!(!k.c2s.is_unparsed(), "nothing after the link message has been seen yet: {:?}", c);
+    assert!(
+        !k.c2s.is_unparsed(),
+        "nothing after the link message has been seen yet: {:?}",
+        c
+    );
     only_link(&k.s(&[&sess.server_link()]));
     assert_eq!(k.c(&[&sess.client_auth()]), vec![]);
     assert_eq!(k.c2s.need().0, 22 + 144);
@@ -231,7 +263,10 @@ fn link_bad_version_and_bad_sizes() {
     let mut k = Sock::default();
     let mut link = wire::link_mess(0, 2, 0, &[9], &[]);
     link[4] = 3;
-    assert_eq!(unparsed(&k.c(&[&link])), (UnparsedReason::LinkVersion, 3, 0));
+    assert_eq!(
+        unparsed(&k.c(&[&link])),
+        (UnparsedReason::LinkVersion, 3, 0)
+    );
 
     // H_c = 17 < 18.
     let mut k = Sock::default();
@@ -268,7 +303,11 @@ fn mini_headers_both_directions() {
     let out = k.s(&[&sess.data(&[(304u16, vec![7u8; 100]), (102, vec![]), (123, vec![1; 5])])]);
     assert_eq!(
         msgs(&out),
-        vec![m(206, 1, 304, 100, 6), m(312, 2, 102, 0, 6), m(318, 3, 123, 5, 6)]
+        vec![
+            m(206, 1, 304, 100, 6),
+            m(312, 2, 102, 0, 6),
+            m(318, 3, 123, 5, 6)
+        ]
     );
     let out = k.c(&[&sess.data(&[(101u16, vec![0u8; 14])])]);
     assert_eq!(msgs(&out), vec![m(170, 1, 101, 14, 6)]);
@@ -287,7 +326,10 @@ fn full_headers_both_directions() {
     bytes.extend(w.message(102, &[]));
     assert_eq!(&bytes[58..66], &2u64.to_le_bytes(), "second serial is 2");
     let out = k.s(&[&bytes]);
-    assert_eq!(msgs(&out), vec![m(202, 1, 304, 40, 18), m(260, 2, 102, 0, 18)]);
+    assert_eq!(
+        msgs(&out),
+        vec![m(202, 1, 304, 40, 18), m(260, 2, 102, 0, 18)]
+    );
     let out = k.c(&[&wire::ack(HeaderKind::Full)]);
     assert_eq!(msgs(&out), vec![m(170, 1, msg_client::ACK, 0, 18)]);
 }
@@ -313,7 +355,10 @@ fn header_split_across_two_iovec_segments() {
     // One writev: [first 5 header bytes] [rest of the header] [body] [next message's header].
     let next = wire::message(HeaderKind::Full, 102, &[]);
     let out = k.s(&[&msg[..5], &msg[5..18], &msg[18..], &[], &next]);
-    assert_eq!(msgs(&out), vec![m(202, 1, 304, 20, 18), m(240, 2, 102, 0, 18)]);
+    assert_eq!(
+        msgs(&out),
+        vec![m(202, 1, 304, 20, 18), m(240, 2, 102, 0, 18)]
+    );
 }
 
 #[test]
@@ -329,7 +374,10 @@ fn message_spread_over_many_calls_and_one_byte_calls() {
             reported.push((i, o));
         }
     }
-    assert_eq!(reported, vec![(0, Output::Message(m(206, 1, 304, 100 * 1024, 6)))]);
+    assert_eq!(
+        reported,
+        vec![(0, Output::Message(m(206, 1, 304, 100 * 1024, 6)))]
+    );
     // Then SET_ACK + MARK + draw, one byte per call.
     let stream = sess.data(&[
         (msg_server::SET_ACK, wire::set_ack_body(1, 20).to_vec()),
@@ -360,7 +408,9 @@ fn hundreds_of_messages_in_one_call() {
     let sess = display_session();
     let mut k = Sock::default();
     k.link(&sess);
-    let list: Vec<(u16, Vec<u8>)> = (0..500u32).map(|i| (302 + (i % 12) as u16, vec![0; (i % 7) as usize])).collect();
+    let list: Vec<(u16, Vec<u8>)> = (0..500u32)
+        .map(|i| (302 + (i % 12) as u16, vec![0; (i % 7) as usize]))
+        .collect();
     let out = msgs(&k.s(&[&sess.data(&list)]));
     assert_eq!(out.len(), 500);
     let mut at = 206u64;
@@ -387,7 +437,10 @@ fn zero_length_bodies() {
     let out = k.c(&[&sess.data(&[(msg_client::ACK, []), (msg_client::MIGRATE_FLUSH_MARK, [])])]);
     assert_eq!(msgs(&out), vec![m(170, 1, 2, 0, 6), m(176, 2, 4, 0, 6)]);
     // A lone empty message in its own call, at the very end of the data seen so far.
-    assert_eq!(msgs(&k.c(&[&wire::ack(HeaderKind::Mini)])), vec![m(182, 3, 2, 0, 6)]);
+    assert_eq!(
+        msgs(&k.c(&[&wire::ack(HeaderKind::Mini)])),
+        vec![m(182, 3, 2, 0, 6)]
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -417,7 +470,10 @@ fn main_init_prefix_is_session_id() {
     let sess = Session::new(channel::MAIN, 0);
     let mut k = Sock::default();
     k.link(&sess);
-    let out = k.s(&[&wire::main_init(HeaderKind::Mini, 0x1234_5678), &wire::ping(HeaderKind::Mini, 1, 99, 0)]);
+    let out = k.s(&[
+        &wire::main_init(HeaderKind::Mini, 0x1234_5678),
+        &wire::ping(HeaderKind::Mini, 1, 99, 0),
+    ]);
     let mut init = m(202, 1, 103, 32, 6);
     init.prefix = [0x1234_5678, 0];
     assert_eq!(msgs(&out), vec![init, m(240, 2, 4, 12, 6)]);
@@ -444,7 +500,11 @@ fn prefix_bytes_split_across_calls() {
     k.link(&sess);
     let sa = wire::set_ack(HeaderKind::Full, 1, 20);
     assert_eq!(sa.len(), 26);
-    assert_eq!(k.s(&[&sa[..18]]), vec![], "header alone: waits for the prefix");
+    assert_eq!(
+        k.s(&[&sa[..18]]),
+        vec![],
+        "header alone: waits for the prefix"
+    );
     assert_eq!(k.s2c.phase(), Phase::DataPrefix);
     assert_eq!(k.s(&[&sa[18..21]]), vec![]);
     assert_eq!(k.s2c.need(), (202 + 21, 5));
@@ -482,10 +542,17 @@ fn peek_then_real_write_reports_once() {
     let (first, avail) = first32(&msg);
     let peer = k.c2s.view();
     // The writev that hit EAGAIN carried the message start.
-    let peeked = k.s2c.peek(&first, avail, &peer).expect("message start peeked");
+    let peeked = k
+        .s2c
+        .peek(&first, avail, &peer)
+        .expect("message start peeked");
     assert_eq!(peeked, m(206, 1, 304, 1000, 6));
     assert_eq!(k.s2c.msg_count, 0, "peek does not advance the state");
-    assert_eq!(k.s2c.peek(&first, avail, &peer), None, "a second EAGAIN does not report it again");
+    assert_eq!(
+        k.s2c.peek(&first, avail, &peer),
+        None,
+        "a second EAGAIN does not report it again"
+    );
     // The retried write moves the bytes in two partial writes.
     let out = k.s(&[&msg[..500]]);
     let mut want = peeked;
@@ -541,13 +608,21 @@ fn peek_in_the_middle_of_a_body_reports_nothing() {
     let sess = display_session();
     let mut k = Sock::default();
     k.link(&sess);
-    let body: Vec<u8> = [0u8; 10].iter().chain([2u8, 0, 0, 0, 0, 0].iter()).chain([0u8; 84].iter()).copied().collect();
+    let body: Vec<u8> = [0u8; 10]
+        .iter()
+        .chain([2u8, 0, 0, 0, 0, 0].iter())
+        .chain([0u8; 84].iter())
+        .copied()
+        .collect();
     let msg = wire::message(HeaderKind::Mini, 304, &body);
     assert_eq!(msgs(&k.s(&[&msg[..16]])), vec![m(206, 1, 304, 100, 6)]);
     assert_eq!(k.s2c.pos, 222);
     let (first, avail) = first32(&msg[16..]);
     let peeked = k.s2c.peek(&first, avail, &k.c2s.view());
-    assert_eq!(peeked, None, "stream position 222 is inside the body (next message at 312)");
+    assert_eq!(
+        peeked, None,
+        "stream position 222 is inside the body (next message at 312)"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -557,8 +632,13 @@ fn peek_in_the_middle_of_a_body_reports_nothing() {
 #[test]
 fn garbage_is_not_spice() {
     let mut k = Sock::default();
-    let bytes = [0x01u8, 0x02, 0x03, 0x04, 0xAA, 0xBB, 0xCC, 0xDD, 9, 9, 9, 9, 9, 9, 9, 9, 9];
-    assert_eq!(unparsed(&k.c(&[&bytes])), (UnparsedReason::NotSpice, 0x0403_0201, 0));
+    let bytes = [
+        0x01u8, 0x02, 0x03, 0x04, 0xAA, 0xBB, 0xCC, 0xDD, 9, 9, 9, 9, 9, 9, 9, 9, 9,
+    ];
+    assert_eq!(
+        unparsed(&k.c(&[&bytes])),
+        (UnparsedReason::NotSpice, 0x0403_0201, 0)
+    );
     assert!(k.c2s.is_unparsed());
     assert_eq!(k.c(&[&[0u8; 100]]), vec![], "nothing more once unparsed");
     assert_eq!(k.c2s.pos, 117);
@@ -570,20 +650,31 @@ fn garbage_is_not_spice() {
 
 #[test]
 fn tls_websocket_and_http_starts() {
-    let hello = [0x16u8, 0x03, 0x01, 0x00, 0xF1, 0x01, 0x00, 0x00, 0xED, 0x03, 0x03, 0, 0, 0, 0, 0];
+    let hello = [
+        0x16u8, 0x03, 0x01, 0x00, 0xF1, 0x01, 0x00, 0x00, 0xED, 0x03, 0x03, 0, 0, 0, 0, 0,
+    ];
     let mut k = Sock::default();
-    assert_eq!(unparsed(&k.c(&[&hello])), (UnparsedReason::Tls, 0x0001_0316, 0));
+    assert_eq!(
+        unparsed(&k.c(&[&hello])),
+        (UnparsedReason::Tls, 0x0001_0316, 0)
+    );
 
     let get = b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n\r\n";
     let mut k = Sock::default();
-    assert_eq!(unparsed(&k.c(&[get])), (UnparsedReason::WebSocket, u32::from_le_bytes(*b"GET "), 0));
+    assert_eq!(
+        unparsed(&k.c(&[get])),
+        (UnparsedReason::WebSocket, u32::from_le_bytes(*b"GET "), 0)
+    );
 
     // The server answering a REDQ client with HTTP.
     let sess = display_session();
     let mut k = Sock::default();
     only_link(&k.c(&[&sess.client_link()]));
     let out = k.s(&[b"HTTP/1.1 400 Bad Request\r\n\r\n"]);
-    assert_eq!(unparsed(&out), (UnparsedReason::Http, u32::from_le_bytes(*b"HTTP"), 0));
+    assert_eq!(
+        unparsed(&out),
+        (UnparsedReason::Http, u32::from_le_bytes(*b"HTTP"), 0)
+    );
 }
 
 #[test]
@@ -595,7 +686,10 @@ fn sasl_leaves_both_directions_unparsed() {
     let mut k = Sock::default();
     only_link(&k.c(&[&sess.client_link()]));
     only_link(&k.s(&[&sess.server_link()]));
-    assert_eq!(unparsed(&k.c(&[&wire::auth_mechanism(2)])), (UnparsedReason::Sasl, 2, 38));
+    assert_eq!(
+        unparsed(&k.c(&[&wire::auth_mechanism(2)])),
+        (UnparsedReason::Sasl, 2, 38)
+    );
     assert!(k.c2s.view().sasl);
     // S→C: u32 length + mechanism list where the link result would be.
     let mechs = b",DIGEST-MD5,GSSAPI,";
@@ -633,7 +727,10 @@ fn error_reply_after_ok_reply() {
     only_link(&k.c(&[&sess.client_link()]));
     only_link(&k.s(&[&sess.server_link()]));
     let out = k.s(&[&wire::link_error_reply(3)]);
-    assert_eq!(unparsed(&out), (UnparsedReason::LinkErrorAfterReply, REDQ_LE, 202));
+    assert_eq!(
+        unparsed(&out),
+        (UnparsedReason::LinkErrorAfterReply, REDQ_LE, 202)
+    );
 }
 
 #[test]
@@ -648,7 +745,10 @@ fn bad_headers_stop_at_their_offset() {
     let out = k.s(&[&bytes]);
     assert_eq!(out.len(), 3);
     assert_eq!(msgs(&out[..2]).len(), 2);
-    assert_eq!(unparsed(&out[2..]), (UnparsedReason::BadHeader, 0, 206 + 16 + 6));
+    assert_eq!(
+        unparsed(&out[2..]),
+        (UnparsedReason::BadHeader, 0, 206 + 16 + 6)
+    );
 
     // Huge size (above MAX_MESSAGE_SIZE), full header.
     let sess = Session::new_full(channel::DISPLAY, 0);
@@ -703,7 +803,10 @@ fn data_before_the_peer_link_reply() {
     let out = k.c(&[&sess.client_stream(&[(msg_client::ACK, [])])]);
     assert_eq!(out.len(), 2);
     only_link(&out[..1]);
-    assert_eq!(unparsed(&out[1..]), (UnparsedReason::PeerLinkMissing, 0, 170));
+    assert_eq!(
+        unparsed(&out[1..]),
+        (UnparsedReason::PeerLinkMissing, 0, 170)
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -726,7 +829,12 @@ impl Rng {
 }
 
 /// Feeds `bytes` as a random sequence of calls, each a random number of random segments.
-fn feed_randomly(st: &mut DirState, peer: &spice_ebpf_common::framing::PeerView, bytes: &[u8], rng: &mut Rng) -> Vec<Output> {
+fn feed_randomly(
+    st: &mut DirState,
+    peer: &spice_ebpf_common::framing::PeerView,
+    bytes: &[u8],
+    rng: &mut Rng,
+) -> Vec<Output> {
     let mut out = Vec::new();
     let mut i = 0;
     while i < bytes.len() {
@@ -750,9 +858,21 @@ fn feed_randomly(st: &mut DirState, peer: &spice_ebpf_common::framing::PeerView,
 fn random_splits_frame_like_one_call() {
     let mut rng = Rng(0x5EED);
     for round in 0..300 {
-        let kind = if rng.below(2) == 0 { HeaderKind::Mini } else { HeaderKind::Full };
-        let ch = if rng.below(3) == 0 { channel::MAIN } else { channel::DISPLAY };
-        let mut sess = if kind == HeaderKind::Mini { Session::new(ch, 0) } else { Session::new_full(ch, 0) };
+        let kind = if rng.below(2) == 0 {
+            HeaderKind::Mini
+        } else {
+            HeaderKind::Full
+        };
+        let ch = if rng.below(3) == 0 {
+            channel::MAIN
+        } else {
+            channel::DISPLAY
+        };
+        let mut sess = if kind == HeaderKind::Mini {
+            Session::new(ch, 0)
+        } else {
+            Session::new_full(ch, 0)
+        };
         sess.server_channel_caps = (0..rng.below(3)).map(|_| rng.next() as u32).collect();
         let n = 1 + rng.below(60) as usize;
         let server_msgs: Vec<(u16, Vec<u8>)> = (0..n)
@@ -767,8 +887,14 @@ fn random_splits_frame_like_one_call() {
                 (t, body)
             })
             .collect();
-        let client_msgs: Vec<(u16, Vec<u8>)> =
-            (0..n).map(|_| ([1u16, 2, 3, 101][rng.below(4) as usize], vec![1u8; rng.below(16) as usize])).collect();
+        let client_msgs: Vec<(u16, Vec<u8>)> = (0..n)
+            .map(|_| {
+                (
+                    [1u16, 2, 3, 101][rng.below(4) as usize],
+                    vec![1u8; rng.below(16) as usize],
+                )
+            })
+            .collect();
 
         let run = |split: Option<&mut Rng>| -> (Vec<Output>, Vec<Output>) {
             let mut k = Sock::default();
@@ -796,7 +922,11 @@ fn random_splits_frame_like_one_call() {
         let got = msgs(&whole.0);
         assert_eq!(got.len(), n, "round {round}");
         for (g, (t, b)) in got.iter().zip(&server_msgs) {
-            assert_eq!((g.at, g.msg_type, g.size as usize, g.hdr_len as u64), (at, *t, b.len(), hl), "round {round}");
+            assert_eq!(
+                (g.at, g.msg_type, g.size as usize, g.hdr_len as u64),
+                (at, *t, b.len(), hl),
+                "round {round}"
+            );
             at += hl + b.len() as u64;
         }
         assert_eq!(msgs(&whole.1).len(), n, "round {round}");

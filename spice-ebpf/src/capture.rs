@@ -15,7 +15,9 @@ use spice_ebpf_common::{
         EventHeader, LinkEvent, MessageEvent, PendingCall, SockState, SocketEvent, TcpSnapshot,
         UnparsedEvent, call_kind, dir as dirs, kind, msg_flags, tcp_source,
     },
-    framing::{BUF_LEN, DirState, LinkInfo, MAX_WANT, MessageInfo, Output, PeerView, UnparsedReason},
+    framing::{
+        BUF_LEN, DirState, LinkInfo, MAX_WANT, MessageInfo, Output, PeerView, UnparsedReason,
+    },
 };
 
 use crate::{
@@ -59,7 +61,15 @@ struct LoopCtx {
 
 #[inline(always)]
 fn header(kind_: u8, dir: u8, cookie: u64, tgid: u32, now: u64) -> EventHeader {
-    EventHeader { kind: kind_, dir, flags: 0, _pad: 0, tgid, ts_ns: now, cookie }
+    EventHeader {
+        kind: kind_,
+        dir,
+        flags: 0,
+        _pad: 0,
+        tgid,
+        ts_ns: now,
+        cookie,
+    }
 }
 
 /// Writes the record for one framing output; counts a loss if the ring is full.
@@ -235,7 +245,14 @@ fn socket_state(call: &Call, tgid: u32, now: u64) -> Option<*mut SockState> {
         for d in 0..2usize {
             let ds = &mut state.dir[d];
             let out = ds.stop(UnparsedReason::AttachedMidStream, 0);
-            emit(&EventHeader { dir: d as u8, ..hdr }, &out, 0);
+            emit(
+                &EventHeader {
+                    dir: d as u8,
+                    ..hdr
+                },
+                &out,
+                0,
+            );
         }
     }
     Some(s)
@@ -293,7 +310,11 @@ fn store_tcp(sk: *const u8, cookie: u64, now: u64, send: bool) -> u32 {
     };
     let snap = unsafe { &mut *p };
     kernel::fill_tcp(sk, now, tcp_source::SOCKET_CALL, snap);
-    if send { snap.write_seq } else { snap.copied_seq }
+    if send {
+        snap.write_seq
+    } else {
+        snap.copied_seq
+    }
 }
 
 /// Handles one traced socket call.
@@ -330,8 +351,20 @@ pub fn on_call(call: &Call) {
 
     if call.ret <= 0 {
         if call.args.kind != call_kind::UNSUPPORTED {
-            let base = if sock.seq_init[d] != 0 { sock.seq_base[d] } else { 0 };
-            peek_eagain(st, &peer, call, &EmitCtx { hdr, seq_base: base });
+            let base = if sock.seq_init[d] != 0 {
+                sock.seq_base[d]
+            } else {
+                0
+            };
+            peek_eagain(
+                st,
+                &peer,
+                call,
+                &EmitCtx {
+                    hdr,
+                    seq_base: base,
+                },
+            );
         }
         return;
     }
@@ -350,7 +383,10 @@ pub fn on_call(call: &Call) {
         if expected != seq_now && !fin && !st.is_unparsed() {
             // Bytes moved that no traced call accounted for.
             count(counter::UNTRACED_BYTES);
-            let out = st.stop(UnparsedReason::UntracedBytes, seq_now.wrapping_sub(expected));
+            let out = st.stop(
+                UnparsedReason::UntracedBytes,
+                seq_now.wrapping_sub(expected),
+            );
             emit(&hdr, &out, 0);
         }
     }
@@ -361,7 +397,11 @@ pub fn on_call(call: &Call) {
         emit(&hdr, &out, 0);
     }
     if !st.is_unparsed() {
-        let span = Span { start: call_start, end: call_end, seq_base: sock.seq_base[d] };
+        let span = Span {
+            start: call_start,
+            end: call_end,
+            seq_base: sock.seq_base[d],
+        };
         frame(st, &peer, call, &hdr, &span);
     }
     st.pos = call_end;
@@ -388,7 +428,11 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, hdr: &EventHeader, spa
     let (iov_ptr, iov_cnt, cur_base, cur_len) = if call.args.kind == call_kind::IOVEC {
         let mut iov = [0u64; 2];
         let rc = unsafe {
-            bpf_probe_read_user(iov.as_mut_ptr() as *mut c_void, 16, call.args.ptr as *const c_void)
+            bpf_probe_read_user(
+                iov.as_mut_ptr() as *mut c_void,
+                16,
+                call.args.ptr as *const c_void,
+            )
         };
         if rc != 0 {
             count(counter::USER_READ_FAULT);
@@ -415,7 +459,12 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, hdr: &EventHeader, spa
         cur_len,
     };
     let steps = unsafe {
-        bpf_loop(MAX_STEPS_PER_CALL, step as *mut c_void, &mut ctx as *mut LoopCtx as *mut c_void, 0)
+        bpf_loop(
+            MAX_STEPS_PER_CALL,
+            step as *mut c_void,
+            &mut ctx as *mut LoopCtx as *mut c_void,
+            0,
+        )
     };
     if steps as u32 >= MAX_STEPS_PER_CALL && !st.is_unparsed() {
         let (at, _) = st.need();
@@ -438,7 +487,11 @@ fn peek_eagain(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx) {
     let (base, len) = if call.args.kind == call_kind::IOVEC {
         let mut iov = [0u64; 2];
         let rc = unsafe {
-            bpf_probe_read_user(iov.as_mut_ptr() as *mut c_void, 16, call.args.ptr as *const c_void)
+            bpf_probe_read_user(
+                iov.as_mut_ptr() as *mut c_void,
+                16,
+                call.args.ptr as *const c_void,
+            )
         };
         if rc != 0 {
             return;
@@ -450,10 +503,18 @@ fn peek_eagain(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx) {
     if len < MAX_WANT as u64 && len < st.want_len as u64 {
         return;
     }
-    let avail = if len < MAX_WANT as u64 { len as u32 } else { MAX_WANT };
+    let avail = if len < MAX_WANT as u64 {
+        len as u32
+    } else {
+        MAX_WANT
+    };
     let mut first = [0u8; BUF_LEN];
     let rc = unsafe {
-        bpf_probe_read_user(first.as_mut_ptr() as *mut c_void, avail & 31, base as *const c_void)
+        bpf_probe_read_user(
+            first.as_mut_ptr() as *mut c_void,
+            avail & 31,
+            base as *const c_void,
+        )
     };
     if rc != 0 {
         return;

@@ -32,13 +32,11 @@ pub static CONFIG: KernelConfig = KernelConfig {
 
 /// Reads one config field without letting the compiler constant-fold the zero initialiser.
 macro_rules! konf {
-    ($field:ident) => {
-        {
-            #[allow(unused_unsafe)]
-            let v = unsafe { core::ptr::read_volatile(&raw const $crate::kernel::CONFIG.$field) };
-            v
-        }
-    };
+    ($field:ident) => {{
+        #[allow(unused_unsafe)]
+        let v = unsafe { core::ptr::read_volatile(&raw const $crate::kernel::CONFIG.$field) };
+        v
+    }};
 }
 pub(crate) use konf;
 
@@ -82,5 +80,9 @@ pub fn fill_tcp(sk: *const u8, now: u64, source: u32, out: &mut TcpSnapshot) {
 /// `write_seq` (send) or `copied_seq` (recv) of `sk`.
 #[inline(always)]
 pub fn seq_after_call(sk: *const u8, send: bool) -> u32 {
-    if send { read_at(sk, konf!(tcp_write_seq)) } else { read_at(sk, konf!(tcp_copied_seq)) }
+    if send {
+        read_at(sk, konf!(tcp_write_seq))
+    } else {
+        read_at(sk, konf!(tcp_copied_seq))
+    }
 }

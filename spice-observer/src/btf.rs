@@ -42,7 +42,10 @@ impl KernelBtf {
     /// Errors if the file is missing (kernel built without `CONFIG_DEBUG_INFO_BTF`) or unparsable.
     pub fn open(path: &Path) -> Result<Self> {
         let data = std::fs::read(path).with_context(|| {
-            format!("reading {} (the kernel needs CONFIG_DEBUG_INFO_BTF=y)", path.display())
+            format!(
+                "reading {} (the kernel needs CONFIG_DEBUG_INFO_BTF=y)",
+                path.display()
+            )
         })?;
         let info = TypeInformation::new(&Bytes(data))
             .map_err(|e| anyhow!("parsing {}: {e:?}", path.display()))?;
@@ -53,7 +56,10 @@ impl KernelBtf {
     ///
     /// Errors if the type or member does not exist, or if the member is a bitfield.
     pub fn offset(&self, ty: &str, path: &str) -> Result<u32> {
-        let tid = self.info.id_of(ty).ok_or_else(|| anyhow!("kernel BTF has no type `{ty}`"))?;
+        let tid = self
+            .info
+            .id_of(ty)
+            .ok_or_else(|| anyhow!("kernel BTF has no type `{ty}`"))?;
         let (_, off) = self
             .info
             .offset_of(tid, path)
@@ -119,7 +125,10 @@ mod tests {
         // struct sock starts with struct sock_common; skc_daddr is its first member.
         assert_eq!(c.skc_daddr, 0);
         assert_eq!(c.skc_rcv_saddr, 4);
-        assert!(c.tcp_write_seq > 1000, "tcp_sock members sit after inet_connection_sock");
+        assert!(
+            c.tcp_write_seq > 1000,
+            "tcp_sock members sit after inet_connection_sock"
+        );
         assert_ne!(c.task_pid, c.task_tgid);
     }
 }

@@ -16,15 +16,30 @@ use spice_ebpf_common::{
 pub enum Event {
     /// First use of a TCP socket by a watched process.
     /// `tid` is the thread that made the call.
-    Socket { hdr: EventHeader, tid: u32, local: SocketAddr, remote: SocketAddr, comm: String },
+    Socket {
+        hdr: EventHeader,
+        tid: u32,
+        local: SocketAddr,
+        remote: SocketAddr,
+        comm: String,
+    },
     /// A link message (client) or reply (server) in direction `hdr.dir`.
     Link(LinkEvent),
     /// A data message start.
     Message(MessageEvent),
     /// Framing stopped in direction `hdr.dir`.
-    Unparsed { hdr: EventHeader, at: u64, reason: UnparsedReason, detail: u32 },
+    Unparsed {
+        hdr: EventHeader,
+        at: u64,
+        reason: UnparsedReason,
+        detail: u32,
+    },
     /// A watched process forked `child`.
-    Fork { hdr: EventHeader, child: u32, comm: String },
+    Fork {
+        hdr: EventHeader,
+        child: u32,
+        comm: String,
+    },
     /// A watched process exited.
     Exit { hdr: EventHeader },
     /// A tracked socket closed, with its last TCP state.
@@ -33,7 +48,11 @@ pub enum Event {
 
 fn read<T: Copy>(buf: &[u8]) -> Result<T> {
     if buf.len() < size_of::<T>() {
-        bail!("record of {} bytes is shorter than {}", buf.len(), std::any::type_name::<T>());
+        bail!(
+            "record of {} bytes is shorter than {}",
+            buf.len(),
+            std::any::type_name::<T>()
+        );
     }
     // SAFETY: length checked; T is a plain repr(C) record; unaligned read.
     Ok(unsafe { std::ptr::read_unaligned(buf.as_ptr() as *const T) })
@@ -75,11 +94,20 @@ pub fn decode(buf: &[u8]) -> Result<Event> {
         kind::MESSAGE => Event::Message(read(buf)?),
         kind::UNPARSED => {
             let e: UnparsedEvent = read(buf)?;
-            Event::Unparsed { hdr, at: e.at, reason: UnparsedReason::from_u8(e.reason), detail: e.detail }
+            Event::Unparsed {
+                hdr,
+                at: e.at,
+                reason: UnparsedReason::from_u8(e.reason),
+                detail: e.detail,
+            }
         }
         kind::FORK => {
             let e: ProcEvent = read(buf)?;
-            Event::Fork { hdr, child: e.pid, comm: comm(&e.comm) }
+            Event::Fork {
+                hdr,
+                child: e.pid,
+                comm: comm(&e.comm),
+            }
         }
         kind::EXIT => Event::Exit { hdr },
         kind::CLOSE => {

@@ -47,8 +47,13 @@ pub struct Capture {
 /// Explains a program load failure, keeping the verifier's log (a rejection is a bug here).
 fn load_error(name: &str, e: ProgramError) -> anyhow::Error {
     match e {
-        ProgramError::LoadError { io_error, verifier_log } => {
-            anyhow!("the kernel refused program `{name}`: {io_error}\nverifier log:\n{verifier_log}")
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => {
+            anyhow!(
+                "the kernel refused program `{name}`: {io_error}\nverifier log:\n{verifier_log}"
+            )
         }
         other => anyhow!("loading program `{name}`: {other}"),
     }
@@ -74,7 +79,10 @@ impl Capture {
     /// sockops (listed in [`Capture::degraded`]).
     pub fn load() -> Result<Self> {
         // Pre-5.11 kernels charge BPF maps to RLIMIT_MEMLOCK; harmless elsewhere.
-        let rlim = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+        let rlim = libc::rlimit {
+            rlim_cur: libc::RLIM_INFINITY,
+            rlim_max: libc::RLIM_INFINITY,
+        };
         if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rlim) } != 0 {
             debug!("could not raise RLIMIT_MEMLOCK");
         }
@@ -85,10 +93,14 @@ impl Capture {
             .override_global("CONFIG", &config, true)
             .load(EBPF_OBJECT)
             .map_err(|e| match e {
-                aya::EbpfError::MapError(aya::maps::MapError::CreateError { name, io_error, .. })
-                    if io_error.kind() == std::io::ErrorKind::PermissionDenied =>
-                {
-                    anyhow!("creating BPF map `{name}`: permission denied (run spice-observer as root)")
+                aya::EbpfError::MapError(aya::maps::MapError::CreateError {
+                    name,
+                    io_error,
+                    ..
+                }) if io_error.kind() == std::io::ErrorKind::PermissionDenied => {
+                    anyhow!(
+                        "creating BPF map `{name}`: permission denied (run spice-observer as root)"
+                    )
                 }
                 other => anyhow!("loading the eBPF object: {other}"),
             })?;
@@ -98,7 +110,8 @@ impl Capture {
             .ok_or_else(|| anyhow!("program spice_sys_enter missing from the object"))?
             .try_into()?;
         prog.load().map_err(|e| load_error("spice_sys_enter", e))?;
-        prog.attach("sys_enter").context("attaching raw_tracepoint sys_enter")?;
+        prog.attach("sys_enter")
+            .context("attaching raw_tracepoint sys_enter")?;
 
         for (name, tp) in BTF_TRACEPOINTS {
             let prog: &mut BtfTracePoint = ebpf
@@ -112,7 +125,8 @@ impl Capture {
                      hook set needs it (see README, Kernel requirements)"
                 ),
             })?;
-            prog.attach().with_context(|| format!("attaching tp_btf/{tp}"))?;
+            prog.attach()
+                .with_context(|| format!("attaching tp_btf/{tp}"))?;
         }
 
         let mut hook_set = String::from("tracepoints");
@@ -135,18 +149,31 @@ impl Capture {
                     }
                 }
             }
-            Err(e) => degraded.push(format!("sockops disabled ({e}): TCP state is read at socket calls and by sock_diag only")),
+            Err(e) => degraded.push(format!(
+                "sockops disabled ({e}): TCP state is read at socket calls and by sock_diag only"
+            )),
         }
 
-        let zero: &mut Array<&mut MapData, SockState> =
-            &mut Array::try_from(ebpf.map_mut("ZERO_SOCK").ok_or_else(|| anyhow!("map ZERO_SOCK"))?)?;
+        let zero: &mut Array<&mut MapData, SockState> = &mut Array::try_from(
+            ebpf.map_mut("ZERO_SOCK")
+                .ok_or_else(|| anyhow!("map ZERO_SOCK"))?,
+        )?;
         zero.set(0, SockState::default(), 0)?;
-        Ok(Self { ebpf, hook_set, degraded })
+        Ok(Self {
+            ebpf,
+            hook_set,
+            degraded,
+        })
     }
 
-    fn hash<K: aya::Pod, V: aya::Pod>(&mut self, name: &str) -> Result<HashMap<&mut MapData, K, V>> {
+    fn hash<K: aya::Pod, V: aya::Pod>(
+        &mut self,
+        name: &str,
+    ) -> Result<HashMap<&mut MapData, K, V>> {
         Ok(HashMap::try_from(
-            self.ebpf.map_mut(name).ok_or_else(|| anyhow!("map {name} missing"))?,
+            self.ebpf
+                .map_mut(name)
+                .ok_or_else(|| anyhow!("map {name} missing"))?,
         )?)
     }
 
@@ -155,7 +182,8 @@ impl Capture {
         if tgid == std::process::id() {
             bail!("refusing to watch the observer itself (pid {tgid})");
         }
-        self.hash::<u32, u32>("WATCHED_TGIDS")?.insert(tgid, tgid, 0)?;
+        self.hash::<u32, u32>("WATCHED_TGIDS")?
+            .insert(tgid, tgid, 0)?;
         Ok(())
     }
 
@@ -173,13 +201,19 @@ impl Capture {
 
     /// Latest TCP state a kernel hook read for `cookie`, if any.
     pub fn tcp_state(&mut self, cookie: u64) -> Option<TcpSnapshot> {
-        self.hash::<u64, TcpSnapshot>("TCP_STATE").ok()?.get(&cookie, 0).ok()
+        self.hash::<u64, TcpSnapshot>("TCP_STATE")
+            .ok()?
+            .get(&cookie, 0)
+            .ok()
     }
 
     /// Sum over CPUs of each kernel counter (`spice_ebpf_common::config::counter`).
     pub fn counters(&mut self) -> Result<[u64; counter::COUNT as usize]> {
-        let map: PerCpuArray<&mut MapData, u64> =
-            PerCpuArray::try_from(self.ebpf.map_mut("COUNTERS").ok_or_else(|| anyhow!("map COUNTERS"))?)?;
+        let map: PerCpuArray<&mut MapData, u64> = PerCpuArray::try_from(
+            self.ebpf
+                .map_mut("COUNTERS")
+                .ok_or_else(|| anyhow!("map COUNTERS"))?,
+        )?;
         let mut out = [0u64; counter::COUNT as usize];
         for (i, slot) in out.iter_mut().enumerate() {
             *slot = map.get(&(i as u32), 0)?.iter().sum();
@@ -190,7 +224,9 @@ impl Capture {
     /// Takes the event ring (call once).
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
         Ok(RingBuf::try_from(
-            self.ebpf.take_map("EVENTS").ok_or_else(|| anyhow!("map EVENTS already taken"))?,
+            self.ebpf
+                .take_map("EVENTS")
+                .ok_or_else(|| anyhow!("map EVENTS already taken"))?,
         )?)
     }
 }

@@ -63,7 +63,15 @@ fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Observe { pids, duration, json, sample_ms, no_progress, dump_events, plot } => {
+        Command::Observe {
+            pids,
+            duration,
+            json,
+            sample_ms,
+            no_progress,
+            dump_events,
+            plot,
+        } => {
             if !(duration >= 0.0 && duration.is_finite()) {
                 anyhow::bail!("--duration must be a number of seconds ≥ 0");
             }
@@ -76,7 +84,9 @@ fn main() -> Result<()> {
                 dump_events,
                 plot,
             };
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
             rt.block_on(observe::run(opts))
         }
     }

@@ -44,33 +44,60 @@ pub struct ObserveOptions {
 }
 
 /// The plotted series of every display channel chain with samples.
-fn plot_series(model: &Model, chains: &[Chain], started_ns: u64) -> Vec<crate::plot::ChannelSeries> {
+fn plot_series(
+    model: &Model,
+    chains: &[Chain],
+    started_ns: u64,
+) -> Vec<crate::plot::ChannelSeries> {
     use crate::model::chain::{NO_RELAY_STAGES, STAGES};
     let mut out = Vec::new();
     for chain in chains {
-        let Some(s) = model.sockets.get(&chain.server) else { continue };
+        let Some(s) = model.sockets.get(&chain.server) else {
+            continue;
+        };
         if s.channel().map(|c| c.0) != Some(channel::DISPLAY) || !s.window.active() {
             continue;
         }
-        let samples: Vec<_> = chain.samples.iter().filter(|x| x.placement.is_some()).collect();
+        let samples: Vec<_> = chain
+            .samples
+            .iter()
+            .filter(|x| x.placement.is_some())
+            .collect();
         if samples.is_empty() {
             continue;
         }
         let stage_idx: Vec<usize> = if chain.backend.is_some() {
-            if chain.client_leg.is_some() && chain.is_transparent() { (0..STAGES.len()).collect() } else { vec![0, 1, 2, 3] }
+            if chain.client_leg.is_some() && chain.is_transparent() {
+                (0..STAGES.len()).collect()
+            } else {
+                vec![0, 1, 2, 3]
+            }
         } else {
             NO_RELAY_STAGES.to_vec()
         };
         let stages = stage_idx
             .iter()
-            .map(|&i| (STAGES[i].to_string(), samples.iter().map(|x| x.placement.unwrap().counts[i]).collect()))
+            .map(|&i| {
+                (
+                    STAGES[i].to_string(),
+                    samples
+                        .iter()
+                        .map(|x| x.placement.unwrap().counts[i])
+                        .collect(),
+                )
+            })
             .collect();
-        let t_s: Vec<f64> = samples.iter().map(|x| x.t_ns.saturating_sub(started_ns) as f64 / 1e9).collect();
+        let t_s: Vec<f64> = samples
+            .iter()
+            .map(|x| x.t_ns.saturating_sub(started_ns) as f64 / 1e9)
+            .collect();
         let mut throughput = Vec::with_capacity(samples.len());
         let mut prev: Option<(u64, u64)> = None;
         for x in &samples {
             let v = match (prev, x.delivered) {
-                (Some((t0, d0)), Some(d1)) if x.t_ns > t0 => d1.saturating_sub(d0) as f64 * 8.0 / ((x.t_ns - t0) as f64 / 1e9) / 1e6,
+                (Some((t0, d0)), Some(d1)) if x.t_ns > t0 => {
+                    d1.saturating_sub(d0) as f64 * 8.0 / ((x.t_ns - t0) as f64 / 1e9) / 1e6
+                }
                 _ => 0.0,
             };
             throughput.push(v);
@@ -78,7 +105,12 @@ fn plot_series(model: &Model, chains: &[Chain], started_ns: u64) -> Vec<crate::p
                 prev = Some((x.t_ns, d));
             }
         }
-        let relay = chain.backend.is_some().then(|| samples.iter().map(|x| x.relay_visible.unwrap_or(0)).collect());
+        let relay = chain.backend.is_some().then(|| {
+            samples
+                .iter()
+                .map(|x| x.relay_visible.unwrap_or(0))
+                .collect()
+        });
         let (ctype, cid) = s.channel().unwrap_or((0, 0));
         out.push(crate::plot::ChannelSeries {
             title: format!(
@@ -104,7 +136,10 @@ fn plot_series(model: &Model, chains: &[Chain], started_ns: u64) -> Vec<crate::p
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
@@ -137,17 +172,26 @@ fn prepare_sockets(cap: &mut Capture, pids: &[u32]) -> Result<(usize, Vec<Existi
     match sockdiag::dump_tcp() {
         Ok(socks) => {
             for s in socks.iter() {
-                let Some(&pid) = owner.get(&s.inode) else { continue };
+                let Some(&pid) = owner.get(&s.inode) else {
+                    continue;
+                };
                 if s.state == TCP_LISTEN {
                     cap.watch_port(s.local.port())?;
                     ports += 1;
                 } else if s.state == TCP_ESTABLISHED || s.state == TCP_CLOSE_WAIT {
                     cap.mark_preexisting(s.cookie)?;
-                    existing.push(Existing { cookie: s.cookie, pid, local: s.local, remote: s.remote });
+                    existing.push(Existing {
+                        cookie: s.cookie,
+                        pid,
+                        local: s.local,
+                        remote: s.remote,
+                    });
                 }
             }
         }
-        Err(e) => warn!("sock_diag dump failed ({e:#}); sockops enrolment and pre-existing socket detection are off"),
+        Err(e) => warn!(
+            "sock_diag dump failed ({e:#}); sockops enrolment and pre-existing socket detection are off"
+        ),
     }
     Ok((ports, existing))
 }
@@ -155,14 +199,18 @@ fn prepare_sockets(cap: &mut Capture, pids: &[u32]) -> Result<(usize, Vec<Existi
 /// The process (thread group) of `pid`: a thread id given by mistake (what `top -H` shows)
 /// resolves to its process.
 fn thread_group(pid: u32) -> Result<u32> {
-    let proc = procfs::process::Process::new(pid as i32).map_err(|_| anyhow::anyhow!("no process with pid {pid}"))?;
-    let status = proc.status().with_context(|| format!("reading /proc/{pid}/status"))?;
+    let proc = procfs::process::Process::new(pid as i32)
+        .map_err(|_| anyhow::anyhow!("no process with pid {pid}"))?;
+    let status = proc
+        .status()
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
     Ok(status.tgid as u32)
 }
 
 /// Creates (truncates) an output file now, so that a bad path fails before observing.
 fn check_writable(path: &std::path::Path, what: &str) -> Result<()> {
-    std::fs::File::create(path).with_context(|| format!("cannot write the {what} to {}", path.display()))?;
+    std::fs::File::create(path)
+        .with_context(|| format!("cannot write the {what} to {}", path.display()))?;
     Ok(())
 }
 
@@ -171,7 +219,10 @@ fn check_writable(path: &std::path::Path, what: &str) -> Result<()> {
 fn final_tcp(model: &Model) -> BTreeMap<u64, TcpReport> {
     let mut out = BTreeMap::new();
     let diag = match sockdiag::dump_tcp() {
-        Ok(v) => v.into_iter().map(|s| (s.cookie, s)).collect::<BTreeMap<_, _>>(),
+        Ok(v) => v
+            .into_iter()
+            .map(|s| (s.cookie, s))
+            .collect::<BTreeMap<_, _>>(),
         Err(e) => {
             debug!("final sock_diag dump failed: {e:#}");
             BTreeMap::new()
@@ -179,9 +230,21 @@ fn final_tcp(model: &Model) -> BTreeMap<u64, TcpReport> {
     };
     for s in model.sockets.values() {
         let from_hooks = s.tcp.as_ref().map(|t| {
-            TcpReport::from_snapshot(t, s.notsent_max, if s.closed_ns.is_some() { "close" } else { "kernel_hooks" })
+            TcpReport::from_snapshot(
+                t,
+                s.notsent_max,
+                if s.closed_ns.is_some() {
+                    "close"
+                } else {
+                    "kernel_hooks"
+                },
+            )
         });
-        let rep = match (s.closed_ns, diag.get(&s.cookie).and_then(|d| d.info.as_ref().map(|i| (d, i)))) {
+        let rep = match (
+            s.closed_ns,
+            diag.get(&s.cookie)
+                .and_then(|d| d.info.as_ref().map(|i| (d, i))),
+        ) {
             (None, Some((d, i))) => Some(TcpReport {
                 srtt_us: i.srtt_us,
                 cwnd_segments: i.snd_cwnd,
@@ -203,11 +266,23 @@ fn final_tcp(model: &Model) -> BTreeMap<u64, TcpReport> {
 
 fn progress_line(model: &Model, started_ns: u64, lost: u64) -> String {
     let secs = (monotonic_ns() - started_ns) as f64 / 1e9;
-    let msgs: u64 = model.sockets.values().map(|s| s.dirs[0].messages + s.dirs[1].messages).sum();
-    let framed = model.sockets.values().filter(|s| matches!(s.framing(), "mini" | "full")).count();
+    let msgs: u64 = model
+        .sockets
+        .values()
+        .map(|s| s.dirs[0].messages + s.dirs[1].messages)
+        .sum();
+    let framed = model
+        .sockets
+        .values()
+        .filter(|s| matches!(s.framing(), "mini" | "full"))
+        .count();
     // spice-server's display channels only: a relay's client-facing legs are server ends too.
-    let relays: std::collections::HashSet<u32> =
-        model.sockets.values().filter(|s| s.is_server_end() == Some(false)).map(|s| s.pid).collect();
+    let relays: std::collections::HashSet<u32> = model
+        .sockets
+        .values()
+        .filter(|s| s.is_server_end() == Some(false))
+        .map(|s| s.pid)
+        .collect();
     let mut display = Vec::new();
     for s in model.sockets.values() {
         if s.closed_ns.is_none()
@@ -222,7 +297,11 @@ fn progress_line(model: &Model, started_ns: u64, lost: u64) -> String {
     format!(
         "[{secs:6.1}s] {} sockets, {framed} framed, {msgs} msgs, display in flight {}, lost {lost}",
         model.sockets.len(),
-        if display.is_empty() { "-".into() } else { display.join(" ") },
+        if display.is_empty() {
+            "-".into()
+        } else {
+            display.join(" ")
+        },
     )
 }
 
@@ -263,7 +342,9 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     for &pid in &opts.pids {
         let tgid = thread_group(pid)?;
         if tgid != pid {
-            eprintln!("spice-observer: pid {pid} is a thread of process {tgid}; watching process {tgid}");
+            eprintln!(
+                "spice-observer: pid {pid} is a thread of process {tgid}; watching process {tgid}"
+            );
         }
         if tgid == me {
             bail!("refusing to watch the observer itself (pid {me})");
@@ -274,7 +355,10 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     }
     let pid_reports: Vec<PidReport> = roots
         .iter()
-        .map(|&pid| PidReport { pid, comm: sockdiag::comm(pid).unwrap_or_default() })
+        .map(|&pid| PidReport {
+            pid,
+            comm: sockdiag::comm(pid).unwrap_or_default(),
+        })
         .collect();
     if let Some(p) = opts.json.as_ref().filter(|p| p.as_os_str() != "-") {
         check_writable(p, "JSON report")?;
@@ -302,7 +386,11 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     let started_ns = monotonic_ns();
     eprintln!(
         "spice-observer: watching {} (hook set {}; {ports} listening port(s) enrolled, {} connection(s) already open); {}",
-        pid_reports.iter().map(|p| format!("pid {} ({})", p.pid, p.comm)).collect::<Vec<_>>().join(", "),
+        pid_reports
+            .iter()
+            .map(|p| format!("pid {} ({})", p.pid, p.comm))
+            .collect::<Vec<_>>()
+            .join(", "),
         cap.hook_set,
         existing.len(),
         match opts.duration {
@@ -374,7 +462,11 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         eprintln!();
     }
     sink.drain(ring.get_mut());
-    let Sink { mut model, decode_errors, .. } = sink;
+    let Sink {
+        mut model,
+        decode_errors,
+        ..
+    } = sink;
     let end_ns = monotonic_ns();
     model.finish(end_ns);
     // Name sockets after their process, not the thread that first used them.
@@ -400,7 +492,9 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         },
     );
     if decode_errors > 0 {
-        rep.degraded.push(format!("{decode_errors} ring record(s) could not be decoded"));
+        rep.degraded.push(format!(
+            "{decode_errors} ring record(s) could not be decoded"
+        ));
         rep.events_lost += decode_errors;
     }
     // Table and JSON first: a failing plot must not lose them.

@@ -245,12 +245,17 @@ pub struct Report {
 
 fn detail_text(reason: UnparsedReason, detail: u32, at: u64) -> String {
     match reason {
-        UnparsedReason::NotSpice | UnparsedReason::Tls | UnparsedReason::WebSocket | UnparsedReason::Http => {
+        UnparsedReason::NotSpice
+        | UnparsedReason::Tls
+        | UnparsedReason::WebSocket
+        | UnparsedReason::Http => {
             format!("first bytes {:02x?} at offset {at}", detail.to_le_bytes())
         }
         UnparsedReason::LinkRefused => format!("link error {} ({detail})", link_error_name(detail)),
         UnparsedReason::BadHeader => format!("message type {detail} at offset {at}"),
-        UnparsedReason::UntracedBytes => format!("{detail} bytes moved by an untraced call before offset {at}"),
+        UnparsedReason::UntracedBytes => {
+            format!("{detail} bytes moved by an untraced call before offset {at}")
+        }
         UnparsedReason::AttachedMidStream => "connection existed before observation started".into(),
         _ => format!("detail {detail} at offset {at}"),
     }
@@ -268,7 +273,10 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
         return None;
     }
     if c.framing == "unparsed" {
-        return Some(format!("cannot judge: stream unparsed ({})", c.unparsed_reason.unwrap_or("?")));
+        return Some(format!(
+            "cannot judge: stream unparsed ({})",
+            c.unparsed_reason.unwrap_or("?")
+        ));
     }
     let (Some(w), Some(p50), Some(limit)) = (c.window, c.in_flight_p50, c.in_flight_limit) else {
         return Some("no SET_ACK seen: the ACK window is unknown".into());
@@ -276,21 +284,40 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
     let stalled = c.stalled_fraction.unwrap_or(0.0);
     let flow = &c.server_to_client;
     let chain = c.chain.as_ref();
-    let stage_bytes = |name: &str| c.stages.as_ref().and_then(|s| s.get(name)).map_or(0, |s| s.bytes_p50);
-    let total_bytes: u64 = c.stages.as_ref().map_or(0, |s| s.values().map(|v| v.bytes_p50).sum());
+    let stage_bytes = |name: &str| {
+        c.stages
+            .as_ref()
+            .and_then(|s| s.get(name))
+            .map_or(0, |s| s.bytes_p50)
+    };
+    let total_bytes: u64 = c
+        .stages
+        .as_ref()
+        .map_or(0, |s| s.values().map(|v| v.bytes_p50).sum());
     let relay = chain.is_some_and(|ch| ch.backend.is_some());
     let queued: u64 = if relay {
-        ["server_writing", "server_notsent", "server_unacked", "proxy_recv_queue", "proxy_inside", "proxy_notsent"]
-            .iter()
-            .map(|n| stage_bytes(n))
-            .sum()
+        [
+            "server_writing",
+            "server_notsent",
+            "server_unacked",
+            "proxy_recv_queue",
+            "proxy_inside",
+            "proxy_notsent",
+        ]
+        .iter()
+        .map(|n| stage_bytes(n))
+        .sum()
     } else {
         stage_bytes("server_writing") + stage_bytes("server_notsent")
     };
     let link = chain.and_then(|ch| ch.link_rate_mbit).filter(|r| *r > 0.0);
-    let delivered = chain.and_then(|ch| ch.link_delivered_mbit).unwrap_or(flow.mbit_per_s);
+    let delivered = chain
+        .and_then(|ch| ch.link_delivered_mbit)
+        .unwrap_or(flow.mbit_per_s);
     let util = link.map(|r| delivered / r);
-    let rwnd = chain.and_then(|ch| ch.link_rwnd_limited_fraction).unwrap_or(0.0);
+    let rwnd = chain
+        .and_then(|ch| ch.link_rwnd_limited_fraction)
+        .unwrap_or(0.0);
     let kib = |b: u64| b / 1024;
     Some(if flow.messages_per_s < 1.0 && stalled < 0.05 {
         format!("idle: {:.1} msgs/s", flow.messages_per_s)
@@ -300,12 +327,20 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
             rwnd * 100.0
         )
     } else if let (Some(u), Some(rate)) = (util.filter(|u| *u >= 0.7), link) {
-        let biggest = ["server_notsent", "server_unacked", "proxy_recv_queue", "proxy_inside", "proxy_notsent"]
-            .into_iter()
-            .map(|n| (stage_bytes(n), n))
-            .max()
-            .filter(|(b, _)| *b > 0)
-            .map_or(String::new(), |(b, n)| format!(", most in {n} ({} KiB)", kib(b)));
+        let biggest = [
+            "server_notsent",
+            "server_unacked",
+            "proxy_recv_queue",
+            "proxy_inside",
+            "proxy_notsent",
+        ]
+        .into_iter()
+        .map(|n| (stage_bytes(n), n))
+        .max()
+        .filter(|(b, _)| *b > 0)
+        .map_or(String::new(), |(b, n)| {
+            format!(", most in {n} ({} KiB)", kib(b))
+        });
         format!(
             "link bound (cwnd/rate): {:.1} Mbit/s delivered, the link's rate is {:.1} Mbit/s ({:.0}%); in flight p50 {p50} of {limit}, {} of {} KiB in flight queued before the link{biggest}{}",
             delivered,
@@ -313,7 +348,11 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
             u * 100.0,
             kib(queued),
             kib(total_bytes),
-            if stalled >= 0.05 { format!("; at the window {:.0}% of the time", stalled * 100.0) } else { String::new() }
+            if stalled >= 0.05 {
+                format!("; at the window {:.0}% of the time", stalled * 100.0)
+            } else {
+                String::new()
+            }
         )
     } else if stalled >= 0.5 {
         let ceiling = match (c.messages_per_srtt, c.window_ceiling_msgs_per_s) {
@@ -327,19 +366,30 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
             "ACK-window bound: spice-server waited for ACKs {:.0}% of the time (in flight p50 {p50} of {limit}, W={w}){ceiling}",
             stalled * 100.0
         )
-    } else if c.stages.is_some() && stage_bytes("server_notsent") >= (256 * 1024).max(total_bytes / 2) && p50 < 2 * w as i64 {
+    } else if c.stages.is_some()
+        && stage_bytes("server_notsent") >= (256 * 1024).max(total_bytes / 2)
+        && p50 < 2 * w as i64
+    {
         format!(
             "send-buffer bound: {} KiB of the {} KiB in flight wait unsent in qemu's socket while the count stays at p50 {p50} of {limit}",
             kib(stage_bytes("server_notsent")),
             kib(total_bytes)
         )
-    } else if c.stages.is_none() && c.tcp.as_ref().is_some_and(|t| t.notsent_max_bytes >= 256 * 1024) && stalled < 0.5 {
+    } else if c.stages.is_none()
+        && c.tcp
+            .as_ref()
+            .is_some_and(|t| t.notsent_max_bytes >= 256 * 1024)
+        && stalled < 0.5
+    {
         format!(
             "send-buffer bound: up to {} KiB waited unsent in the socket (in flight p50 {p50} of {limit})",
             kib(c.tcp.as_ref().map_or(0, |t| t.notsent_max_bytes as u64))
         )
     } else if stalled >= 0.05 {
-        format!("partly window bound: at the window {:.0}% of the time (in flight p50 {p50} of {limit})", stalled * 100.0)
+        format!(
+            "partly window bound: at the window {:.0}% of the time (in flight p50 {p50} of {limit})",
+            stalled * 100.0
+        )
     } else {
         format!(
             "neither window nor link binds: in flight p50 {p50} of {limit}, at the window {:.1}% of the time{}",
@@ -357,10 +407,16 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
     let send = &s.dirs[0];
     let recv = &s.dirs[1];
     let by_type = |d: &crate::model::DirStats| {
-        d.by_type.iter().map(|(t, (n, _))| (t.to_string(), *n)).collect::<BTreeMap<_, _>>()
+        d.by_type
+            .iter()
+            .map(|(t, (n, _))| (t.to_string(), *n))
+            .collect::<BTreeMap<_, _>>()
     };
     let bytes_by_type = |d: &crate::model::DirStats| {
-        d.by_type.iter().map(|(t, (_, b))| (t.to_string(), *b)).collect::<BTreeMap<_, _>>()
+        d.by_type
+            .iter()
+            .map(|(t, (_, b))| (t.to_string(), *b))
+            .collect::<BTreeMap<_, _>>()
     };
     let flow = match s.s2c() {
         Some(i) => {
@@ -371,7 +427,11 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
                 bytes: d.bytes,
                 messages_per_s: d.messages as f64 / secs,
                 mbit_per_s: d.bytes as f64 * 8.0 / secs / 1e6,
-                mean_message_bytes: if d.messages > 0 { d.bytes as f64 / d.messages as f64 } else { 0.0 },
+                mean_message_bytes: if d.messages > 0 {
+                    d.bytes as f64 / d.messages as f64
+                } else {
+                    0.0
+                },
             }
         }
         None => FlowReport::default(),
@@ -392,7 +452,9 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         cookie: s.cookie,
         pid: s.pid,
         comm: s.comm.clone(),
-        end: s.is_server_end().map(|b| if b { "server" } else { "client" }),
+        end: s
+            .is_server_end()
+            .map(|b| if b { "server" } else { "client" }),
         session_id: s.session_id,
         channel_type: ctype,
         channel_id: cid,
@@ -463,16 +525,29 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
         c.in_flight_relay_p50 = Some(b.window.quantile(0.5));
         c.in_flight_relay_max = Some(b.window.max);
     }
-    let placeable: Vec<usize> = match (chain.backend.is_some(), chain.client_leg.is_some() && chain.is_transparent()) {
+    let placeable: Vec<usize> = match (
+        chain.backend.is_some(),
+        chain.client_leg.is_some() && chain.is_transparent(),
+    ) {
         (false, _) => NO_RELAY_STAGES.to_vec(),
         (true, true) => (0..STAGES.len()).collect(),
         (true, false) => vec![0, 1, 2, 3],
     };
-    let placed: Vec<&ChainSample> = chain.samples.iter().filter(|s| s.placement.is_some()).collect();
+    let placed: Vec<&ChainSample> = chain
+        .samples
+        .iter()
+        .filter(|s| s.placement.is_some())
+        .collect();
     let mut stages = BTreeMap::new();
     for &i in &placeable {
-        let mut counts: Vec<u64> = placed.iter().map(|s| s.placement.unwrap().counts[i] as u64).collect();
-        let mut bytes: Vec<u64> = placed.iter().map(|s| s.placement.unwrap().bytes[i]).collect();
+        let mut counts: Vec<u64> = placed
+            .iter()
+            .map(|s| s.placement.unwrap().counts[i] as u64)
+            .collect();
+        let mut bytes: Vec<u64> = placed
+            .iter()
+            .map(|s| s.placement.unwrap().bytes[i])
+            .collect();
         stages.insert(
             STAGES[i],
             StageStat {
@@ -498,7 +573,8 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
         None => (None, None),
     };
     // The median delivery rate: single samples overshoot after bursts (HTB, GRO).
-    let rate = (!chain.delivery_rates.is_empty()).then(|| quantile_u(&mut chain.delivery_rates.clone(), 0.5) as f64);
+    let rate = (!chain.delivery_rates.is_empty())
+        .then(|| quantile_u(&mut chain.delivery_rates.clone(), 0.5) as f64);
     if let (Some(w), Some(srtt)) = (c.window, link_srtt) {
         let srtt_s = srtt as f64 / 1e6;
         c.messages_per_srtt = Some(c.server_to_client.messages_per_s * srtt_s);
@@ -509,7 +585,10 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
     }
     let with_relay: Vec<(i64, i64, Placement)> = placed
         .iter()
-        .filter_map(|s| s.relay_visible.map(|r| (s.in_flight, r, s.placement.unwrap())))
+        .filter_map(|s| {
+            s.relay_visible
+                .map(|r| (s.in_flight, r, s.placement.unwrap()))
+        })
         .collect();
     let frac = |n: usize| (!with_relay.is_empty()).then(|| n as f64 / with_relay.len() as f64);
     let relay_above = with_relay.iter().filter(|(t, r, _)| r > t).count();
@@ -523,18 +602,34 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
             })
             .count(),
     );
-    let delivered: Vec<(u64, u64)> = chain.samples.iter().filter_map(|s| s.delivered.map(|d| (s.t_ns, d))).collect();
+    let delivered: Vec<(u64, u64)> = chain
+        .samples
+        .iter()
+        .filter_map(|s| s.delivered.map(|d| (s.t_ns, d)))
+        .collect();
     let delivered_mbit = match (delivered.first(), delivered.last()) {
-        (Some(&(t0, d0)), Some(&(t1, d1))) if t1 > t0 => Some(d1.saturating_sub(d0) as f64 * 8.0 / ((t1 - t0) as f64 / 1e9) / 1e6),
+        (Some(&(t0, d0)), Some(&(t1, d1))) if t1 > t0 => {
+            Some(d1.saturating_sub(d0) as f64 * 8.0 / ((t1 - t0) as f64 / 1e9) / 1e6)
+        }
         _ => None,
     };
     let (transparency, detail) = match (&chain.backend, &chain.transparency) {
         (None, _) => ("no_relay", None),
         (Some(_), Transparency::Unknown) => ("unknown", None),
-        (Some(_), Transparency::Transparent { compared }) => ("transparent", Some(format!("{compared} messages compared"))),
-        (Some(_), Transparency::Changed { direction, index, detail }) => {
-            ("changed", Some(format!("{direction}, from message {index}: {detail}")))
+        (Some(_), Transparency::Transparent { compared }) => {
+            ("transparent", Some(format!("{compared} messages compared")))
         }
+        (
+            Some(_),
+            Transparency::Changed {
+                direction,
+                index,
+                detail,
+            },
+        ) => (
+            "changed",
+            Some(format!("{direction}, from message {index}: {detail}")),
+        ),
     };
     c.chain = Some(ChainReport {
         backend: backend.map(name),
@@ -547,7 +642,11 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
         samples: chain.samples.len(),
         samples_placed: placed.len(),
         stages_add_up: add_up,
-        unplaced_max: placed.iter().map(|s| s.placement.unwrap().unplaced).max().unwrap_or(0),
+        unplaced_max: placed
+            .iter()
+            .map(|s| s.placement.unwrap().unplaced)
+            .max()
+            .unwrap_or(0),
         link_rate_mbit: rate.map(|r| r * 8.0 / 1e6),
         link_delivered_mbit: delivered_mbit,
         link_rwnd_limited_fraction: rwnd,
@@ -573,7 +672,13 @@ fn order(c: &ChannelReport) -> (u32, u32, u8, u8, String) {
         "unknown" => 255,
         _ => 100,
     };
-    (c.pid, c.session_id.unwrap_or(u32::MAX), t, c.channel_id.unwrap_or(0), c.socket.clone())
+    (
+        c.pid,
+        c.session_id.unwrap_or(u32::MAX),
+        t,
+        c.channel_id.unwrap_or(0),
+        c.socket.clone(),
+    )
 }
 
 /// What the run knows besides the model, for [`build`].
@@ -592,7 +697,16 @@ pub struct RunInfo<'a> {
 
 /// Assembles the report: one row per socket, chains and verdicts added.
 pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
-    let RunInfo { started_ns, end_ns, hook_set, counters, degraded, pids, tcp_final, chains } = run;
+    let RunInfo {
+        started_ns,
+        end_ns,
+        hook_set,
+        counters,
+        degraded,
+        pids,
+        tcp_final,
+        chains,
+    } = run;
     let duration_s = end_ns.saturating_sub(started_ns) as f64 / 1e9;
     let mut channels: Vec<ChannelReport> = model
         .sockets
@@ -606,23 +720,37 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         })
         .collect();
     // Verdicts belong to spice-server's channels: a relay's legs are part of those chains.
-    let relay_pids: std::collections::HashSet<u32> =
-        channels.iter().filter(|c| c.end == Some("client")).map(|c| c.pid).collect();
+    let relay_pids: std::collections::HashSet<u32> = channels
+        .iter()
+        .filter(|c| c.end == Some("client"))
+        .map(|c| c.pid)
+        .collect();
     for c in channels.iter_mut() {
         if c.end != Some("server") || relay_pids.contains(&c.pid) {
             c.verdict = None;
         }
     }
     channels.sort_by_key(order);
-    let kernel_counters: BTreeMap<&'static str, u64> =
-        counter::NAMES.iter().zip(counters.iter()).map(|(n, v)| (*n, *v)).collect();
-    let kernel_lost: u64 = (0..counter::COUNT).filter(|&i| counter::is_loss(i)).map(|i| counters[i as usize]).sum();
+    let kernel_counters: BTreeMap<&'static str, u64> = counter::NAMES
+        .iter()
+        .zip(counters.iter())
+        .map(|(n, v)| (*n, *v))
+        .collect();
+    let kernel_lost: u64 = (0..counter::COUNT)
+        .filter(|&i| counter::is_loss(i))
+        .map(|i| counters[i as usize])
+        .sum();
     let records_lost: u64 = channels.iter().map(|c| c.records_lost).sum();
     let forked = model
         .processes
         .iter()
         .filter_map(|p| match p {
-            crate::model::ProcessNote::Forked { ts_ns, parent, child, comm } => Some(ForkReport {
+            crate::model::ProcessNote::Forked {
+                ts_ns,
+                parent,
+                child,
+                comm,
+            } => Some(ForkReport {
                 parent: *parent,
                 child: *child,
                 comm: comm.clone(),
@@ -635,9 +763,10 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         .processes
         .iter()
         .filter_map(|p| match p {
-            crate::model::ProcessNote::Exited { ts_ns, pid } => {
-                Some(ExitReport { pid: *pid, at_s: ts_ns.saturating_sub(started_ns) as f64 / 1e9 })
-            }
+            crate::model::ProcessNote::Exited { ts_ns, pid } => Some(ExitReport {
+                pid: *pid,
+                at_s: ts_ns.saturating_sub(started_ns) as f64 / 1e9,
+            }),
             _ => None,
         })
         .collect();
@@ -675,17 +804,35 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(
         out,
         "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8} {:>7} {:>8} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
-        "SOCKET", "PID", "COMM", "CHANNEL", "W", "MSGS/S", "MBIT/S", "MEAN KiB", "SRTT ms",
-        "INFLT p50/max", "STALL%", "STALLS/s", "ACKS", "NOTSENT", "RETRANS"
+        "SOCKET",
+        "PID",
+        "COMM",
+        "CHANNEL",
+        "W",
+        "MSGS/S",
+        "MBIT/S",
+        "MEAN KiB",
+        "SRTT ms",
+        "INFLT p50/max",
+        "STALL%",
+        "STALLS/s",
+        "ACKS",
+        "NOTSENT",
+        "RETRANS"
     );
-    let not_spice = |c: &&ChannelReport| matches!(c.unparsed_reason, Some("not_spice") | Some("http"));
+    let not_spice =
+        |c: &&ChannelReport| matches!(c.unparsed_reason, Some("not_spice") | Some("http"));
     let hidden = r.channels.iter().filter(not_spice).count();
     for c in r.channels.iter().filter(|c| !not_spice(c)) {
         let chan = match c.channel_id {
             Some(id) => format!("{} {}", c.channel_type, id),
             None => c.channel_type.to_string(),
         };
-        let chan = if c.framing == "unparsed" { format!("{chan}!") } else { chan };
+        let chan = if c.framing == "unparsed" {
+            format!("{chan}!")
+        } else {
+            chan
+        };
         let chan = if c.closed { format!("{chan}~") } else { chan };
         let inflight = match (c.in_flight_p50, c.in_flight_max, c.in_flight_limit) {
             (Some(p), Some(m), Some(l)) => format!("{p}/{m} of {l}"),
@@ -703,18 +850,36 @@ pub fn render(r: &Report) -> String {
             c.server_to_client.messages_per_s,
             c.server_to_client.mbit_per_s,
             c.server_to_client.mean_message_bytes / 1024.0,
-            opt(c.tcp.as_ref().map(|t| format!("{:.1}", t.srtt_us as f64 / 1000.0))),
+            opt(c
+                .tcp
+                .as_ref()
+                .map(|t| format!("{:.1}", t.srtt_us as f64 / 1000.0))),
             inflight,
             opt(c.stalled_fraction.map(|f| format!("{:.1}", f * 100.0))),
-            if c.window.is_some() { format!("{:.2}", c.stalls as f64 / secs) } else { "-".into() },
-            if c.window.is_some() { c.acks.to_string() } else { "-".into() },
+            if c.window.is_some() {
+                format!("{:.2}", c.stalls as f64 / secs)
+            } else {
+                "-".into()
+            },
+            if c.window.is_some() {
+                c.acks.to_string()
+            } else {
+                "-".into()
+            },
             opt(c.tcp.as_ref().map(|t| t.notsent_bytes)),
             opt(c.tcp.as_ref().map(|t| t.total_retrans)),
         );
     }
-    let chained: Vec<&ChannelReport> = r.channels.iter().filter(|c| c.chain.as_ref().is_some_and(|ch| ch.backend.is_some())).collect();
+    let chained: Vec<&ChannelReport> = r
+        .channels
+        .iter()
+        .filter(|c| c.chain.as_ref().is_some_and(|ch| ch.backend.is_some()))
+        .collect();
     if !chained.is_empty() {
-        let _ = writeln!(out, "\nrelay pairing (spice-server socket => relay leg toward it | relay leg toward the client):");
+        let _ = writeln!(
+            out,
+            "\nrelay pairing (spice-server socket => relay leg toward it | relay leg toward the client):"
+        );
         for c in chained {
             let ch = c.chain.as_ref().unwrap();
             let _ = writeln!(
@@ -731,12 +896,34 @@ pub fn render(r: &Report) -> String {
     }
     let seed: Vec<&ChannelReport> = r.channels.iter().filter(|c| c.stages.is_some()).collect();
     if !seed.is_empty() {
-        let short = ["writing", "notsent", "unacked", "p_recvq", "p_inside", "p_notsent", "c_unacked", "c_owesack"];
-        let _ = writeln!(out, "\nspice-server's in-flight messages, per display and cursor channel (stage columns: p50 messages)");
+        let short = [
+            "writing",
+            "notsent",
+            "unacked",
+            "p_recvq",
+            "p_inside",
+            "p_notsent",
+            "c_unacked",
+            "c_owesack",
+        ];
+        let _ = writeln!(
+            out,
+            "\nspice-server's in-flight messages, per display and cursor channel (stage columns: p50 messages)"
+        );
         let _ = writeln!(
             out,
             "{:<12} {:>3} {:>7} {:>7} {:>8} {:>7} {:>14} {:>11} {:>7} {:>8} {:>13}  {}",
-            "CHANNEL", "W", "MBIT/S", "MSGS/S", "MEAN KiB", "SRTT ms", "MSGS/SRTT", "CEIL msgs/s", "AT 2W+1", "STALLS/s", "p50 relay/true",
+            "CHANNEL",
+            "W",
+            "MBIT/S",
+            "MSGS/S",
+            "MEAN KiB",
+            "SRTT ms",
+            "MSGS/SRTT",
+            "CEIL msgs/s",
+            "AT 2W+1",
+            "STALLS/s",
+            "p50 relay/true",
             short.join(" ")
         );
         for c in seed {
@@ -759,7 +946,9 @@ pub fn render(r: &Report) -> String {
                 c.server_to_client.mbit_per_s,
                 c.server_to_client.messages_per_s,
                 c.server_to_client.mean_message_bytes / 1024.0,
-                opt(chain.and_then(|ch| ch.link_srtt_us).map(|v| format!("{:.1}", v as f64 / 1000.0))),
+                opt(chain
+                    .and_then(|ch| ch.link_srtt_us)
+                    .map(|v| format!("{:.1}", v as f64 / 1000.0))),
                 match (c.messages_per_srtt, c.in_flight_limit) {
                     (Some(m), Some(l)) => format!("{m:.1} of {l}"),
                     _ => "-".into(),
@@ -783,7 +972,10 @@ pub fn render(r: &Report) -> String {
                     );
                 }
                 if !ch.stages_add_up {
-                    let _ = writeln!(out, "    WARNING: at some samples the stages did not add up to the count");
+                    let _ = writeln!(
+                        out,
+                        "    WARNING: at some samples the stages did not add up to the count"
+                    );
                 }
             }
         }
@@ -795,15 +987,24 @@ pub fn render(r: &Report) -> String {
         );
     }
     if hidden > 0 {
-        let _ = writeln!(out, "{hidden} other TCP socket(s) of the watched processes carry no SPICE (not listed; see --json)");
+        let _ = writeln!(
+            out,
+            "{hidden} other TCP socket(s) of the watched processes carry no SPICE (not listed; see --json)"
+        );
     }
-    if r.channels.iter().any(|c| c.end == Some("client")) && !r.channels.iter().any(|c| c.chain.is_some()) {
+    if r.channels.iter().any(|c| c.end == Some("client"))
+        && !r.channels.iter().any(|c| c.chain.is_some())
+    {
         let _ = writeln!(
             out,
             "note: only a relay's sockets were seen; add spice-server's (qemu's) pid to place the in-flight messages"
         );
     }
-    let unparsed: Vec<_> = r.channels.iter().filter(|c| c.framing == "unparsed" && !not_spice(c)).collect();
+    let unparsed: Vec<_> = r
+        .channels
+        .iter()
+        .filter(|c| c.framing == "unparsed" && !not_spice(c))
+        .collect();
     if !unparsed.is_empty() {
         let _ = writeln!(out, "unparsed (!):");
         for c in unparsed {
@@ -880,7 +1081,13 @@ mod tests {
             bytes_sent_by_type: BTreeMap::new(),
             bytes_received_by_type: BTreeMap::new(),
             messages_sent_eagain_start: 0,
-            server_to_client: FlowReport { messages: 100, bytes: 0, messages_per_s: msgs_per_s, mbit_per_s: mbit, mean_message_bytes: 50_000.0 },
+            server_to_client: FlowReport {
+                messages: 100,
+                bytes: 0,
+                messages_per_s: msgs_per_s,
+                mbit_per_s: mbit,
+                mean_message_bytes: 50_000.0,
+            },
             in_flight_now: Some(p50),
             in_flight_p50: Some(p50),
             in_flight_max: Some(81),
@@ -903,10 +1110,28 @@ mod tests {
         }
     }
 
-    fn with_link(mut c: ChannelReport, rate: f64, delivered: f64, rwnd: f64, notsent_bytes: u64) -> ChannelReport {
+    fn with_link(
+        mut c: ChannelReport,
+        rate: f64,
+        delivered: f64,
+        rwnd: f64,
+        notsent_bytes: u64,
+    ) -> ChannelReport {
         let mut stages = BTreeMap::new();
-        stages.insert("server_notsent", StageStat { bytes_p50: notsent_bytes, ..Default::default() });
-        stages.insert("client_owes_ack", StageStat { bytes_p50: 100_000, ..Default::default() });
+        stages.insert(
+            "server_notsent",
+            StageStat {
+                bytes_p50: notsent_bytes,
+                ..Default::default()
+            },
+        );
+        stages.insert(
+            "client_owes_ack",
+            StageStat {
+                bytes_p50: 100_000,
+                ..Default::default()
+            },
+        );
         c.stages = Some(stages);
         c.chain = Some(ChainReport {
             backend: Some("relay".into()),
@@ -925,15 +1150,30 @@ mod tests {
     #[test]
     fn verdicts_in_order() {
         // A busy link at its rate: link bound even though the count sits at the window.
-        assert!(starts(&with_link(display(0.8, 81, 20.0, 8.0), 7.6, 7.5, 0.0, 2 << 20), "link bound"));
+        assert!(starts(
+            &with_link(display(0.8, 81, 20.0, 8.0), 7.6, 7.5, 0.0, 2 << 20),
+            "link bound"
+        ));
         // The link has room but spice-server waits for ACKs: window bound.
-        assert!(starts(&with_link(display(0.8, 81, 900.0, 0.4), 7.6, 0.4, 0.0, 0), "ACK-window bound"));
+        assert!(starts(
+            &with_link(display(0.8, 81, 900.0, 0.4), 7.6, 0.4, 0.0, 0),
+            "ACK-window bound"
+        ));
         // The client's receive window held the link back: client bound, whatever else.
-        assert!(starts(&with_link(display(0.8, 81, 20.0, 8.0), 7.6, 7.5, 0.5, 0), "client bound"));
+        assert!(starts(
+            &with_link(display(0.8, 81, 20.0, 8.0), 7.6, 7.5, 0.5, 0),
+            "client bound"
+        ));
         // qemu's unsent bytes hold the backlog, count below the window, link not saturated.
-        assert!(starts(&with_link(display(0.0, 30, 20.0, 4.0), 7.6, 4.0, 0.0, 3 << 20), "send-buffer bound"));
+        assert!(starts(
+            &with_link(display(0.0, 30, 20.0, 4.0), 7.6, 4.0, 0.0, 3 << 20),
+            "send-buffer bound"
+        ));
         // Nothing binds.
-        assert!(starts(&with_link(display(0.0, 10, 20.0, 1.0), 1000.0, 1.0, 0.0, 0), "neither"));
+        assert!(starts(
+            &with_link(display(0.0, 10, 20.0, 1.0), 1000.0, 1.0, 0.0, 0),
+            "neither"
+        ));
         assert!(starts(&display(0.0, 1, 0.2, 0.0), "idle"));
         assert!(starts(&display(0.1, 10, 20.0, 1.0), "partly window bound"));
     }

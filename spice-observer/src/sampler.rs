@@ -42,7 +42,10 @@ fn send_pos(s: &SocketModel, snap: &TcpSnapshot, d: &DiagSocket) -> Option<SendP
 
 fn recv_pos(s: &SocketModel, snap: &TcpSnapshot, d: &DiagSocket) -> Option<RecvPos> {
     let copied = stream_pos(&s.dirs[RECV], snap.copied_seq)?;
-    Some(RecvPos { rcv_nxt: copied + d.recv_queue as u64, copied })
+    Some(RecvPos {
+        rcv_nxt: copied + d.recv_queue as u64,
+        copied,
+    })
 }
 
 /// Everything one sample needs about one socket.
@@ -55,7 +58,12 @@ struct Now<'a> {
 /// Takes one sample of every chain: pairs new sockets, then places each chain's in-flight
 /// messages. `now_ns` is CLOCK_MONOTONIC. Returns the sock_diag dump for other uses (TCP
 /// state of unchained sockets), or `None` if the dump failed.
-pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>, now_ns: u64) -> Option<HashMap<u64, DiagSocket>> {
+pub fn sample(
+    cap: &mut Capture,
+    model: &mut Model,
+    chains: &mut Vec<Chain>,
+    now_ns: u64,
+) -> Option<HashMap<u64, DiagSocket>> {
     chain::pair(model, chains);
     let dump: HashMap<u64, DiagSocket> = match sockdiag::dump_tcp() {
         Ok(v) => v.into_iter().map(|d| (d.cookie, d)).collect(),
@@ -65,7 +73,12 @@ pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>, now
         }
     };
     // Kernel-hook snapshots right after the dump (write_seq / copied_seq anchor the queues).
-    let cookies: Vec<u64> = model.sockets.iter().filter(|(_, s)| s.closed_ns.is_none()).map(|(c, _)| *c).collect();
+    let cookies: Vec<u64> = model
+        .sockets
+        .iter()
+        .filter(|(_, s)| s.closed_ns.is_none())
+        .map(|(c, _)| *c)
+        .collect();
     let mut snaps = HashMap::new();
     for c in cookies {
         if let Some(snap) = cap.tcp_state(c) {
@@ -75,10 +88,16 @@ pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>, now
     }
     let now = |cookie: Option<u64>| -> Option<Now<'_>> {
         let c = cookie?;
-        Some(Now { model: model.sockets.get(&c)?, snap: *snaps.get(&c)?, diag: dump.get(&c)? })
+        Some(Now {
+            model: model.sockets.get(&c)?,
+            snap: *snaps.get(&c)?,
+            diag: dump.get(&c)?,
+        })
     };
     for chain in chains.iter_mut() {
-        let Some(server) = model.sockets.get(&chain.server) else { continue };
+        let Some(server) = model.sockets.get(&chain.server) else {
+            continue;
+        };
         if server.closed_ns.is_some() {
             continue;
         }
@@ -93,9 +112,15 @@ pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>, now
         let bounds = match (server_pos, chain.backend.is_some(), backend_pos, client_pos) {
             (Some(server), false, _, _) => Some(Boundaries::Direct { server }),
             (Some(server), true, Some(backend), Some(client)) if chain.is_transparent() => {
-                Some(Boundaries::Relay { server, backend, client })
+                Some(Boundaries::Relay {
+                    server,
+                    backend,
+                    client,
+                })
             }
-            (Some(server), true, Some(backend), _) => Some(Boundaries::OpaqueRelay { server, backend }),
+            (Some(server), true, Some(backend), _) => {
+                Some(Boundaries::OpaqueRelay { server, backend })
+            }
             _ => None,
         };
         let placement = bounds.map(|b| {
@@ -113,8 +138,18 @@ pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>, now
             (false, _, Some(s)) => Some(s.snd_una),
             _ => None,
         };
-        chain.samples.push(ChainSample { t_ns: now_ns, in_flight: count, relay_visible, placement, delivered });
-        let link = if chain.backend.is_some() { c.as_ref() } else { s.as_ref() };
+        chain.samples.push(ChainSample {
+            t_ns: now_ns,
+            in_flight: count,
+            relay_visible,
+            placement,
+            delivered,
+        });
+        let link = if chain.backend.is_some() {
+            c.as_ref()
+        } else {
+            s.as_ref()
+        };
         if let Some(info) = link.and_then(|n| n.diag.info) {
             if info.delivery_rate > 0 {
                 chain.delivery_rates.push(info.delivery_rate);

@@ -41,7 +41,13 @@ struct Server {
 impl Server {
     fn start(args: &[&str]) -> Result<Self> {
         let mut child = Command::new(PEER)
-            .args(["server", "--listen", "127.0.0.1:0", "--timeout-ms", PEER_TIMEOUT_MS])
+            .args([
+                "server",
+                "--listen",
+                "127.0.0.1:0",
+                "--timeout-ms",
+                PEER_TIMEOUT_MS,
+            ])
             .args(args)
             .stdout(Stdio::piped())
             .spawn()
@@ -76,7 +82,13 @@ impl Client {
             .arg("-c")
             .arg(r#"read go && exec "$0" "$@""#)
             .arg(PEER)
-            .args(["client", "--connect", &format!("127.0.0.1:{port}"), "--timeout-ms", PEER_TIMEOUT_MS])
+            .args([
+                "client",
+                "--connect",
+                &format!("127.0.0.1:{port}"),
+                "--timeout-ms",
+                PEER_TIMEOUT_MS,
+            ])
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -93,7 +105,10 @@ impl Client {
 
     /// Opens the gate: the shell execs the client, which connects.
     fn go(&mut self) -> Result<()> {
-        let mut stdin = self.stdin.take().ok_or_else(|| anyhow!("client released twice"))?;
+        let mut stdin = self
+            .stdin
+            .take()
+            .ok_or_else(|| anyhow!("client released twice"))?;
         stdin.write_all(b"go\n")?;
         Ok(())
     }
@@ -109,7 +124,11 @@ fn summary_of(child: &mut Child, out: &mut dyn Read, what: &str) -> Result<Value
         .find_map(|l| l.strip_prefix("SUMMARY "))
         .ok_or_else(|| anyhow!("{what}: no SUMMARY line ({status}) in {text:?}"))?;
     let v: Value = serde_json::from_str(line).with_context(|| format!("{what}: SUMMARY"))?;
-    ensure!(status.success(), "{what} failed ({status}): error {}", v["error"]);
+    ensure!(
+        status.success(),
+        "{what} failed ({status}): error {}",
+        v["error"]
+    );
     ensure!(v["error"].is_null(), "{what}: error {}", v["error"]);
     Ok(v)
 }
@@ -144,8 +163,18 @@ struct Spec {
     watch_client: bool,
 }
 
-fn spec(name: &'static str, server: &[&'static str], client: &[&'static str], watch_client: bool) -> Spec {
-    Spec { name, server: server.to_vec(), client: client.to_vec(), watch_client }
+fn spec(
+    name: &'static str,
+    server: &[&'static str],
+    client: &[&'static str],
+    watch_client: bool,
+) -> Spec {
+    Spec {
+        name,
+        server: server.to_vec(),
+        client: client.to_vec(),
+        watch_client,
+    }
 }
 
 /// A finished pair: both SUMMARYs and pids.
@@ -161,7 +190,12 @@ struct Done {
 /// Starts every pair's server, the observer (servers and the chosen clients), releases the
 /// clients, waits for all peers, then for the observer's report; hands both to `check`.
 /// The exchange must finish well inside the observation window.
-fn observe(test: &str, secs: f64, specs: Vec<Spec>, check: impl FnOnce(&Value, &[Done]) -> Result<()>) -> Result<()> {
+fn observe(
+    test: &str,
+    secs: f64,
+    specs: Vec<Spec>,
+    check: impl FnOnce(&Value, &[Done]) -> Result<()>,
+) -> Result<()> {
     let mut running = Vec::new();
     for sp in &specs {
         let server = Server::start(&sp.server).with_context(|| sp.name)?;
@@ -185,8 +219,19 @@ fn observe(test: &str, secs: f64, specs: Vec<Spec>, check: impl FnOnce(&Value, &
     for (sp, (mut server, mut client)) in specs.iter().zip(running) {
         let mut cout = client.out.take().unwrap();
         let c = summary_of(&mut client.child, &mut cout, &format!("{} client", sp.name))?;
-        let s = summary_of(&mut server.child, &mut server.out, &format!("{} server", sp.name))?;
-        done.push(Done { name: sp.name, s, c, spid: server.pid(), cpid: client.pid(), watch_client: sp.watch_client });
+        let s = summary_of(
+            &mut server.child,
+            &mut server.out,
+            &format!("{} server", sp.name),
+        )?;
+        done.push(Done {
+            name: sp.name,
+            s,
+            c,
+            spid: server.pid(),
+            cpid: client.pid(),
+            watch_client: sp.watch_client,
+        });
     }
     let took = t0.elapsed();
     eprintln!("{test}: peers done in {:.2} s", took.as_secs_f64());
@@ -205,9 +250,21 @@ fn observe(test: &str, secs: f64, specs: Vec<Spec>, check: impl FnOnce(&Value, &
 
 /// No information lost anywhere.
 fn check_clean(report: &Value) -> Result<()> {
-    ensure!(u(&report["events_lost"]) == 0, "events_lost {}: {}", report["events_lost"], report["kernel_counters"]);
+    ensure!(
+        u(&report["events_lost"]) == 0,
+        "events_lost {}: {}",
+        report["events_lost"],
+        report["kernel_counters"]
+    );
     let k = &report["kernel_counters"];
-    for name in ["ring_full", "socket_map_full", "pending_map_full", "user_read_fault", "loop_limit", "untraced_bytes"] {
+    for name in [
+        "ring_full",
+        "socket_map_full",
+        "pending_map_full",
+        "user_read_fault",
+        "loop_limit",
+        "untraced_bytes",
+    ] {
         ensure!(u(&k[name]) == 0, "kernel counter {name} = {}: {k}", k[name]);
     }
     ensure!(u(&k["calls_traced"]) > 0, "no call traced: {k}");
@@ -216,9 +273,18 @@ fn check_clean(report: &Value) -> Result<()> {
 
 /// The one channel the observer reports for `pid`.
 fn only_channel(report: &Value, pid: u32, what: &str) -> Result<Value> {
-    let all: Vec<&Value> =
-        report["channels"].as_array().unwrap().iter().filter(|c| c["pid"] == pid).collect();
-    ensure!(all.len() == 1, "{what}: {} channels for pid {pid}: {:#?}", all.len(), all.iter().map(|c| describe(c)).collect::<Vec<_>>());
+    let all: Vec<&Value> = report["channels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["pid"] == pid)
+        .collect();
+    ensure!(
+        all.len() == 1,
+        "{what}: {} channels for pid {pid}: {:#?}",
+        all.len(),
+        all.iter().map(|c| describe(c)).collect::<Vec<_>>()
+    );
     Ok(all[0].clone())
 }
 
@@ -236,16 +302,34 @@ fn channel_name(t: u64) -> &'static str {
 fn check_counts(c: &Value, p: &Value, what: &str) -> Result<()> {
     let d = format!("{what}: {}", describe(c));
     let (sent, recv) = (&p["sent"], &p["received"]);
-    ensure!(u(&sent["unfinished_messages"]) == 0, "{what}: the peer left messages unfinished: {sent}");
+    ensure!(
+        u(&sent["unfinished_messages"]) == 0,
+        "{what}: the peer left messages unfinished: {sent}"
+    );
     for (field, got, want) in [
         ("messages_sent", &c["messages_sent"], &sent["messages"]),
         ("bytes_sent", &c["bytes_sent"], &sent["data_bytes"]),
-        ("messages_sent_by_type", &c["messages_sent_by_type"], &sent["by_type"]),
-        ("messages_received", &c["messages_received"], &recv["messages"]),
+        (
+            "messages_sent_by_type",
+            &c["messages_sent_by_type"],
+            &sent["by_type"],
+        ),
+        (
+            "messages_received",
+            &c["messages_received"],
+            &recv["messages"],
+        ),
         ("bytes_received", &c["bytes_received"], &recv["data_bytes"]),
-        ("messages_received_by_type", &c["messages_received_by_type"], &recv["by_type"]),
+        (
+            "messages_received_by_type",
+            &c["messages_received_by_type"],
+            &recv["by_type"],
+        ),
     ] {
-        ensure!(got == want, "{field}: observer {got}, peer {want}\n  {d}\n  peer sent {sent}\n  peer received {recv}");
+        ensure!(
+            got == want,
+            "{field}: observer {got}, peer {want}\n  {d}\n  peer sent {sent}\n  peer received {recv}"
+        );
     }
     ensure!(u(&c["records_lost"]) == 0, "records_lost: {d}");
     Ok(())
@@ -254,10 +338,26 @@ fn check_counts(c: &Value, p: &Value, what: &str) -> Result<()> {
 /// A framed pair: the server end (and the client end if watched) framed with the negotiated
 /// header, as the right end and channel, with exact counts.
 fn check_pair(report: &Value, x: &Done) -> Result<()> {
-    let header = x.s["header"].as_str().ok_or_else(|| anyhow!("{}: no header in server SUMMARY", x.name))?;
-    ensure!(x.s["outcome"] == "ok" && x.c["outcome"] == "ok", "{}: outcomes {} / {}", x.name, x.s["outcome"], x.c["outcome"]);
-    ensure!(x.c["header"] == header, "{}: peers disagree on the header", x.name);
-    ensure!(x.s["sent"]["by_type"] == x.c["received"]["by_type"], "{}: peers disagree", x.name);
+    let header = x.s["header"]
+        .as_str()
+        .ok_or_else(|| anyhow!("{}: no header in server SUMMARY", x.name))?;
+    ensure!(
+        x.s["outcome"] == "ok" && x.c["outcome"] == "ok",
+        "{}: outcomes {} / {}",
+        x.name,
+        x.s["outcome"],
+        x.c["outcome"]
+    );
+    ensure!(
+        x.c["header"] == header,
+        "{}: peers disagree on the header",
+        x.name
+    );
+    ensure!(
+        x.s["sent"]["by_type"] == x.c["received"]["by_type"],
+        "{}: peers disagree",
+        x.name
+    );
     let mut ends = vec![(x.spid, &x.s, "server")];
     if x.watch_client {
         ends.push((x.cpid, &x.c, "client"));
@@ -266,16 +366,34 @@ fn check_pair(report: &Value, x: &Done) -> Result<()> {
         let what = format!("{} {end}", x.name);
         let c = only_channel(report, pid, &what)?;
         let d = describe(&c);
-        ensure!(c["framing"] == header, "{what}: framing {} ({}), expected {header}: {d}", c["framing"], c["unparsed_detail"]);
-        ensure!(c["unparsed_reason"].is_null(), "{what}: unparsed {}: {d}", c["unparsed_reason"]);
+        ensure!(
+            c["framing"] == header,
+            "{what}: framing {} ({}), expected {header}: {d}",
+            c["framing"],
+            c["unparsed_detail"]
+        );
+        ensure!(
+            c["unparsed_reason"].is_null(),
+            "{what}: unparsed {}: {d}",
+            c["unparsed_reason"]
+        );
         ensure!(c["end"] == end, "{what}: end {}: {d}", c["end"]);
         let ty = channel_name(u(&p["channel"]["type"]));
-        ensure!(c["channel_type"] == ty && c["channel_id"] == p["channel"]["id"], "{what}: channel {} {}: {d}", c["channel_type"], c["channel_id"]);
+        ensure!(
+            c["channel_type"] == ty && c["channel_id"] == p["channel"]["id"],
+            "{what}: channel {} {}: {d}",
+            c["channel_type"],
+            c["channel_id"]
+        );
         check_counts(&c, p, &what)?;
     }
     if !x.watch_client {
         ensure!(
-            report["channels"].as_array().unwrap().iter().all(|c| c["pid"] != x.cpid),
+            report["channels"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|c| c["pid"] != x.cpid),
             "{}: the unwatched client {} appears in the report",
             x.name,
             x.cpid
@@ -292,7 +410,9 @@ fn check_pairs(report: &Value, done: &[Done]) -> Result<()> {
 }
 
 fn find<'a>(done: &'a [Done], name: &str) -> &'a Done {
-    done.iter().find(|x| x.name == name).unwrap_or_else(|| panic!("no pair {name}"))
+    done.iter()
+        .find(|x| x.name == name)
+        .unwrap_or_else(|| panic!("no pair {name}"))
 }
 
 fn n(v: &Value) -> u64 {
@@ -314,35 +434,112 @@ fn split_headers_and_small_reads() -> Result<()> {
     let specs = vec![
         spec(
             "split3-read1",
-            &["--messages", "200", "--body-size", "5", "--split-header", "--split-at", "3"],
+            &[
+                "--messages",
+                "200",
+                "--body-size",
+                "5",
+                "--split-header",
+                "--split-at",
+                "3",
+            ],
             &["--recv-size", "1"],
             true,
         ),
         spec(
             "full-split11-exact4",
-            &["--messages", "150", "--split-header", "--split-at", "11", "--set-ack", "--window", "6", "--recv-exact", "--recv-size", "4"],
-            &["--header", "full", "--recv-exact", "--recv-size", "4", "--split-header", "--split-at", "11", "--messages", "20"],
+            &[
+                "--messages",
+                "150",
+                "--split-header",
+                "--split-at",
+                "11",
+                "--set-ack",
+                "--window",
+                "6",
+                "--recv-exact",
+                "--recv-size",
+                "4",
+            ],
+            &[
+                "--header",
+                "full",
+                "--recv-exact",
+                "--recv-size",
+                "4",
+                "--split-header",
+                "--split-at",
+                "11",
+                "--messages",
+                "20",
+            ],
             true,
         ),
         spec(
             "client-split1-server-read2",
-            &["--messages", "100", "--set-ack", "--window", "4", "--recv-size", "2"],
-            &["--messages", "60", "--body-size", "3", "--split-header", "--split-at", "1", "--recv-size", "5"],
+            &[
+                "--messages",
+                "100",
+                "--set-ack",
+                "--window",
+                "4",
+                "--recv-size",
+                "2",
+            ],
+            &[
+                "--messages",
+                "60",
+                "--body-size",
+                "3",
+                "--split-header",
+                "--split-at",
+                "1",
+                "--recv-size",
+                "5",
+            ],
             true,
         ),
         spec(
             "split5-readv-exact",
-            &["--messages", "120", "--body-size", "0", "--split-header", "--split-at", "5", "--send-syscall", "sendmsg"],
-            &["--recv-exact", "--recv-syscall", "readv", "--recv-iovs", "2", "--recv-size", "3"],
+            &[
+                "--messages",
+                "120",
+                "--body-size",
+                "0",
+                "--split-header",
+                "--split-at",
+                "5",
+                "--send-syscall",
+                "sendmsg",
+            ],
+            &[
+                "--recv-exact",
+                "--recv-syscall",
+                "readv",
+                "--recv-iovs",
+                "2",
+                "--recv-size",
+                "3",
+            ],
             false,
         ),
     ];
     observe(T, 3.0, specs, |report, done| {
         check_pairs(report, done)?;
         let x = find(done, "split3-read1");
-        ensure!(n(&x.c["received"]["calls"]) > n(&x.c["received"]["bytes"]), "1-byte reads expected");
-        ensure!(n(&x.s["sent"]["calls"]) >= 400, "split writes expected: {}", x.s["sent"]);
-        ensure!(find(done, "full-split11-exact4").s["header"] == "full", "full headers expected");
+        ensure!(
+            n(&x.c["received"]["calls"]) > n(&x.c["received"]["bytes"]),
+            "1-byte reads expected"
+        );
+        ensure!(
+            n(&x.s["sent"]["calls"]) >= 400,
+            "split writes expected: {}",
+            x.s["sent"]
+        );
+        ensure!(
+            find(done, "full-split11-exact4").s["header"] == "full",
+            "full headers expected"
+        );
         Ok(())
     })
 }
@@ -359,31 +556,108 @@ fn many_messages_per_call() -> Result<()> {
     let specs = vec![
         spec(
             "300-empty-write",
-            &["--messages", "900", "--batch", "300", "--body-size", "0", "--msg-type", "102"],
-            &["--messages", "600", "--batch", "300", "--body-size", "0", "--msg-type", "4"],
+            &[
+                "--messages",
+                "900",
+                "--batch",
+                "300",
+                "--body-size",
+                "0",
+                "--msg-type",
+                "102",
+            ],
+            &[
+                "--messages",
+                "600",
+                "--batch",
+                "300",
+                "--body-size",
+                "0",
+                "--msg-type",
+                "4",
+            ],
             true,
         ),
         spec(
             "300-empty-full-writev",
-            &["--messages", "600", "--batch", "300", "--body-size", "0", "--send-syscall", "writev"],
-            &["--header", "full", "--recv-syscall", "recvmsg", "--recv-iovs", "7"],
+            &[
+                "--messages",
+                "600",
+                "--batch",
+                "300",
+                "--body-size",
+                "0",
+                "--send-syscall",
+                "writev",
+            ],
+            &[
+                "--header",
+                "full",
+                "--recv-syscall",
+                "recvmsg",
+                "--recv-iovs",
+                "7",
+            ],
             true,
         ),
         spec(
             "300-empty-iov-split",
-            &["--messages", "600", "--batch", "300", "--body-size", "0", "--send-syscall", "writev", "--iov-split", "--split-at", "4"],
+            &[
+                "--messages",
+                "600",
+                "--batch",
+                "300",
+                "--body-size",
+                "0",
+                "--send-syscall",
+                "writev",
+                "--iov-split",
+                "--split-at",
+                "4",
+            ],
             &["--recv-size", "100000"],
             true,
         ),
         spec(
             "300-small-sendmsg",
-            &["--messages", "900", "--batch", "300", "--body-size", "3", "--send-syscall", "sendmsg", "--iov-split", "--split-at", "2"],
-            &["--messages", "300", "--batch", "300", "--body-size", "1", "--send-syscall", "sendto"],
+            &[
+                "--messages",
+                "900",
+                "--batch",
+                "300",
+                "--body-size",
+                "3",
+                "--send-syscall",
+                "sendmsg",
+                "--iov-split",
+                "--split-at",
+                "2",
+            ],
+            &[
+                "--messages",
+                "300",
+                "--batch",
+                "300",
+                "--body-size",
+                "1",
+                "--send-syscall",
+                "sendto",
+            ],
             true,
         ),
         spec(
             "batches-cut-by-the-gate",
-            &["--messages", "500", "--batch", "50", "--body-size", "7", "--set-ack", "--window", "20"],
+            &[
+                "--messages",
+                "500",
+                "--batch",
+                "50",
+                "--body-size",
+                "7",
+                "--set-ack",
+                "--window",
+                "20",
+            ],
             &[],
             true,
         ),
@@ -392,8 +666,15 @@ fn many_messages_per_call() -> Result<()> {
         check_pairs(report, done)?;
         let x = find(done, "300-empty-write");
         // Link: reply, two cap words, result (4 calls); then 3 calls of 300 messages.
-        ensure!(n(&x.s["sent"]["calls"]) == 4 + 3, "batched writes expected: {}", x.s["sent"]);
-        ensure!(find(done, "300-empty-full-writev").s["header"] == "full", "full headers expected");
+        ensure!(
+            n(&x.s["sent"]["calls"]) == 4 + 3,
+            "batched writes expected: {}",
+            x.s["sent"]
+        );
+        ensure!(
+            find(done, "300-empty-full-writev").s["header"] == "full",
+            "full headers expected"
+        );
         // A receiver got many messages per read.
         let r = &find(done, "300-empty-iov-split").c["received"];
         ensure!(n(&r["calls"]) < 100, "large reads expected: {r}");
@@ -412,29 +693,91 @@ fn message_over_many_calls() -> Result<()> {
     let specs = vec![
         spec(
             "200k-in-100",
-            &["--messages", "5", "--body-size", "200000", "--chunk", "100", "--set-ack", "--window", "2"],
-            &["--recv-syscall", "readv", "--recv-iovs", "3", "--recv-size", "100"],
+            &[
+                "--messages",
+                "5",
+                "--body-size",
+                "200000",
+                "--chunk",
+                "100",
+                "--set-ack",
+                "--window",
+                "2",
+            ],
+            &[
+                "--recv-syscall",
+                "readv",
+                "--recv-iovs",
+                "3",
+                "--recv-size",
+                "100",
+            ],
             true,
         ),
         spec(
             "1-byte-chunks",
-            &["--messages", "3", "--body-size", "2000", "--chunk", "1", "--split-header", "--split-at", "2", "--send-syscall", "writev"],
-            &["--messages", "4", "--body-size", "30000", "--chunk", "13", "--send-syscall", "sendmsg"],
+            &[
+                "--messages",
+                "3",
+                "--body-size",
+                "2000",
+                "--chunk",
+                "1",
+                "--split-header",
+                "--split-at",
+                "2",
+                "--send-syscall",
+                "writev",
+            ],
+            &[
+                "--messages",
+                "4",
+                "--body-size",
+                "30000",
+                "--chunk",
+                "13",
+                "--send-syscall",
+                "sendmsg",
+            ],
             true,
         ),
         spec(
             "1MB-full",
-            &["--messages", "2", "--body-size", "1000000", "--chunk", "4093", "--send-syscall", "sendto"],
-            &["--header", "full", "--recv-syscall", "recvfrom", "--recv-size", "777"],
+            &[
+                "--messages",
+                "2",
+                "--body-size",
+                "1000000",
+                "--chunk",
+                "4093",
+                "--send-syscall",
+                "sendto",
+            ],
+            &[
+                "--header",
+                "full",
+                "--recv-syscall",
+                "recvfrom",
+                "--recv-size",
+                "777",
+            ],
             true,
         ),
     ];
     observe(T, 4.0, specs, |report, done| {
         check_pairs(report, done)?;
         let x = find(done, "200k-in-100");
-        ensure!(n(&x.s["sent"]["calls"]) >= 5 * 2000, "chunked writes expected: {}", x.s["sent"]);
+        ensure!(
+            n(&x.s["sent"]["calls"]) >= 5 * 2000,
+            "chunked writes expected: {}",
+            x.s["sent"]
+        );
         let x = find(done, "1-byte-chunks");
-        ensure!(n(&x.c["sent"]["calls"]) >= 4 * 2300, "chunked client writes expected: {}", x.c["sent"]);
+        ensure!(
+            n(&x.c["sent"]["calls"]) >= 4 * 2300,
+            "chunked client writes expected: {}",
+            x.c["sent"]
+        );
         Ok(())
     })
 }
@@ -450,26 +793,113 @@ fn header_split_across_iovecs() -> Result<()> {
     let specs = vec![
         spec(
             "writev-2",
-            &["--messages", "200", "--iov-split", "--split-at", "2", "--send-syscall", "writev", "--set-ack", "--window", "5"],
-            &["--iov-split", "--split-at", "1", "--send-syscall", "writev", "--messages", "30", "--recv-syscall", "readv", "--recv-iovs", "4", "--recv-size", "10"],
+            &[
+                "--messages",
+                "200",
+                "--iov-split",
+                "--split-at",
+                "2",
+                "--send-syscall",
+                "writev",
+                "--set-ack",
+                "--window",
+                "5",
+            ],
+            &[
+                "--iov-split",
+                "--split-at",
+                "1",
+                "--send-syscall",
+                "writev",
+                "--messages",
+                "30",
+                "--recv-syscall",
+                "readv",
+                "--recv-iovs",
+                "4",
+                "--recv-size",
+                "10",
+            ],
             true,
         ),
         spec(
             "sendmsg-5",
-            &["--messages", "200", "--iov-split", "--split-at", "5", "--send-syscall", "sendmsg", "--recv-syscall", "recvmsg", "--recv-iovs", "5", "--recv-size", "11"],
-            &["--iov-split", "--split-at", "3", "--send-syscall", "sendmsg", "--messages", "40", "--body-size", "0", "--recv-syscall", "recvmsg", "--recv-iovs", "3", "--recv-size", "9"],
+            &[
+                "--messages",
+                "200",
+                "--iov-split",
+                "--split-at",
+                "5",
+                "--send-syscall",
+                "sendmsg",
+                "--recv-syscall",
+                "recvmsg",
+                "--recv-iovs",
+                "5",
+                "--recv-size",
+                "11",
+            ],
+            &[
+                "--iov-split",
+                "--split-at",
+                "3",
+                "--send-syscall",
+                "sendmsg",
+                "--messages",
+                "40",
+                "--body-size",
+                "0",
+                "--recv-syscall",
+                "recvmsg",
+                "--recv-iovs",
+                "3",
+                "--recv-size",
+                "9",
+            ],
             true,
         ),
         spec(
             "full-sendmsg-13",
-            &["--messages", "100", "--body-size", "33", "--iov-split", "--split-at", "13", "--send-syscall", "sendmsg", "--set-ack", "--window", "3"],
-            &["--header", "full", "--iov-split", "--split-at", "9", "--send-syscall", "writev", "--messages", "10", "--recv-syscall", "readv", "--recv-iovs", "8", "--recv-size", "40"],
+            &[
+                "--messages",
+                "100",
+                "--body-size",
+                "33",
+                "--iov-split",
+                "--split-at",
+                "13",
+                "--send-syscall",
+                "sendmsg",
+                "--set-ack",
+                "--window",
+                "3",
+            ],
+            &[
+                "--header",
+                "full",
+                "--iov-split",
+                "--split-at",
+                "9",
+                "--send-syscall",
+                "writev",
+                "--messages",
+                "10",
+                "--recv-syscall",
+                "readv",
+                "--recv-iovs",
+                "8",
+                "--recv-size",
+                "40",
+            ],
             true,
         ),
     ];
     observe(T, 3.0, specs, |report, done| {
         check_pairs(report, done)?;
-        ensure!(find(done, "full-sendmsg-13").s["header"] == "full", "full headers expected");
+        ensure!(
+            find(done, "full-sendmsg-13").s["header"] == "full",
+            "full headers expected"
+        );
         Ok(())
     })
 }
@@ -490,8 +920,29 @@ fn every_send_and_receive_syscall_on_both_ends() -> Result<()> {
         // Server i: send SEND[i], receive RECV[i]; client: send SEND[i+1], receive RECV[i+2].
         specs.push(spec(
             NAMES[i],
-            &["--messages", "150", "--set-ack", "--window", "3", "--send-syscall", SEND[i], "--recv-syscall", RECV[i]],
-            &["--messages", "25", "--body-size", "9", "--send-syscall", SEND[(i + 1) % 4], "--recv-syscall", RECV[(i + 2) % 4], "--recv-size", "7"],
+            &[
+                "--messages",
+                "150",
+                "--set-ack",
+                "--window",
+                "3",
+                "--send-syscall",
+                SEND[i],
+                "--recv-syscall",
+                RECV[i],
+            ],
+            &[
+                "--messages",
+                "25",
+                "--body-size",
+                "9",
+                "--send-syscall",
+                SEND[(i + 1) % 4],
+                "--recv-syscall",
+                RECV[(i + 2) % 4],
+                "--recv-size",
+                "7",
+            ],
             true,
         ));
     }
@@ -499,9 +950,18 @@ fn every_send_and_receive_syscall_on_both_ends() -> Result<()> {
         check_pairs(report, done)?;
         for (i, x) in done.iter().enumerate() {
             let p = &x.s["write_pattern"];
-            ensure!(p["send_syscall"] == SEND[i] && p["recv_syscall"] == RECV[i], "{}: pattern {p}", x.name);
+            ensure!(
+                p["send_syscall"] == SEND[i] && p["recv_syscall"] == RECV[i],
+                "{}: pattern {p}",
+                x.name
+            );
             // 150 draws with W=3: the client ACKs 50 times, sends 25 own messages and an ACK_SYNC.
-            ensure!(x.s["received"]["by_type"] == json!({"1": 1, "2": 50, "101": 25}), "{}: {}", x.name, x.s["received"]);
+            ensure!(
+                x.s["received"]["by_type"] == json!({"1": 1, "2": 50, "101": 25}),
+                "{}: {}",
+                x.name,
+                x.s["received"]
+            );
         }
         Ok(())
     })
@@ -516,22 +976,78 @@ fn full_headers() -> Result<()> {
         return Ok(());
     }
     let specs = vec![
-        spec("client-full", &["--messages", "100", "--set-ack", "--window", "4"], &["--header", "full", "--messages", "10"], true),
-        spec("server-full", &["--header", "full", "--messages", "100", "--body-size", "100", "--link-one-write"], &["--messages", "5"], true),
-        spec("no-common-caps", &["--messages", "50", "--set-ack", "--window", "5"], &["--no-common-caps", "--messages", "3"], true),
-        spec("mini-no-auth-selection", &["--messages", "50", "--set-ack", "--window", "5"], &["--common-caps", "0x08", "--messages", "3"], true),
+        spec(
+            "client-full",
+            &["--messages", "100", "--set-ack", "--window", "4"],
+            &["--header", "full", "--messages", "10"],
+            true,
+        ),
+        spec(
+            "server-full",
+            &[
+                "--header",
+                "full",
+                "--messages",
+                "100",
+                "--body-size",
+                "100",
+                "--link-one-write",
+            ],
+            &["--messages", "5"],
+            true,
+        ),
+        spec(
+            "no-common-caps",
+            &["--messages", "50", "--set-ack", "--window", "5"],
+            &["--no-common-caps", "--messages", "3"],
+            true,
+        ),
+        spec(
+            "mini-no-auth-selection",
+            &["--messages", "50", "--set-ack", "--window", "5"],
+            &["--common-caps", "0x08", "--messages", "3"],
+            true,
+        ),
         spec(
             "full-split17",
-            &["--header", "full", "--messages", "60", "--split-header", "--split-at", "17", "--set-ack", "--window", "2"],
-            &["--recv-size", "5", "--messages", "7", "--split-header", "--split-at", "1"],
+            &[
+                "--header",
+                "full",
+                "--messages",
+                "60",
+                "--split-header",
+                "--split-at",
+                "17",
+                "--set-ack",
+                "--window",
+                "2",
+            ],
+            &[
+                "--recv-size",
+                "5",
+                "--messages",
+                "7",
+                "--split-header",
+                "--split-at",
+                "1",
+            ],
             true,
         ),
     ];
     observe(T, 3.0, specs, |report, done| {
         check_pairs(report, done)?;
         for x in done {
-            let want = if x.name == "mini-no-auth-selection" { "mini" } else { "full" };
-            ensure!(x.s["header"] == want, "{}: the peers negotiated {} headers, {want} expected", x.name, x.s["header"]);
+            let want = if x.name == "mini-no-auth-selection" {
+                "mini"
+            } else {
+                "full"
+            };
+            ensure!(
+                x.s["header"] == want,
+                "{}: the peers negotiated {} headers, {want} expected",
+                x.name,
+                x.s["header"]
+            );
         }
         Ok(())
     })
@@ -549,32 +1065,103 @@ fn eagain_starts() -> Result<()> {
     let specs = vec![
         spec(
             "small-writev",
-            &["--nonblock", "--sndbuf", "4096", "--messages", "3000", "--body-size", "200", "--send-syscall", "writev"],
+            &[
+                "--nonblock",
+                "--sndbuf",
+                "4096",
+                "--messages",
+                "3000",
+                "--body-size",
+                "200",
+                "--send-syscall",
+                "writev",
+            ],
             &slow,
             true,
         ),
         spec(
             "small-write-full",
-            &["--nonblock", "--sndbuf", "4096", "--messages", "2000", "--body-size", "100", "--send-syscall", "write"],
-            &["--header", "full", "--recv-size", "4096", "--recv-pause-ms", "1", "--recv-syscall", "recvmsg"],
+            &[
+                "--nonblock",
+                "--sndbuf",
+                "4096",
+                "--messages",
+                "2000",
+                "--body-size",
+                "100",
+                "--send-syscall",
+                "write",
+            ],
+            &[
+                "--header",
+                "full",
+                "--recv-size",
+                "4096",
+                "--recv-pause-ms",
+                "1",
+                "--recv-syscall",
+                "recvmsg",
+            ],
             true,
         ),
         spec(
             "big-sendmsg-window",
-            &["--nonblock", "--sndbuf", "4096", "--messages", "20", "--body-size", "65536", "--send-syscall", "sendmsg", "--set-ack", "--window", "4"],
+            &[
+                "--nonblock",
+                "--sndbuf",
+                "4096",
+                "--messages",
+                "20",
+                "--body-size",
+                "65536",
+                "--send-syscall",
+                "sendmsg",
+                "--set-ack",
+                "--window",
+                "4",
+            ],
             &["--recv-size", "8192", "--recv-pause-ms", "1"],
             true,
         ),
         spec(
             "header-like-bodies",
-            &["--nonblock", "--sndbuf", "4096", "--messages", "4", "--body-size", "300000", "--body-fill", "2", "--send-syscall", "sendto"],
+            &[
+                "--nonblock",
+                "--sndbuf",
+                "4096",
+                "--messages",
+                "4",
+                "--body-size",
+                "300000",
+                "--body-fill",
+                "2",
+                "--send-syscall",
+                "sendto",
+            ],
             &slow,
             false,
         ),
         spec(
             "client-eagain",
-            &["--messages", "10", "--recv-size", "4096", "--recv-pause-ms", "1"],
-            &["--nonblock", "--sndbuf", "4096", "--messages", "2000", "--body-size", "150", "--send-syscall", "writev"],
+            &[
+                "--messages",
+                "10",
+                "--recv-size",
+                "4096",
+                "--recv-pause-ms",
+                "1",
+            ],
+            &[
+                "--nonblock",
+                "--sndbuf",
+                "4096",
+                "--messages",
+                "2000",
+                "--body-size",
+                "150",
+                "--send-syscall",
+                "writev",
+            ],
             true,
         ),
     ];
@@ -591,7 +1178,11 @@ fn eagain_starts() -> Result<()> {
                 let f = &p["framing"][dir];
                 // The framing code, fed this peer's calls (EAGAIN ones by peek), predicts which
                 // message starts are first seen on a rejected call.
-                ensure!(f["peek_mismatched"] == 0 && f["peeked"] == f["already_reported"], "{} {end}: peer framing {f}", x.name);
+                ensure!(
+                    f["peek_mismatched"] == 0 && f["peeked"] == f["already_reported"],
+                    "{} {end}: peer framing {f}",
+                    x.name
+                );
                 ensure!(
                     c["messages_sent_eagain_start"] == f["peeked"],
                     "{} {end}: messages_sent_eagain_start {}, the peer's EAGAINs at message starts {} (EAGAINs in all {}): {}",
@@ -601,15 +1192,28 @@ fn eagain_starts() -> Result<()> {
                     p["sent"]["eagain"],
                     describe(&c)
                 );
-                starts.insert(format!("{} {end}", x.name), (n(&f["peeked"]), n(&p["sent"]["eagain"])));
+                starts.insert(
+                    format!("{} {end}", x.name),
+                    (n(&f["peeked"]), n(&p["sent"]["eagain"])),
+                );
             }
         }
         eprintln!("EAGAIN (at message starts, all): {starts:?}");
-        for k in ["small-writev server", "small-write-full server", "client-eagain client"] {
-            ensure!(starts[k].0 > 0, "{k}: no EAGAIN at a message start happened, the path is not exercised: {starts:?}");
+        for k in [
+            "small-writev server",
+            "small-write-full server",
+            "client-eagain client",
+        ] {
+            ensure!(
+                starts[k].0 > 0,
+                "{k}: no EAGAIN at a message start happened, the path is not exercised: {starts:?}"
+            );
         }
         let (at_start, all) = starts["header-like-bodies server"];
-        ensure!(all > at_start, "header-like-bodies: no EAGAIN in the middle of a body: {starts:?}");
+        ensure!(
+            all > at_start,
+            "header-like-bodies: no EAGAIN in the middle of a body: {starts:?}"
+        );
         Ok(())
     })
 }
@@ -624,11 +1228,69 @@ fn ack_window() -> Result<()> {
         return Ok(());
     }
     let specs = vec![
-        spec("gtk-w7", &["--messages", "300", "--set-ack", "--window", "7"], &[], true),
-        spec("stalled-w5", &["--messages", "100", "--set-ack", "--window", "5", "--stall-timeout-ms", "400"], &["--no-acks"], true),
-        spec("html5-w5-gen9", &["--messages", "199", "--set-ack", "--window", "5", "--generation", "9"], &["--ack-cadence", "html5"], true),
-        spec("cursor-w2", &["--messages", "80", "--set-ack", "--window", "2", "--msg-type", "102"], &["--channel-type", "4", "--channel-id", "1"], false),
-        spec("stalled-w1-split", &["--messages", "50", "--set-ack", "--window", "1", "--stall-timeout-ms", "400", "--split-header"], &["--no-acks", "--recv-size", "1"], false),
+        spec(
+            "gtk-w7",
+            &["--messages", "300", "--set-ack", "--window", "7"],
+            &[],
+            true,
+        ),
+        spec(
+            "stalled-w5",
+            &[
+                "--messages",
+                "100",
+                "--set-ack",
+                "--window",
+                "5",
+                "--stall-timeout-ms",
+                "400",
+            ],
+            &["--no-acks"],
+            true,
+        ),
+        spec(
+            "html5-w5-gen9",
+            &[
+                "--messages",
+                "199",
+                "--set-ack",
+                "--window",
+                "5",
+                "--generation",
+                "9",
+            ],
+            &["--ack-cadence", "html5"],
+            true,
+        ),
+        spec(
+            "cursor-w2",
+            &[
+                "--messages",
+                "80",
+                "--set-ack",
+                "--window",
+                "2",
+                "--msg-type",
+                "102",
+            ],
+            &["--channel-type", "4", "--channel-id", "1"],
+            false,
+        ),
+        spec(
+            "stalled-w1-split",
+            &[
+                "--messages",
+                "50",
+                "--set-ack",
+                "--window",
+                "1",
+                "--stall-timeout-ms",
+                "400",
+                "--split-header",
+            ],
+            &["--no-acks", "--recv-size", "1"],
+            false,
+        ),
     ];
     observe(T, 3.0, specs, |report, done| {
         check_pairs(report, done)?;
@@ -642,38 +1304,91 @@ fn ack_window() -> Result<()> {
             ensure!(u(&c["window"]) == w, "window: {d}");
             ensure!(c["ack_generation"] == a["generation"], "generation: {d}");
             ensure!(u(&c["acks_ignored"]) == 0, "acks_ignored: {d}");
-            ensure!(u(&c["starts_while_stalled"]) == 0, "starts_while_stalled: {d}");
+            ensure!(
+                u(&c["starts_while_stalled"]) == 0,
+                "starts_while_stalled: {d}"
+            );
             ensure!(u(&c["urgent_pair_peaks"]) == 0, "urgent_pair_peaks: {d}");
-            ensure!(c["in_flight_limit"].as_i64() == Some(2 * w as i64 + 1), "in_flight_limit: {d}");
+            ensure!(
+                c["in_flight_limit"].as_i64() == Some(2 * w as i64 + 1),
+                "in_flight_limit: {d}"
+            );
             // The final count is spice-server's: 1 + messages after SET_ACK − W × ACKs.
-            ensure!(c["in_flight_now"] == a["final_count"], "in_flight_now {} vs the peer's final count: {d}", c["in_flight_now"]);
+            ensure!(
+                c["in_flight_now"] == a["final_count"],
+                "in_flight_now {} vs the peer's final count: {d}",
+                c["in_flight_now"]
+            );
             let max = c["in_flight_max"].as_i64().unwrap_or(-1);
             if stalled {
-                ensure!(a["stalled_timeout"] == true && n(&a["max_count"]) == 2 * w + 1, "{}: the peer did not stall: {a}", x.name);
-                ensure!(max == 2 * w as i64 + 1, "in_flight_max {max}, 2W+1 = {} expected: {d}", 2 * w + 1);
+                ensure!(
+                    a["stalled_timeout"] == true && n(&a["max_count"]) == 2 * w + 1,
+                    "{}: the peer did not stall: {a}",
+                    x.name
+                );
+                ensure!(
+                    max == 2 * w as i64 + 1,
+                    "in_flight_max {max}, 2W+1 = {} expected: {d}",
+                    2 * w + 1
+                );
                 ensure!(u(&c["messages_sent"]) == 2 * w + 1, "messages_sent: {d}");
-                ensure!(u(&c["ack_syncs"]) == 0 && u(&c["acks"]) == 0, "no ACK_SYNC / ACK expected: {d}");
+                ensure!(
+                    u(&c["ack_syncs"]) == 0 && u(&c["acks"]) == 0,
+                    "no ACK_SYNC / ACK expected: {d}"
+                );
                 ensure!(u(&c["stalls"]) == 1, "stalls: {d}");
                 let f = c["stalled_fraction"].as_f64().unwrap_or(0.0);
                 ensure!(f > 0.5, "stalled_fraction {f} after a 400 ms stall: {d}");
             } else {
-                ensure!(a["stalled_timeout"] == false, "{}: the peer stalled: {a}", x.name);
-                ensure!(u(&c["ack_syncs"]) == 1 && c["ack_sync_generation"] == a["generation"], "ack_syncs: {d}");
-                ensure!(c["acks"] == a["acks_matched"] && n(&a["acks_matched"]) > 0, "acks: {d}");
-                ensure!(max >= 1 && max <= n(&a["max_count"]) as i64 && max <= 2 * w as i64 + 1, "in_flight_max {max}: {d}");
+                ensure!(
+                    a["stalled_timeout"] == false,
+                    "{}: the peer stalled: {a}",
+                    x.name
+                );
+                ensure!(
+                    u(&c["ack_syncs"]) == 1 && c["ack_sync_generation"] == a["generation"],
+                    "ack_syncs: {d}"
+                );
+                ensure!(
+                    c["acks"] == a["acks_matched"] && n(&a["acks_matched"]) > 0,
+                    "acks: {d}"
+                );
+                ensure!(
+                    max >= 1 && max <= n(&a["max_count"]) as i64 && max <= 2 * w as i64 + 1,
+                    "in_flight_max {max}: {d}"
+                );
             }
         }
         // Cadences: gtk ACKs every W messages after the SET_ACK, html5 counts the SET_ACK too.
-        ensure!(find(done, "gtk-w7").s["acks"]["acks_matched"] == 300 / 7, "gtk cadence");
-        ensure!(find(done, "html5-w5-gen9").s["acks"]["acks_matched"] == 200 / 5, "html5 cadence");
+        ensure!(
+            find(done, "gtk-w7").s["acks"]["acks_matched"] == 300 / 7,
+            "gtk cadence"
+        );
+        ensure!(
+            find(done, "html5-w5-gen9").s["acks"]["acks_matched"] == 200 / 5,
+            "html5 cadence"
+        );
         // The watched client ends replay the same window from the other side.
         for name in ["gtk-w7", "stalled-w5", "html5-w5-gen9"] {
             let x = find(done, name);
             let c = only_channel(report, x.cpid, name)?;
             let a = &x.s["acks"];
-            ensure!(u(&c["set_acks"]) == 1 && c["window"] == a["window"], "{name} client: {}", describe(&c));
-            ensure!(c["acks"] == x.c["acks"]["acks_sent"], "{name} client acks: {} vs {}", describe(&c), x.c["acks"]);
-            ensure!(c["in_flight_now"] == a["final_count"], "{name} client final count: {}", describe(&c));
+            ensure!(
+                u(&c["set_acks"]) == 1 && c["window"] == a["window"],
+                "{name} client: {}",
+                describe(&c)
+            );
+            ensure!(
+                c["acks"] == x.c["acks"]["acks_sent"],
+                "{name} client acks: {} vs {}",
+                describe(&c),
+                x.c["acks"]
+            );
+            ensure!(
+                c["in_flight_now"] == a["final_count"],
+                "{name} client final count: {}",
+                describe(&c)
+            );
         }
         Ok(())
     })
@@ -690,18 +1405,56 @@ fn unreadable_streams_and_refusals() -> Result<()> {
         return Ok(());
     }
     let specs = vec![
-        spec("good", &["--messages", "200", "--set-ack", "--window", "10"], &["--messages", "20"], true),
-        spec("garbage-server", &["--garbage", "--garbage-len", "100"], &[], true),
+        spec(
+            "good",
+            &["--messages", "200", "--set-ack", "--window", "10"],
+            &["--messages", "20"],
+            true,
+        ),
+        spec(
+            "garbage-server",
+            &["--garbage", "--garbage-len", "100"],
+            &[],
+            true,
+        ),
         spec("garbage-client", &[], &["--garbage", "--seed", "7"], true),
         spec("tls-server", &["--tls-bytes"], &[], true),
         spec("tls-client", &[], &["--tls-bytes"], true),
         spec("websocket-client", &[], &["--websocket"], true),
-        spec("sasl", &["--sasl", "--messages", "30", "--set-ack", "--window", "3"], &["--sasl", "--messages", "5"], true),
+        spec(
+            "sasl",
+            &["--sasl", "--messages", "30", "--set-ack", "--window", "3"],
+            &["--sasl", "--messages", "5"],
+            true,
+        ),
         spec("link-error-9", &["--link-error", "9"], &[], true),
         spec("result-7", &["--result", "7"], &[], true),
-        spec("error-after-reply-8", &["--error-after-reply", "8"], &[], true),
-        spec("bad-type", &["--set-ack", "--window", "4", "--messages", "20", "--msg-type", "1001"], &[], true),
-        spec("good-2", &["--messages", "100", "--split-header", "--body-size", "0"], &["--recv-size", "3"], true),
+        spec(
+            "error-after-reply-8",
+            &["--error-after-reply", "8"],
+            &[],
+            true,
+        ),
+        spec(
+            "bad-type",
+            &[
+                "--set-ack",
+                "--window",
+                "4",
+                "--messages",
+                "20",
+                "--msg-type",
+                "1001",
+            ],
+            &[],
+            true,
+        ),
+        spec(
+            "good-2",
+            &["--messages", "100", "--split-header", "--body-size", "0"],
+            &["--recv-size", "3"],
+            true,
+        ),
     ];
     observe(T, 3.0, specs, |report, done| {
         for x in done {
@@ -725,26 +1478,65 @@ fn unreadable_streams_and_refusals() -> Result<()> {
                 other => bail!("unknown pair {other}"),
             };
             if x.name == "bad-type" {
-                ensure!(x.s["received"]["by_type"] == json!({"1": 1, "2": 5}), "{}: the server read {}", x.name, x.s["received"]);
+                ensure!(
+                    x.s["received"]["by_type"] == json!({"1": 1, "2": 5}),
+                    "{}: the server read {}",
+                    x.name,
+                    x.s["received"]
+                );
             }
             for (pid, end) in [(x.spid, "server"), (x.cpid, "client")] {
                 let c = only_channel(report, pid, &format!("{} {end}", x.name))?;
-                let d = format!("{} {end}: {} ({} / {})", x.name, describe(&c), c["unparsed_reason"], c["unparsed_detail"]);
-                ensure!(c["framing"] == "unparsed" && c["unparsed_reason"] == reason, "{reason} expected: {d}");
+                let d = format!(
+                    "{} {end}: {} ({} / {})",
+                    x.name,
+                    describe(&c),
+                    c["unparsed_reason"],
+                    c["unparsed_detail"]
+                );
+                ensure!(
+                    c["framing"] == "unparsed" && c["unparsed_reason"] == reason,
+                    "{reason} expected: {d}"
+                );
                 if let Some(want) = detail {
-                    ensure!(c["unparsed_detail"].as_str().unwrap_or("").contains(want), "detail {want:?} expected: {d}");
+                    ensure!(
+                        c["unparsed_detail"].as_str().unwrap_or("").contains(want),
+                        "detail {want:?} expected: {d}"
+                    );
                 }
-                let (msgs_out, msgs_in) = if end == "server" { (s2c, c2s) } else { (c2s, s2c) };
-                ensure!(u(&c["messages_sent"]) == msgs_out && u(&c["messages_received"]) == msgs_in, "messages sent / received {msgs_out} / {msgs_in} expected: {d}");
+                let (msgs_out, msgs_in) = if end == "server" {
+                    (s2c, c2s)
+                } else {
+                    (c2s, s2c)
+                };
+                ensure!(
+                    u(&c["messages_sent"]) == msgs_out && u(&c["messages_received"]) == msgs_in,
+                    "messages sent / received {msgs_out} / {msgs_in} expected: {d}"
+                );
                 ensure!(u(&c["records_lost"]) == 0, "records_lost: {d}");
             }
         }
         // The peers really went through their scripts.
-        ensure!(find(done, "link-error-9").c["link"]["refused"] == 9, "link-error-9 client");
-        ensure!(find(done, "result-7").c["outcome"] == "link_refused", "result-7 client");
-        ensure!(find(done, "error-after-reply-8").c["link"]["error_after_reply"] == 8, "error-after-reply-8 client");
-        ensure!(find(done, "sasl").c["received"]["by_type"] == json!({"3": 1, "304": 30}), "sasl data went through");
-        ensure!(find(done, "bad-type").c["received"]["by_type"] == json!({"3": 1, "1001": 20}), "bad-type data went through");
+        ensure!(
+            find(done, "link-error-9").c["link"]["refused"] == 9,
+            "link-error-9 client"
+        );
+        ensure!(
+            find(done, "result-7").c["outcome"] == "link_refused",
+            "result-7 client"
+        );
+        ensure!(
+            find(done, "error-after-reply-8").c["link"]["error_after_reply"] == 8,
+            "error-after-reply-8 client"
+        );
+        ensure!(
+            find(done, "sasl").c["received"]["by_type"] == json!({"3": 1, "304": 30}),
+            "sasl data went through"
+        );
+        ensure!(
+            find(done, "bad-type").c["received"]["by_type"] == json!({"3": 1, "1001": 20}),
+            "bad-type data went through"
+        );
         Ok(())
     })
 }
@@ -767,10 +1559,20 @@ fn last_read_that_also_takes_the_fin() -> Result<()> {
     observe(T, 3.0, specs, |report, done| {
         let x = find(done, "data-and-fin");
         // Reads: link reply, then result + 10 messages + FIN, then nothing (EOF).
-        ensure!(n(&x.c["received"]["calls"]) <= 4, "{}: the client did not read in a few calls: {}", x.name, x.c["received"]);
+        ensure!(
+            n(&x.c["received"]["calls"]) <= 4,
+            "{}: the client did not read in a few calls: {}",
+            x.name,
+            x.c["received"]
+        );
         check_pair(report, x)?;
         let x = find(done, "result-7-and-fin");
-        ensure!(x.c["outcome"] == "link_refused", "{}: {}", x.name, x.c["outcome"]);
+        ensure!(
+            x.c["outcome"] == "link_refused",
+            "{}: {}",
+            x.name,
+            x.c["outcome"]
+        );
         let c = only_channel(report, x.cpid, "result-7-and-fin client")?;
         ensure!(
             c["unparsed_reason"] == "link_refused",
@@ -795,14 +1597,34 @@ fn data_read_after_the_socket_reached_tcp_close() -> Result<()> {
         return Ok(());
     }
     let specs = vec![
-        spec("five-messages", &["--messages", "10", "--recv-pause-ms", "300"], &["--messages", "5"], false),
-        spec("one-small-message", &["--messages", "10", "--recv-pause-ms", "300"], &["--messages", "1", "--body-size", "2"], false),
+        spec(
+            "five-messages",
+            &["--messages", "10", "--recv-pause-ms", "300"],
+            &["--messages", "5"],
+            false,
+        ),
+        spec(
+            "one-small-message",
+            &["--messages", "10", "--recv-pause-ms", "300"],
+            &["--messages", "1", "--body-size", "2"],
+            false,
+        ),
     ];
     observe(T, 3.0, specs, |report, done| {
         for x in done {
-            ensure!(n(&x.s["received"]["messages"]) >= 1, "{}: {}", x.name, x.s["received"]);
+            ensure!(
+                n(&x.s["received"]["messages"]) >= 1,
+                "{}: {}",
+                x.name,
+                x.s["received"]
+            );
             let c = only_channel(report, x.spid, x.name)?;
-            ensure!(c["closed"] == true, "{}: close not seen: {}", x.name, describe(&c));
+            ensure!(
+                c["closed"] == true,
+                "{}: close not seen: {}",
+                x.name,
+                describe(&c)
+            );
         }
         check_pairs(report, done)
     })

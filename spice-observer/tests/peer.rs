@@ -22,12 +22,19 @@ fn start_server(args: &[&str]) -> (Child, BufReader<std::process::ChildStdout>, 
     let mut out = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
-    let port = line.strip_prefix("listening ").unwrap_or_else(|| panic!("first line {line:?}")).trim().to_string();
+    let port = line
+        .strip_prefix("listening ")
+        .unwrap_or_else(|| panic!("first line {line:?}"))
+        .trim()
+        .to_string();
     (child, out, port)
 }
 
 fn summary_of(stdout: &str) -> Value {
-    let lines: Vec<&str> = stdout.lines().filter(|l| l.starts_with("SUMMARY ")).collect();
+    let lines: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("SUMMARY "))
+        .collect();
     assert_eq!(lines.len(), 1, "exactly one SUMMARY line in {stdout:?}");
     serde_json::from_str(&lines[0]["SUMMARY ".len()..]).unwrap()
 }
@@ -36,30 +43,64 @@ fn summary_of(stdout: &str) -> Value {
 fn run(server: &[&str], client: &[&str]) -> (Value, Value) {
     let (mut s, mut s_out, port) = start_server(server);
     let c = Command::new(PEER)
-        .args(["client", "--connect", &format!("127.0.0.1:{port}"), "--timeout-ms", "10000"])
+        .args([
+            "client",
+            "--connect",
+            &format!("127.0.0.1:{port}"),
+            "--timeout-ms",
+            "10000",
+        ])
         .args(client)
         .output()
         .expect("run spice-peer client");
     let mut rest = String::new();
     s_out.read_to_string(&mut rest).unwrap();
     let status = s.wait().unwrap();
-    assert!(c.status.success(), "client: {}", String::from_utf8_lossy(&c.stderr));
+    assert!(
+        c.status.success(),
+        "client: {}",
+        String::from_utf8_lossy(&c.stderr)
+    );
     assert!(status.success(), "server exit {status}");
-    (summary_of(&rest), summary_of(&String::from_utf8(c.stdout).unwrap()))
+    (
+        summary_of(&rest),
+        summary_of(&String::from_utf8(c.stdout).unwrap()),
+    )
 }
 
 #[test]
 fn server_and_client_processes_agree() {
     let (s, c) = run(
-        &["--messages", "100", "--set-ack", "--window", "10", "--send-syscall", "writev", "--iov-split"],
-        &["--recv-syscall", "recvmsg", "--recv-size", "64", "--messages", "3", "--send-syscall", "sendto"],
+        &[
+            "--messages",
+            "100",
+            "--set-ack",
+            "--window",
+            "10",
+            "--send-syscall",
+            "writev",
+            "--iov-split",
+        ],
+        &[
+            "--recv-syscall",
+            "recvmsg",
+            "--recv-size",
+            "64",
+            "--messages",
+            "3",
+            "--send-syscall",
+            "sendto",
+        ],
     );
     assert_eq!(s["outcome"], "ok");
     assert_eq!(s["sent"]["by_type"], c["received"]["by_type"]);
     assert_eq!(s["sent"]["bytes"], c["received"]["bytes"]);
     assert_eq!(c["sent"]["by_type"], s["received"]["by_type"]);
     assert_eq!(s["sent"]["messages"], 101);
-    assert_eq!(s["received"]["by_type"], serde_json::json!({"1": 1, "2": 10, "101": 3}));
+    assert_eq!(
+        s["received"]["by_type"],
+        serde_json::json!({"1": 1, "2": 10, "101": 3})
+    );
     // The framing code, fed the client's receive calls, finds what the server wrote.
     assert_eq!(c["framing"]["s2c"]["by_type"], s["sent"]["by_type"]);
     assert_eq!(s["framing"]["c2s"]["by_type"], c["sent"]["by_type"]);
@@ -75,7 +116,10 @@ fn refused_link_still_exits_zero_with_a_summary() {
 
 #[test]
 fn bad_options_exit_2() {
-    let out = Command::new(PEER).args(["server", "--listen", "127.0.0.1:0", "--window", "3"]).output().unwrap();
+    let out = Command::new(PEER)
+        .args(["server", "--listen", "127.0.0.1:0", "--window", "3"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(out.stdout.is_empty());
 }

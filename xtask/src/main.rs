@@ -53,7 +53,10 @@ enum Cmd {
 }
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
 }
 
 fn run(cmd: &mut Command) -> Result<()> {
@@ -100,7 +103,9 @@ impl Drop for Cleanup {
 
 fn read_pid(path: &Path) -> Result<u32> {
     let s = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    s.trim().parse().with_context(|| format!("pid in {}", path.display()))
+    s.trim()
+        .parse()
+        .with_context(|| format!("pid in {}", path.display()))
 }
 
 fn demo(seconds: u32, mode: &str) -> Result<()> {
@@ -120,7 +125,9 @@ fn demo(seconds: u32, mode: &str) -> Result<()> {
 
     let xspice_state = run_dir.join("xspice");
     let mut stop_x = Command::new(rig.join("start-xspice.sh"));
-    stop_x.env("RIG_RUN", &xspice_state).args(["stop", &port.to_string()]);
+    stop_x
+        .env("RIG_RUN", &xspice_state)
+        .args(["stop", &port.to_string()]);
     cleanup.0.push(stop_x);
     run(Command::new(rig.join("start-xspice.sh"))
         .env("RIG_RUN", &xspice_state)
@@ -133,13 +140,25 @@ fn demo(seconds: u32, mode: &str) -> Result<()> {
     stop_relay.arg("stop").arg(&relay_pidfile);
     cleanup.0.push(stop_relay);
     run(Command::new(rig.join("relay.sh"))
-        .args(["socat", "127.0.0.1", &relay_port.to_string(), "127.0.0.1", &port.to_string()])
+        .args([
+            "socat",
+            "127.0.0.1",
+            &relay_port.to_string(),
+            "127.0.0.1",
+            &port.to_string(),
+        ])
         .arg(&relay_pidfile))?;
     let relay = read_pid(&relay_pidfile)?;
 
     // Observer first, so it sees every channel's link phase.
     let mut obs: Child = Command::new(&observer)
-        .args(["observe", "--pid", &xorg.to_string(), "--pid", &relay.to_string()])
+        .args([
+            "observe",
+            "--pid",
+            &xorg.to_string(),
+            "--pid",
+            &relay.to_string(),
+        ])
         .args(["--duration", &seconds.to_string()])
         .spawn()
         .context("starting spice-observer (needs root)")?;
@@ -169,17 +188,35 @@ fn demo(seconds: u32, mode: &str) -> Result<()> {
 fn test(unit_only: bool, filter: &[String]) -> Result<()> {
     setup(unit_only)?;
     // Unit tests: pure logic, no privileges (the kernel crate only builds for BPF).
-    run(cargo().args(["test", "--workspace", "--exclude", "spice-ebpf", "--exclude", "spice-observer"]))?;
+    run(cargo().args([
+        "test",
+        "--workspace",
+        "--exclude",
+        "spice-ebpf",
+        "--exclude",
+        "spice-observer",
+    ]))?;
     run(cargo().args(["test", "-p", "spice-observer", "--bins"]))?;
     if unit_only {
         return Ok(());
     }
     if unsafe { libc_geteuid() } != 0 {
-        bail!("the privileged tests load BPF programs and need root; run as root or pass --unit-only");
+        bail!(
+            "the privileged tests load BPF programs and need root; run as root or pass --unit-only"
+        );
     }
     // Privileged tests: real processes, real BPF; serial (they share ports and the kernel).
     let mut cmd = cargo();
-    cmd.args(["test", "-p", "spice-observer", "--test", "*", "--", "--test-threads=1", "--nocapture"]);
+    cmd.args([
+        "test",
+        "-p",
+        "spice-observer",
+        "--test",
+        "*",
+        "--",
+        "--test-threads=1",
+        "--nocapture",
+    ]);
     cmd.args(filter);
     run(&mut cmd)
 }

@@ -39,14 +39,19 @@ fn proc_event(kind_: u8, tgid: u32, pid: u32) {
 #[inline(always)]
 pub fn on_fork(child: *const u8) {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    let Some(root) = WATCHED_TGIDS.get_ptr(&tgid) else { return };
+    let Some(root) = WATCHED_TGIDS.get_ptr(&tgid) else {
+        return;
+    };
     let root = unsafe { *root };
     let child_pid: i32 = read_at(child, konf!(task_pid));
     let child_tgid: i32 = read_at(child, konf!(task_tgid));
     if child_pid != child_tgid || child_tgid <= 0 {
         return; // a new thread: already covered by its tgid
     }
-    if WATCHED_TGIDS.insert(&(child_tgid as u32), &root, 0).is_err() {
+    if WATCHED_TGIDS
+        .insert(&(child_tgid as u32), &root, 0)
+        .is_err()
+    {
         count(counter::WATCH_MAP_FULL);
         return;
     }

@@ -18,7 +18,9 @@ const MSG_PEEK: i32 = 2;
 pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
     let pid_tgid = bpf_get_current_pid_tgid();
     // The one lookup for unwatched processes: no stashed call, not ours.
-    let Some(p) = PENDING_CALLS.get_ptr(&pid_tgid) else { return };
+    let Some(p) = PENDING_CALLS.get_ptr(&pid_tgid) else {
+        return;
+    };
     let args = unsafe { *p };
     let _ = PENDING_CALLS.remove(&pid_tgid);
     if direction == dir::RECV && flags & MSG_PEEK != 0 {
@@ -28,5 +30,11 @@ pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
         return;
     }
     let cookie = unsafe { bpf_get_socket_cookie(sk as *mut _) };
-    on_call(&Call { sk, cookie, dir: direction, ret, args });
+    on_call(&Call {
+        sk,
+        cookie,
+        dir: direction,
+        ret,
+        args,
+    });
 }

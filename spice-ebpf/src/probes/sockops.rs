@@ -12,7 +12,10 @@ use aya_ebpf::{
     helpers::{bpf_ktime_get_ns, generated::bpf_get_socket_cookie},
     programs::SockOpsContext,
 };
-use spice_ebpf_common::{config::counter, event::{TcpSnapshot, tcp_source}};
+use spice_ebpf_common::{
+    config::counter,
+    event::{TcpSnapshot, tcp_source},
+};
 
 use crate::maps::{TCP_STATE, WATCH_PORTS, count};
 
@@ -45,11 +48,17 @@ pub fn on_sock_ops(ctx: &SockOpsContext) {
             let remote_raw = field!(ops, remote_port);
             // remote_port holds the network-order port; on little-endian it sits in the upper
             // 16 bits (net/core/filter.c sock_ops_convert_ctx_access).
-            let remote = u16::from_be(if remote_raw > 0xffff { (remote_raw >> 16) as u16 } else { remote_raw as u16 });
+            let remote = u16::from_be(if remote_raw > 0xffff {
+                (remote_raw >> 16) as u16
+            } else {
+                remote_raw as u16
+            });
             if WATCH_PORTS.get_ptr(&local).is_none() && WATCH_PORTS.get_ptr(&remote).is_none() {
                 return;
             }
-            let flags = BPF_SOCK_OPS_RTT_CB_FLAG | BPF_SOCK_OPS_RETRANS_CB_FLAG | BPF_SOCK_OPS_STATE_CB_FLAG;
+            let flags = BPF_SOCK_OPS_RTT_CB_FLAG
+                | BPF_SOCK_OPS_RETRANS_CB_FLAG
+                | BPF_SOCK_OPS_STATE_CB_FLAG;
             let _ = ctx.set_cb_flags(flags as i32);
             let cookie = unsafe { bpf_get_socket_cookie(ctx.ops as *mut _) };
             let mut snap = TcpSnapshot::default();

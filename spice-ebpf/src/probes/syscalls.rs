@@ -54,13 +54,18 @@ pub fn on_sys_enter(regs: *const pt_regs, id: u64) {
     let di: u64 = unsafe { bpf_probe_read_kernel(&raw const (*regs).rdi) }.unwrap_or(0);
     let si: u64 = unsafe { bpf_probe_read_kernel(&raw const (*regs).rsi) }.unwrap_or(0);
     let dx: u64 = unsafe { bpf_probe_read_kernel(&raw const (*regs).rdx) }.unwrap_or(0);
-    let mut call = PendingCall { kind, _pad: [0; 3], fd: di as i32, ptr: si, len: dx };
+    let mut call = PendingCall {
+        kind,
+        _pad: [0; 3],
+        fd: di as i32,
+        ptr: si,
+        len: dx,
+    };
     if id == SYS_SENDMSG || id == SYS_RECVMSG {
         // (fd, struct user_msghdr *msg, flags): the iovec array is inside the msghdr.
-        let iov: [u64; 2] = unsafe {
-            bpf_probe_read_user((si as usize + MSGHDR_IOV) as *const [u64; 2])
-        }
-        .unwrap_or([0, 0]);
+        let iov: [u64; 2] =
+            unsafe { bpf_probe_read_user((si as usize + MSGHDR_IOV) as *const [u64; 2]) }
+                .unwrap_or([0, 0]);
         call.ptr = iov[0];
         call.len = iov[1];
     }

@@ -32,7 +32,15 @@ pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
         Some(mut e) => {
             let p = e.as_mut_ptr();
             unsafe {
-                (*p).hdr = EventHeader { kind: kind::CLOSE, dir: 0, flags: 0, _pad: 0, tgid, ts_ns: now, cookie };
+                (*p).hdr = EventHeader {
+                    kind: kind::CLOSE,
+                    dir: 0,
+                    flags: 0,
+                    _pad: 0,
+                    tgid,
+                    ts_ns: now,
+                    cookie,
+                };
                 (*p).tcp = TcpSnapshot::default();
                 fill_tcp(sk, now, tcp_source::STATE_TRACEPOINT, &mut (*p).tcp);
             }

@@ -34,7 +34,9 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{Value, json};
-use spice_ebpf_common::framing::{self, BUF_LEN, DirState, LinkInfo, MessageInfo, Output, UnparsedReason};
+use spice_ebpf_common::framing::{
+    self, BUF_LEN, DirState, LinkInfo, MessageInfo, Output, UnparsedReason,
+};
 use spice_ebpf_common::protocol::{
     AUTH_MECHANISM_SASL, AUTH_MECHANISM_SPICE, CAP_AUTH_SASL, CAP_AUTH_SELECTION, CAP_AUTH_SPICE,
     CAP_MINI_HEADER, LINK_HEADER_LEN, LINK_MESS_MAX, LINK_MESS_MIN, LINK_REPLY_MIN, SPICE_MAGIC,
@@ -292,7 +294,10 @@ struct ClientArgs {
 
 impl Common {
     fn validate(&self) -> Result<(), String> {
-        let multi_iov = matches!(self.send_syscall, SendSyscall::Writev | SendSyscall::Sendmsg);
+        let multi_iov = matches!(
+            self.send_syscall,
+            SendSyscall::Writev | SendSyscall::Sendmsg
+        );
         if self.iov_split && !multi_iov {
             return Err("--iov-split needs --send-syscall writev or sendmsg".into());
         }
@@ -311,10 +316,17 @@ impl Common {
         if self.recv_size == 0 || self.recv_iovs == 0 {
             return Err("--recv-size and --recv-iovs must be at least 1".into());
         }
-        if self.recv_iovs > 1 && !matches!(self.recv_syscall, RecvSyscall::Readv | RecvSyscall::Recvmsg) {
+        if self.recv_iovs > 1
+            && !matches!(self.recv_syscall, RecvSyscall::Readv | RecvSyscall::Recvmsg)
+        {
             return Err("--recv-iovs > 1 needs --recv-syscall readv or recvmsg".into());
         }
-        if [self.garbage, self.tls_bytes, self.sasl].iter().filter(|b| **b).count() > 1 {
+        if [self.garbage, self.tls_bytes, self.sasl]
+            .iter()
+            .filter(|b| **b)
+            .count()
+            > 1
+        {
             return Err("--garbage, --tls-bytes and --sasl are exclusive".into());
         }
         Ok(())
@@ -350,7 +362,12 @@ impl Common {
 // ---------------------------------------------------------------------------------------------
 
 fn iovecs(segs: &[&[u8]]) -> Vec<libc::iovec> {
-    segs.iter().map(|s| libc::iovec { iov_base: s.as_ptr() as *mut libc::c_void, iov_len: s.len() }).collect()
+    segs.iter()
+        .map(|s| libc::iovec {
+            iov_base: s.as_ptr() as *mut libc::c_void,
+            iov_len: s.len(),
+        })
+        .collect()
 }
 
 /// One send call of `segs` (write/sendto get them concatenated into one buffer).
@@ -369,7 +386,14 @@ fn sys_send(fd: RawFd, how: SendSyscall, segs: &[&[u8]]) -> io::Result<usize> {
                 if how == SendSyscall::Write {
                     libc::write(fd, buf.as_ptr().cast(), buf.len())
                 } else {
-                    libc::sendto(fd, buf.as_ptr().cast(), buf.len(), libc::MSG_NOSIGNAL, std::ptr::null(), 0)
+                    libc::sendto(
+                        fd,
+                        buf.as_ptr().cast(),
+                        buf.len(),
+                        libc::MSG_NOSIGNAL,
+                        std::ptr::null(),
+                        0,
+                    )
                 }
             }
         }
@@ -389,7 +413,11 @@ fn sys_send(fd: RawFd, how: SendSyscall, segs: &[&[u8]]) -> io::Result<usize> {
             }
         }
     };
-    if r < 0 { Err(io::Error::last_os_error()) } else { Ok(r as usize) }
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
 }
 
 /// Sizes of `iovs` near-equal parts of a `len`-byte buffer (no empty parts).
@@ -416,7 +444,10 @@ fn sys_recv(fd: RawFd, how: RecvSyscall, buf: &mut [u8], iovs: usize) -> io::Res
                 let mut iov = Vec::new();
                 let mut off = 0;
                 for sz in iov_sizes(buf.len(), iovs) {
-                    iov.push(libc::iovec { iov_base: buf.as_mut_ptr().add(off).cast(), iov_len: sz });
+                    iov.push(libc::iovec {
+                        iov_base: buf.as_mut_ptr().add(off).cast(),
+                        iov_len: sz,
+                    });
                     off += sz;
                 }
                 if how == RecvSyscall::Readv {
@@ -430,12 +461,20 @@ fn sys_recv(fd: RawFd, how: RecvSyscall, buf: &mut [u8], iovs: usize) -> io::Res
             }
         }
     };
-    if r < 0 { Err(io::Error::last_os_error()) } else { Ok(r as usize) }
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
 }
 
 /// poll() one fd; Ok(false) on timeout.
 fn wait_fd(fd: RawFd, events: libc::c_short, timeout: Duration) -> io::Result<bool> {
-    let mut p = libc::pollfd { fd, events, revents: 0 };
+    let mut p = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
     let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
     loop {
         // SAFETY: one valid pollfd.
@@ -455,9 +494,19 @@ fn set_int_opt(fd: RawFd, level: libc::c_int, name: libc::c_int, v: u32) -> io::
     let v = v as libc::c_int;
     // SAFETY: pointer to a live c_int of the given size.
     let r = unsafe {
-        libc::setsockopt(fd, level, name, (&v as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as _)
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as _,
+        )
     };
-    if r < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 fn timed_out(what: &str) -> io::Error {
@@ -516,7 +565,10 @@ impl FrameTally {
                 *self.by_type.entry(m.msg_type).or_default() += 1;
                 if m.already_reported {
                     self.already_reported += 1;
-                    let peeked = self.last_peek.take().map(|p| MessageInfo { already_reported: true, ..p });
+                    let peeked = self.last_peek.take().map(|p| MessageInfo {
+                        already_reported: true,
+                        ..p
+                    });
                     if peeked != Some(m) {
                         self.peek_mismatched += 1;
                     }
@@ -753,11 +805,17 @@ impl Tx {
     fn send_messages(&mut self, msgs: &[(u16, &[u8])], p: &Pattern) -> io::Result<()> {
         let hl = self.kind.header_len();
         if p.split_at >= hl && (p.split_header || p.iov_split) {
-            return Err(proto_err(format!("--split-at {} is not inside a {hl}-byte header", p.split_at)));
+            return Err(proto_err(format!(
+                "--split-at {} is not inside a {hl}-byte header",
+                p.split_at
+            )));
         }
         let k = p.split_at;
         if msgs.len() > 1 {
-            let hdrs: Vec<Vec<u8>> = msgs.iter().map(|(t, b)| self.next_header(*t, b.len())).collect();
+            let hdrs: Vec<Vec<u8>> = msgs
+                .iter()
+                .map(|(t, b)| self.next_header(*t, b.len()))
+                .collect();
             let mut segs: Vec<&[u8]> = Vec::new();
             for (h, (_, b)) in hdrs.iter().zip(msgs) {
                 if p.iov_split {
@@ -928,7 +986,11 @@ impl Rx {
         if self.eof {
             return Ok(0);
         }
-        let req = if self.exact { want.clamp(1, self.size) } else { self.size };
+        let req = if self.exact {
+            want.clamp(1, self.size)
+        } else {
+            self.size
+        };
         if self.rpos == self.buf.len() {
             self.buf.clear();
             self.rpos = 0;
@@ -987,7 +1049,10 @@ impl Rx {
     fn take_raw(&mut self, n: usize) -> io::Result<Vec<u8>> {
         while self.avail() < n {
             if self.fill(n - self.avail())? == 0 {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("peer closed, {n} bytes expected")));
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("peer closed, {n} bytes expected"),
+                ));
             }
         }
         let v = self.buf[self.rpos..self.rpos + n].to_vec();
@@ -1016,7 +1081,11 @@ impl Rx {
     }
 
     fn data(&self) -> &[u8] {
-        if self.sasl { &self.plain[self.ppos..] } else { &self.buf[self.rpos..] }
+        if self.sasl {
+            &self.plain[self.ppos..]
+        } else {
+            &self.buf[self.rpos..]
+        }
     }
 
     fn advance(&mut self, n: usize) {
@@ -1056,7 +1125,10 @@ impl Rx {
                     if hdr.is_empty() {
                         return Ok(None);
                     }
-                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed inside a header"));
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "peer closed inside a header",
+                    ));
                 }
                 continue;
             }
@@ -1065,8 +1137,14 @@ impl Rx {
             self.advance(k);
         }
         let (msg_type, size) = match kind {
-            HeaderKind::Mini => (u16::from_le_bytes([hdr[0], hdr[1]]), u32::from_le_bytes(hdr[2..6].try_into().unwrap())),
-            HeaderKind::Full => (u16::from_le_bytes([hdr[8], hdr[9]]), u32::from_le_bytes(hdr[10..14].try_into().unwrap())),
+            HeaderKind::Mini => (
+                u16::from_le_bytes([hdr[0], hdr[1]]),
+                u32::from_le_bytes(hdr[2..6].try_into().unwrap()),
+            ),
+            HeaderKind::Full => (
+                u16::from_le_bytes([hdr[8], hdr[9]]),
+                u32::from_le_bytes(hdr[10..14].try_into().unwrap()),
+            ),
         };
         if msg_type == 0 {
             return Err(proto_err("data header with type 0"));
@@ -1077,7 +1155,10 @@ impl Rx {
         while remaining > 0 {
             if self.data().is_empty() {
                 if !self.data_fill(remaining)? {
-                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed inside a body"));
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "peer closed inside a body",
+                    ));
                 }
                 continue;
             }
@@ -1092,7 +1173,11 @@ impl Rx {
         }
         self.messages += 1;
         *self.by_type.entry(msg_type).or_default() += 1;
-        Ok(Some(Msg { msg_type, size, prefix }))
+        Ok(Some(Msg {
+            msg_type,
+            size,
+            prefix,
+        }))
     }
 
     fn json(&self) -> Value {
@@ -1150,7 +1235,13 @@ fn tls_record(seed: u64, hello_type: u8) -> Vec<u8> {
     }
     let mut hs = vec![hello_type, 0, (body.len() >> 8) as u8, body.len() as u8];
     hs.extend(body);
-    let mut rec = vec![0x16, 0x03, if hello_type == 1 { 0x01 } else { 0x03 }, (hs.len() >> 8) as u8, hs.len() as u8];
+    let mut rec = vec![
+        0x16,
+        0x03,
+        if hello_type == 1 { 0x01 } else { 0x03 },
+        (hs.len() >> 8) as u8,
+        hs.len() as u8,
+    ];
     rec.extend(hs);
     rec
 }
@@ -1322,7 +1413,10 @@ fn summary(
         "framing": obs.json(),
         "error": error,
     });
-    Report { ok: summary["error"].is_null(), summary }
+    Report {
+        ok: summary["error"].is_null(),
+        summary,
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1352,7 +1446,10 @@ fn accept_one(listener: &TcpListener, timeout: Duration) -> io::Result<TcpStream
 fn run_server(a: &ServerArgs, on_listen: &mut dyn FnMut(u16)) -> Report {
     let c = &a.common;
     let obs = Arc::new(Mutex::new(Observe::default()));
-    let mut link = LinkFacts { outcome: "ok", ..Default::default() };
+    let mut link = LinkFacts {
+        outcome: "ok",
+        ..Default::default()
+    };
     let acks = Arc::new((Mutex::new(AckState::default()), Condvar::new()));
     let mode = mode_name(c, false);
     let listener = match TcpListener::bind(&a.listen) {
@@ -1360,18 +1457,39 @@ fn run_server(a: &ServerArgs, on_listen: &mut dyn FnMut(u16)) -> Report {
         Err(e) => {
             let tx = Tx::new(-1, Dir::S2C, c, obs.clone());
             let rx = Rx::new(-1, Dir::C2S, c, obs.clone());
-            return summary("server", mode, &link, &tx, &rx, Value::Null, c, &obs.lock().unwrap(), Some(format!("bind: {e}")));
+            return summary(
+                "server",
+                mode,
+                &link,
+                &tx,
+                &rx,
+                Value::Null,
+                c,
+                &obs.lock().unwrap(),
+                Some(format!("bind: {e}")),
+            );
         }
     };
     on_listen(listener.local_addr().map(|x| x.port()).unwrap_or(0));
-    let stream = match accept_one(&listener, c.timeout()).and_then(|s| setup_socket(&s, c).map(|_| s)) {
-        Ok(s) => Arc::new(s),
-        Err(e) => {
-            let tx = Tx::new(-1, Dir::S2C, c, obs.clone());
-            let rx = Rx::new(-1, Dir::C2S, c, obs.clone());
-            return summary("server", mode, &link, &tx, &rx, Value::Null, c, &obs.lock().unwrap(), Some(format!("accept: {e}")));
-        }
-    };
+    let stream =
+        match accept_one(&listener, c.timeout()).and_then(|s| setup_socket(&s, c).map(|_| s)) {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                let tx = Tx::new(-1, Dir::S2C, c, obs.clone());
+                let rx = Rx::new(-1, Dir::C2S, c, obs.clone());
+                return summary(
+                    "server",
+                    mode,
+                    &link,
+                    &tx,
+                    &rx,
+                    Value::Null,
+                    c,
+                    &obs.lock().unwrap(),
+                    Some(format!("accept: {e}")),
+                );
+            }
+        };
     drop(listener);
     let fd = stream.as_raw_fd();
     let tx = Arc::new(Mutex::new(Tx::new(fd, Dir::S2C, c, obs.clone())));
@@ -1394,7 +1512,17 @@ fn run_server(a: &ServerArgs, on_listen: &mut dyn FnMut(u16)) -> Report {
         }
     };
     let tx = tx.lock().unwrap();
-    summary("server", mode, &link, &tx, &rx, ack_json, c, &obs.lock().unwrap(), err)
+    summary(
+        "server",
+        mode,
+        &link,
+        &tx,
+        &rx,
+        ack_json,
+        c,
+        &obs.lock().unwrap(),
+        err,
+    )
 }
 
 /// Ends a refused or non-SPICE session: close our side, read the peer's leftovers until EOF.
@@ -1485,7 +1613,9 @@ fn server_link(
         close_and_drain(stream, rx)?;
         return Ok(false);
     }
-    let words: Vec<u32> = (0..n_common + n_channel).map(|i| le32(&body, (caps_offset + 4 * i) as usize)).collect();
+    let words: Vec<u32> = (0..n_common + n_channel)
+        .map(|i| le32(&body, (caps_offset + 4 * i) as usize))
+        .collect();
     link.client_common_caps = words[..n_common as usize].to_vec();
     link.client_channel_caps = words[n_common as usize..].to_vec();
     if c.garbage || c.tls_bytes {
@@ -1501,12 +1631,21 @@ fn server_link(
         close_and_drain(stream, rx)?;
         return Ok(false);
     }
-    link.server_common_caps = own_common_caps(c, CAP_AUTH_SELECTION | CAP_AUTH_SPICE | CAP_MINI_HEADER);
-    link.server_channel_caps = c.channel_caps.clone().unwrap_or_else(|| server_default_channel_caps(link.channel_type));
+    link.server_common_caps =
+        own_common_caps(c, CAP_AUTH_SELECTION | CAP_AUTH_SPICE | CAP_MINI_HEADER);
+    link.server_channel_caps = c
+        .channel_caps
+        .clone()
+        .unwrap_or_else(|| server_default_channel_caps(link.channel_type));
     let client_caps0 = link.client_common_caps.first().copied().unwrap_or(0);
     let server_caps0 = link.server_common_caps.first().copied().unwrap_or(0);
-    let key = if c.sasl && client_caps0 & CAP_AUTH_SASL != 0 { [0u8; PUB_KEY_LEN] } else { wire::fake_pub_key() };
-    let reply = wire::link_reply_with_key(0, &key, &link.server_common_caps, &link.server_channel_caps);
+    let key = if c.sasl && client_caps0 & CAP_AUTH_SASL != 0 {
+        [0u8; PUB_KEY_LEN]
+    } else {
+        wire::fake_pub_key()
+    };
+    let reply =
+        wire::link_reply_with_key(0, &key, &link.server_common_caps, &link.server_channel_caps);
     link.server_link_size = Some(le32(&reply, 12));
     let fixed = (LINK_HEADER_LEN + LINK_REPLY_MIN) as usize;
     if a.link_one_write {
@@ -1518,7 +1657,11 @@ fn server_link(
         }
     }
     // Auth (§1.5): the mechanism word only if the client advertised auth selection.
-    let mechanism = if client_caps0 & CAP_AUTH_SELECTION != 0 { rx.u32_raw()? } else { AUTH_MECHANISM_SPICE };
+    let mechanism = if client_caps0 & CAP_AUTH_SELECTION != 0 {
+        rx.u32_raw()?
+    } else {
+        AUTH_MECHANISM_SPICE
+    };
     link.auth_mechanism = Some(mechanism);
     let sasl = if mechanism == AUTH_MECHANISM_SPICE {
         rx.take_raw(TICKET_LEN as usize)?;
@@ -1549,7 +1692,10 @@ fn server_link(
         close_and_drain(stream, rx)?;
         return Ok(false);
     }
-    link.header = Some(HeaderKind::negotiated(&link.client_common_caps, &link.server_common_caps));
+    link.header = Some(HeaderKind::negotiated(
+        &link.client_common_caps,
+        &link.server_common_caps,
+    ));
     if sasl {
         tx.lock().unwrap().sasl_wrap = true;
         rx.sasl = true;
@@ -1557,7 +1703,10 @@ fn server_link(
     Ok(true)
 }
 
-fn server_answer_non_spice(a: &ServerArgs, send: &dyn Fn(&[&[u8]]) -> io::Result<()>) -> io::Result<()> {
+fn server_answer_non_spice(
+    a: &ServerArgs,
+    send: &dyn Fn(&[&[u8]]) -> io::Result<()>,
+) -> io::Result<()> {
     let c = &a.common;
     if c.garbage {
         send(&[&garbage(c.seed, c.garbage_len)])
@@ -1597,7 +1746,11 @@ fn server_sasl(tx: &Arc<Mutex<Tx>>, rx: &mut Rx) -> io::Result<()> {
 }
 
 /// Reads the client's data messages and applies ACK_SYNC / ACK to the gate.
-fn server_reader(rx: &mut Rx, kind: HeaderKind, acks: &Arc<(Mutex<AckState>, Condvar)>) -> io::Result<()> {
+fn server_reader(
+    rx: &mut Rx,
+    kind: HeaderKind,
+    acks: &Arc<(Mutex<AckState>, Condvar)>,
+) -> io::Result<()> {
     while let Some(m) = rx.read_message(kind)? {
         let (lock, cv) = &**acks;
         let mut s = lock.lock().unwrap();
@@ -1620,9 +1773,18 @@ fn server_reader(rx: &mut Rx, kind: HeaderKind, acks: &Arc<(Mutex<AckState>, Con
     Ok(())
 }
 
-fn server_writer(a: &ServerArgs, tx: &Arc<Mutex<Tx>>, acks: &Arc<(Mutex<AckState>, Condvar)>) -> io::Result<()> {
+fn server_writer(
+    a: &ServerArgs,
+    tx: &Arc<Mutex<Tx>>,
+    acks: &Arc<(Mutex<AckState>, Condvar)>,
+) -> io::Result<()> {
     let c = &a.common;
-    let pat = Pattern { split_header: c.split_header, iov_split: c.iov_split, split_at: c.split_at, chunk: c.chunk };
+    let pat = Pattern {
+        split_header: c.split_header,
+        iov_split: c.iov_split,
+        split_at: c.split_at,
+        chunk: c.chunk,
+    };
     let window = a.window.unwrap_or(20);
     {
         let mut s = acks.0.lock().unwrap();
@@ -1635,7 +1797,10 @@ fn server_writer(a: &ServerArgs, tx: &Arc<Mutex<Tx>>, acks: &Arc<(Mutex<AckState
     let body = vec![a.body_fill as u8; a.body_size as usize];
     let mut list: Vec<(u16, Vec<u8>)> = Vec::new();
     if a.set_ack {
-        list.push((msg_server::SET_ACK, wire::set_ack_body(a.generation, window).to_vec()));
+        list.push((
+            msg_server::SET_ACK,
+            wire::set_ack_body(a.generation, window).to_vec(),
+        ));
     }
     if let Some(sid) = a.main_init {
         list.push((msg_server::MAIN_INIT, wire::main_init_body(sid).to_vec()));
@@ -1721,12 +1886,23 @@ fn run_client(a: &ClientArgs) -> Report {
         ..Default::default()
     };
     let mode = mode_name(c, a.websocket);
-    let stream = match connect(&a.connect, c.timeout()).and_then(|s| setup_socket(&s, c).map(|_| s)) {
+    let stream = match connect(&a.connect, c.timeout()).and_then(|s| setup_socket(&s, c).map(|_| s))
+    {
         Ok(s) => Arc::new(s),
         Err(e) => {
             let tx = Tx::new(-1, Dir::C2S, c, obs.clone());
             let rx = Rx::new(-1, Dir::S2C, c, obs.clone());
-            return summary("client", mode, &link, &tx, &rx, Value::Null, c, &obs.lock().unwrap(), Some(format!("connect: {e}")));
+            return summary(
+                "client",
+                mode,
+                &link,
+                &tx,
+                &rx,
+                Value::Null,
+                c,
+                &obs.lock().unwrap(),
+                Some(format!("connect: {e}")),
+            );
         }
     };
     let fd = stream.as_raw_fd();
@@ -1741,7 +1917,17 @@ fn run_client(a: &ClientArgs) -> Report {
         "ack_syncs_sent": acks.ack_syncs_sent, "acks_sent": acks.acks_sent,
     });
     let tx = tx.lock().unwrap();
-    summary("client", mode, &link, &tx, &rx, ack_json, c, &obs.lock().unwrap(), res.err().map(|e| e.to_string()))
+    summary(
+        "client",
+        mode,
+        &link,
+        &tx,
+        &rx,
+        ack_json,
+        c,
+        &obs.lock().unwrap(),
+        res.err().map(|e| e.to_string()),
+    )
 }
 
 fn client_script(
@@ -1759,7 +1945,12 @@ fn client_script(
     let kind = link.header.unwrap();
     rx.start_data();
     tx.lock().unwrap().start_data(kind);
-    let pat = Pattern { split_header: c.split_header, iov_split: c.iov_split, split_at: c.split_at, chunk: c.chunk };
+    let pat = Pattern {
+        split_header: c.split_header,
+        iov_split: c.iov_split,
+        split_at: c.split_at,
+        chunk: c.chunk,
+    };
     // The client's own messages go out from a second thread while this one reads.
     let writer = (a.messages > 0).then(|| {
         let tx = tx.clone();
@@ -1777,7 +1968,9 @@ fn client_script(
         })
     });
     let read_res = client_reader(a, tx, rx, kind, acks, &pat);
-    let write_res = writer.map(|h| h.join().expect("writer thread panicked")).unwrap_or(Ok(()));
+    let write_res = writer
+        .map(|h| h.join().expect("writer thread panicked"))
+        .unwrap_or(Ok(()));
     read_res?;
     write_res?;
     stream.shutdown(Shutdown::Write)
@@ -1857,16 +2050,24 @@ fn client_link(
     let (n_common, n_channel, caps_offset) = (le32(&body, 166), le32(&body, 170), le32(&body, 174));
     let end = caps_offset as u64 + 4 * (n_common as u64 + n_channel as u64);
     if caps_offset < LINK_REPLY_MIN || end > size as u64 {
-        return Err(proto_err(format!("link reply caps: offset {caps_offset}, {n_common}+{n_channel} words")));
+        return Err(proto_err(format!(
+            "link reply caps: offset {caps_offset}, {n_common}+{n_channel} words"
+        )));
     }
-    let words: Vec<u32> = (0..n_common + n_channel).map(|i| le32(&body, (caps_offset + 4 * i) as usize)).collect();
+    let words: Vec<u32> = (0..n_common + n_channel)
+        .map(|i| le32(&body, (caps_offset + 4 * i) as usize))
+        .collect();
     link.server_common_caps = words[..n_common as usize].to_vec();
     link.server_channel_caps = words[n_common as usize..].to_vec();
 
     // Auth (§1.5): mechanism word iff we advertised auth selection (what the server reads).
     let own0 = link.client_common_caps.first().copied().unwrap_or(0);
     let mechanism = if own0 & CAP_AUTH_SELECTION != 0 {
-        let m = a.auth_mechanism.unwrap_or(if c.sasl { AUTH_MECHANISM_SASL } else { AUTH_MECHANISM_SPICE });
+        let m = a.auth_mechanism.unwrap_or(if c.sasl {
+            AUTH_MECHANISM_SASL
+        } else {
+            AUTH_MECHANISM_SPICE
+        });
         send(&[&wire::auth_mechanism(m)])?;
         m
     } else {
@@ -1906,7 +2107,10 @@ fn client_link(
         close_and_drain(stream, rx)?;
         return Ok(false);
     }
-    link.header = Some(HeaderKind::negotiated(&link.client_common_caps, &link.server_common_caps));
+    link.header = Some(HeaderKind::negotiated(
+        &link.client_common_caps,
+        &link.server_common_caps,
+    ));
     if sasl {
         tx.lock().unwrap().sasl_wrap = true;
         rx.sasl = true;
@@ -1915,7 +2119,11 @@ fn client_link(
 }
 
 /// The 4 bytes "REDQ" were read where a result was expected: read the rest of the error reply.
-fn client_error_after_reply(stream: &TcpStream, rx: &mut Rx, link: &mut LinkFacts) -> io::Result<()> {
+fn client_error_after_reply(
+    stream: &TcpStream,
+    rx: &mut Rx,
+    link: &mut LinkFacts,
+) -> io::Result<()> {
     let rest = rx.take_raw(12)?;
     let size = le32(&rest, 8) as usize;
     let body = rx.take_raw(size.min(LINK_REPLY_MIN as usize))?;
@@ -1926,7 +2134,9 @@ fn client_error_after_reply(stream: &TcpStream, rx: &mut Rx, link: &mut LinkFact
 
 /// After a non-SPICE start: if the server answered with a link error reply, note its code.
 fn client_read_refusal(rx: &mut Rx, link: &mut LinkFacts) -> io::Result<()> {
-    let Ok(hdr) = rx.take_raw(16) else { return Ok(()) };
+    let Ok(hdr) = rx.take_raw(16) else {
+        return Ok(());
+    };
     if le32(&hdr, 0) == u32::from_le_bytes(SPICE_MAGIC) {
         let size = le32(&hdr, 12) as usize;
         if let Ok(body) = rx.take_raw(size.min(LINK_REPLY_MIN as usize)) {
@@ -1942,7 +2152,9 @@ fn client_read_refusal(rx: &mut Rx, link: &mut LinkFacts) -> io::Result<()> {
 fn client_sasl(tx: &Arc<Mutex<Tx>>, rx: &mut Rx, mech_list_len: u32) -> io::Result<()> {
     let send = |b: &[u8]| tx.lock().unwrap().link_call(&[b]);
     if mech_list_len > 4096 {
-        return Err(proto_err(format!("SASL mechanism list length {mech_list_len}")));
+        return Err(proto_err(format!(
+            "SASL mechanism list length {mech_list_len}"
+        )));
     }
     rx.take_raw(mech_list_len as usize)?;
     send(&sasl_msg(b"DIGEST-MD5"))?;
@@ -1975,7 +2187,9 @@ fn client_reader(
             thread::sleep(ack_delay);
         }
         acks.acks_sent += 1;
-        tx.lock().unwrap().send_messages(&[(msg_client::ACK, &[])], pat)
+        tx.lock()
+            .unwrap()
+            .send_messages(&[(msg_client::ACK, &[])], pat)
     };
     while let Some(m) = rx.read_message(kind)? {
         let is_set_ack = m.msg_type == msg_server::SET_ACK && m.size >= 8;
@@ -1994,7 +2208,9 @@ fn client_reader(
             if !a.no_acks && acks.window > 0 {
                 acks.ack_syncs_sent += 1;
                 let body = wire::ack_sync_body(acks.generation);
-                tx.lock().unwrap().send_messages(&[(msg_client::ACK_SYNC, &body)], pat)?;
+                tx.lock()
+                    .unwrap()
+                    .send_messages(&[(msg_client::ACK_SYNC, &body)], pat)?;
             }
         }
         // spice-html5 decrements after handling every message, the SET_ACK included.
@@ -2068,7 +2284,8 @@ mod tests {
     use std::sync::mpsc;
 
     fn parse(args: &[&str]) -> Cli {
-        let cli = Cli::try_parse_from(std::iter::once("spice-peer").chain(args.iter().copied())).unwrap();
+        let cli =
+            Cli::try_parse_from(std::iter::once("spice-peer").chain(args.iter().copied())).unwrap();
         validate(&cli).unwrap();
         cli
     }
@@ -2078,14 +2295,18 @@ mod tests {
     fn pair(server_args: &[&str], client_args: &[&str]) -> (Value, Value) {
         let mut sa = vec!["server", "--listen", "127.0.0.1:0", "--timeout-ms", "10000"];
         sa.extend_from_slice(server_args);
-        let Cmd::Server(server) = parse(&sa).cmd else { unreachable!() };
+        let Cmd::Server(server) = parse(&sa).cmd else {
+            unreachable!()
+        };
         let (ptx, prx) = mpsc::channel();
         let sh = thread::spawn(move || run_server(&server, &mut |p| ptx.send(p).unwrap()).summary);
         let port = prx.recv().unwrap().to_string();
         let addr = format!("127.0.0.1:{port}");
         let mut ca = vec!["client", "--connect", &addr, "--timeout-ms", "10000"];
         ca.extend_from_slice(client_args);
-        let Cmd::Client(client) = parse(&ca).cmd else { unreachable!() };
+        let Cmd::Client(client) = parse(&ca).cmd else {
+            unreachable!()
+        };
         let c = run_client(&client).summary;
         let s = sh.join().unwrap();
         (s, c)
@@ -2106,11 +2327,31 @@ mod tests {
             let d = sent["direction"].as_str().unwrap();
             for side in [w, r] {
                 let f = &side["framing"][d];
-                assert!(f["unparsed"].is_null(), "{} framing {d}: {f:#}", side["role"]);
-                assert_eq!(f["messages"], sent["messages"], "{} framing {d} messages", side["role"]);
-                assert_eq!(f["by_type"], sent["by_type"], "{} framing {d} by_type", side["role"]);
-                assert_eq!(f["bytes"], sent["bytes"], "{} framing {d} bytes", side["role"]);
-                assert_eq!(f["peek_mismatched"], 0, "{} framing {d}: {f:#}", side["role"]);
+                assert!(
+                    f["unparsed"].is_null(),
+                    "{} framing {d}: {f:#}",
+                    side["role"]
+                );
+                assert_eq!(
+                    f["messages"], sent["messages"],
+                    "{} framing {d} messages",
+                    side["role"]
+                );
+                assert_eq!(
+                    f["by_type"], sent["by_type"],
+                    "{} framing {d} by_type",
+                    side["role"]
+                );
+                assert_eq!(
+                    f["bytes"], sent["bytes"],
+                    "{} framing {d} bytes",
+                    side["role"]
+                );
+                assert_eq!(
+                    f["peek_mismatched"], 0,
+                    "{} framing {d}: {f:#}",
+                    side["role"]
+                );
             }
         }
     }
@@ -2129,7 +2370,10 @@ mod tests {
         // spice-gtk cadence: ACK_SYNC once, then one ACK per 4 messages after the SET_ACK.
         assert_eq!(s["received"]["by_type"], json!({"1": 1, "2": 50}));
         assert_eq!(s["acks"]["acks_matched"], 50);
-        assert!(n(&s["acks"]["max_count"]) <= 9, "gate: count never above 2W+1");
+        assert!(
+            n(&s["acks"]["max_count"]) <= 9,
+            "gate: count never above 2W+1"
+        );
         assert_eq!(s["framing"]["s2c"]["prefixes"][0], json!([3, 1, 4]));
         assert_eq!(c["framing"]["c2s"]["prefixes"][0], json!([1, 1, 0]));
         assert_eq!(c["link"]["server_common_caps"], json!([0x0B]));
@@ -2138,7 +2382,10 @@ mod tests {
 
     #[test]
     fn full_headers() {
-        let (s, c) = pair(&["--messages", "30", "--set-ack", "--window", "5"], &["--header", "full"]);
+        let (s, c) = pair(
+            &["--messages", "30", "--set-ack", "--window", "5"],
+            &["--header", "full"],
+        );
         check_consistent(&s, &c);
         assert_eq!(c["header"], "full");
         assert_eq!(n(&s["sent"]["data_bytes"]), 26 + 30 * (18 + 64));
@@ -2147,14 +2394,42 @@ mod tests {
 
     #[test]
     fn every_send_and_recv_syscall() {
-        let pairs = [("write", "read"), ("writev", "readv"), ("sendmsg", "recvmsg"), ("sendto", "recvfrom")];
+        let pairs = [
+            ("write", "read"),
+            ("writev", "readv"),
+            ("sendmsg", "recvmsg"),
+            ("sendto", "recvfrom"),
+        ];
         for (snd, rcv) in pairs {
             let (s, c) = pair(
-                &["--messages", "40", "--set-ack", "--window", "3", "--send-syscall", snd, "--recv-syscall", rcv],
-                &["--send-syscall", snd, "--recv-syscall", rcv, "--recv-size", "7", "--messages", "5"],
+                &[
+                    "--messages",
+                    "40",
+                    "--set-ack",
+                    "--window",
+                    "3",
+                    "--send-syscall",
+                    snd,
+                    "--recv-syscall",
+                    rcv,
+                ],
+                &[
+                    "--send-syscall",
+                    snd,
+                    "--recv-syscall",
+                    rcv,
+                    "--recv-size",
+                    "7",
+                    "--messages",
+                    "5",
+                ],
             );
             check_consistent(&s, &c);
-            assert_eq!(s["received"]["by_type"], json!({"1": 1, "2": 13, "101": 5}), "{snd}/{rcv}");
+            assert_eq!(
+                s["received"]["by_type"],
+                json!({"1": 1, "2": 13, "101": 5}),
+                "{snd}/{rcv}"
+            );
         }
     }
 
@@ -2162,7 +2437,16 @@ mod tests {
     fn readv_with_several_iovecs_and_exact_reads() {
         let (s, c) = pair(
             &["--messages", "20", "--body-size", "1000", "--recv-exact"],
-            &["--recv-syscall", "readv", "--recv-iovs", "3", "--recv-size", "100", "--messages", "3"],
+            &[
+                "--recv-syscall",
+                "readv",
+                "--recv-iovs",
+                "3",
+                "--recv-size",
+                "100",
+                "--messages",
+                "3",
+            ],
         );
         check_consistent(&s, &c);
         // Exact reads on the server: link header 4 + 12, body, mechanism, ticket, then per
@@ -2172,21 +2456,50 @@ mod tests {
 
     #[test]
     fn split_header_each_header_in_two_calls() {
-        let (s, c) = pair(&["--messages", "10", "--body-size", "5", "--split-header"], &[]);
+        let (s, c) = pair(
+            &["--messages", "10", "--body-size", "5", "--split-header"],
+            &[],
+        );
         check_consistent(&s, &c);
         // Link: reply, 2 cap words, result = 4 calls; then 2 per message.
         assert_eq!(n(&s["sent"]["calls"]), 4 + 20);
-        let (s, c) = pair(&["--messages", "10", "--split-header", "--split-at", "11"], &["--header", "full"]);
+        let (s, c) = pair(
+            &["--messages", "10", "--split-header", "--split-at", "11"],
+            &["--header", "full"],
+        );
         check_consistent(&s, &c);
     }
 
     #[test]
     fn batches_of_whole_messages() {
-        let (s, c) = pair(&["--messages", "100", "--batch", "25", "--send-syscall", "writev", "--body-size", "0"], &[]);
+        let (s, c) = pair(
+            &[
+                "--messages",
+                "100",
+                "--batch",
+                "25",
+                "--send-syscall",
+                "writev",
+                "--body-size",
+                "0",
+            ],
+            &[],
+        );
         check_consistent(&s, &c);
         assert_eq!(n(&s["sent"]["calls"]), 4 + 4);
         // The gate cuts batches short.
-        let (s, c) = pair(&["--messages", "100", "--batch", "50", "--set-ack", "--window", "5"], &[]);
+        let (s, c) = pair(
+            &[
+                "--messages",
+                "100",
+                "--batch",
+                "50",
+                "--set-ack",
+                "--window",
+                "5",
+            ],
+            &[],
+        );
         check_consistent(&s, &c);
         assert!(n(&s["acks"]["max_count"]) <= 11);
     }
@@ -2195,7 +2508,16 @@ mod tests {
     fn header_split_across_iovecs() {
         for sc in ["writev", "sendmsg"] {
             let (s, c) = pair(
-                &["--messages", "20", "--iov-split", "--send-syscall", sc, "--set-ack", "--window", "2"],
+                &[
+                    "--messages",
+                    "20",
+                    "--iov-split",
+                    "--send-syscall",
+                    sc,
+                    "--set-ack",
+                    "--window",
+                    "2",
+                ],
                 &["--iov-split", "--send-syscall", sc, "--messages", "4"],
             );
             check_consistent(&s, &c);
@@ -2211,13 +2533,20 @@ mod tests {
         );
         check_consistent(&s, &c);
         assert_eq!(n(&s["sent"]["calls"]), 4 + 20 * 8);
-        assert_eq!(n(&c["received"]["calls"]), n(&c["received"]["bytes"]) + 1, "1-byte reads + EOF");
+        assert_eq!(
+            n(&c["received"]["calls"]),
+            n(&c["received"]["bytes"]) + 1,
+            "1-byte reads + EOF"
+        );
     }
 
     #[test]
     fn pauses_between_writes() {
         let t = Instant::now();
-        let (s, c) = pair(&["--messages", "5", "--pause-ms", "20"], &["--pause-ms", "5"]);
+        let (s, c) = pair(
+            &["--messages", "5", "--pause-ms", "20"],
+            &["--pause-ms", "5"],
+        );
         check_consistent(&s, &c);
         assert!(t.elapsed() >= Duration::from_millis(5 * 20));
     }
@@ -2225,7 +2554,17 @@ mod tests {
     #[test]
     fn nonblocking_writer_with_a_slow_reader_hits_eagain() {
         let (s, c) = pair(
-            &["--messages", "10", "--body-size", "65536", "--nonblock", "--sndbuf", "4096", "--send-syscall", "writev"],
+            &[
+                "--messages",
+                "10",
+                "--body-size",
+                "65536",
+                "--nonblock",
+                "--sndbuf",
+                "4096",
+                "--send-syscall",
+                "writev",
+            ],
             &["--recv-size", "4096", "--recv-pause-ms", "1"],
         );
         check_consistent(&s, &c);
@@ -2241,16 +2580,41 @@ mod tests {
         // Bodies of 0x02 bytes read as a mini header: type 514, size 0x02020202 (< 256 MiB).
         // Large bodies through a tiny send buffer: many EAGAINs land mid-body.
         let (s, c) = pair(
-            &["--messages", "5", "--body-size", "300000", "--body-fill", "2", "--nonblock", "--sndbuf", "4096"],
+            &[
+                "--messages",
+                "5",
+                "--body-size",
+                "300000",
+                "--body-fill",
+                "2",
+                "--nonblock",
+                "--sndbuf",
+                "4096",
+            ],
             &["--recv-size", "4096", "--recv-pause-ms", "1"],
         );
-        assert!(n(&s["sent"]["eagain"]) > n(&s["framing"]["s2c"]["already_reported"]), "no mid-body EAGAIN");
+        assert!(
+            n(&s["sent"]["eagain"]) > n(&s["framing"]["s2c"]["already_reported"]),
+            "no mid-body EAGAIN"
+        );
         check_consistent(&s, &c);
     }
 
     #[test]
     fn main_init_and_display_types() {
-        let (s, c) = pair(&["--main-init", "0xCAFE", "--messages", "3", "--msg-type", "4", "--body-size", "12"], &["--channel-type", "1"]);
+        let (s, c) = pair(
+            &[
+                "--main-init",
+                "0xCAFE",
+                "--messages",
+                "3",
+                "--msg-type",
+                "4",
+                "--body-size",
+                "12",
+            ],
+            &["--channel-type", "1"],
+        );
         check_consistent(&s, &c);
         assert_eq!(s["sent"]["by_type"], json!({"4": 3, "103": 1}));
         assert_eq!(c["framing"]["s2c"]["prefixes"][0], json!([103, 0xCAFE, 0]));
@@ -2260,13 +2624,31 @@ mod tests {
     #[test]
     fn caps_offset_channel_caps_and_link_one_write() {
         let (s, c) = pair(
-            &["--link-one-write", "--channel-caps", "1,2,3", "--messages", "3"],
-            &["--caps-offset", "30", "--channel-caps", "0xFFFF", "--channel-id", "2", "--connection-id", "77"],
+            &[
+                "--link-one-write",
+                "--channel-caps",
+                "1,2,3",
+                "--messages",
+                "3",
+            ],
+            &[
+                "--caps-offset",
+                "30",
+                "--channel-caps",
+                "0xFFFF",
+                "--channel-id",
+                "2",
+                "--connection-id",
+                "77",
+            ],
         );
         check_consistent(&s, &c);
         assert_eq!(s["link"]["client_link_size"], 30 + 8);
         assert_eq!(s["link"]["client_channel_caps"], json!([0xFFFF]));
-        assert_eq!(s["channel"], json!({"type": 2, "id": 2, "connection_id": 77}));
+        assert_eq!(
+            s["channel"],
+            json!({"type": 2, "id": 2, "connection_id": 77})
+        );
         assert_eq!(n(&s["sent"]["calls"]), 1 + 1 + 3);
         let l = &c["framing"]["s2c"]["link"];
         assert_eq!((n(&l["link_size"]), n(&l["common_caps"])), (178 + 16, 0x0B));
@@ -2288,13 +2670,27 @@ mod tests {
             assert!(s["error"].is_null() && c["error"].is_null(), "{s:#} {c:#}");
             assert_eq!(c["received"]["messages"], 5);
             assert_eq!(s["link"]["auth_mechanism"], 1);
-            assert_eq!(n(&c["sent"]["link_bytes"]), n(&s["link"]["client_link_size"]) + 16 + 128);
+            assert_eq!(
+                n(&c["sent"]["link_bytes"]),
+                n(&s["link"]["client_link_size"]) + 16 + 128
+            );
         }
     }
 
     #[test]
     fn stall_without_acks() {
-        let (s, c) = pair(&["--messages", "100", "--set-ack", "--window", "4", "--stall-timeout-ms", "200"], &["--no-acks"]);
+        let (s, c) = pair(
+            &[
+                "--messages",
+                "100",
+                "--set-ack",
+                "--window",
+                "4",
+                "--stall-timeout-ms",
+                "200",
+            ],
+            &["--no-acks"],
+        );
         assert!(s["error"].is_null() && c["error"].is_null());
         // count: 1 after SET_ACK; messages start while count ≤ 8 → 8 messages.
         assert_eq!(s["sent"]["by_type"], json!({"3": 1, "304": 8}));
@@ -2305,7 +2701,10 @@ mod tests {
 
     #[test]
     fn html5_cadence_acks_one_message_earlier() {
-        let (s, c) = pair(&["--messages", "19", "--set-ack", "--window", "5"], &["--ack-cadence", "html5"]);
+        let (s, c) = pair(
+            &["--messages", "19", "--set-ack", "--window", "5"],
+            &["--ack-cadence", "html5"],
+        );
         check_consistent(&s, &c);
         // 20 messages counted including the SET_ACK → 4 ACKs (gtk would send 3).
         assert_eq!(s["received"]["by_type"], json!({"1": 1, "2": 4}));
@@ -2344,7 +2743,10 @@ mod tests {
 
     #[test]
     fn sasl_both_directions_unparsed() {
-        let (s, c) = pair(&["--sasl", "--messages", "10", "--set-ack", "--window", "2"], &["--sasl"]);
+        let (s, c) = pair(
+            &["--sasl", "--messages", "10", "--set-ack", "--window", "2"],
+            &["--sasl"],
+        );
         assert!(s["error"].is_null() && c["error"].is_null(), "{s:#} {c:#}");
         assert_eq!(s["sent"]["by_type"], json!({"3": 1, "304": 10}));
         assert_eq!(c["received"]["by_type"], json!({"3": 1, "304": 10}));
@@ -2371,17 +2773,26 @@ mod tests {
         let (s, c) = pair(&["--link-error", "9"], &[]);
         assert!(s["error"].is_null() && c["error"].is_null(), "{s:#} {c:#}");
         assert_eq!(c["link"]["refused"], 9);
-        assert_eq!(c["framing"]["s2c"]["unparsed"], json!({"reason": "link_refused", "detail": 9, "at": 16}));
+        assert_eq!(
+            c["framing"]["s2c"]["unparsed"],
+            json!({"reason": "link_refused", "detail": 9, "at": 16})
+        );
 
         let (s, c) = pair(&["--result", "7"], &[]);
         assert!(s["error"].is_null() && c["error"].is_null(), "{s:#} {c:#}");
         assert_eq!(c["outcome"], "link_refused");
-        assert_eq!(c["framing"]["s2c"]["unparsed"], json!({"reason": "link_refused", "detail": 7, "at": 202}));
+        assert_eq!(
+            c["framing"]["s2c"]["unparsed"],
+            json!({"reason": "link_refused", "detail": 7, "at": 202})
+        );
 
         let (s, c) = pair(&["--error-after-reply", "8"], &[]);
         assert!(s["error"].is_null() && c["error"].is_null(), "{s:#} {c:#}");
         assert_eq!(c["link"]["error_after_reply"], 8);
-        assert_eq!(c["framing"]["s2c"]["unparsed"]["reason"], "link_error_after_reply");
+        assert_eq!(
+            c["framing"]["s2c"]["unparsed"]["reason"],
+            "link_error_after_reply"
+        );
 
         let (s, c) = pair(&[], &["--major", "3"]);
         assert!(s["error"].is_null() && c["error"].is_null(), "{s:#} {c:#}");
@@ -2392,14 +2803,36 @@ mod tests {
         let (s, c) = pair(&[], &["--auth-mechanism", "5"]);
         assert!(s["error"].is_null() && c["error"].is_null(), "{s:#} {c:#}");
         assert_eq!(c["outcome"], "link_error_after_reply");
-        assert_eq!(c["framing"]["c2s"]["unparsed"]["reason"], "bad_auth_mechanism");
+        assert_eq!(
+            c["framing"]["c2s"]["unparsed"]["reason"],
+            "bad_auth_mechanism"
+        );
     }
 
     #[test]
     fn empty_bodies_and_client_batches() {
         let (s, c) = pair(
-            &["--messages", "300", "--body-size", "0", "--msg-type", "102", "--set-ack", "--window", "20"],
-            &["--messages", "50", "--body-size", "0", "--msg-type", "4", "--batch", "10"],
+            &[
+                "--messages",
+                "300",
+                "--body-size",
+                "0",
+                "--msg-type",
+                "102",
+                "--set-ack",
+                "--window",
+                "20",
+            ],
+            &[
+                "--messages",
+                "50",
+                "--body-size",
+                "0",
+                "--msg-type",
+                "4",
+                "--batch",
+                "10",
+            ],
         );
         check_consistent(&s, &c);
         assert_eq!(s["received"]["by_type"], json!({"1": 1, "2": 15, "4": 50}));
@@ -2414,7 +2847,9 @@ mod tests {
             &["client", "--connect", "x", "--recv-iovs", "2"][..],
             &["client", "--connect", "x", "--garbage", "--sasl"][..],
         ] {
-            let cli = Cli::try_parse_from(std::iter::once("spice-peer").chain(args.iter().copied())).unwrap();
+            let cli =
+                Cli::try_parse_from(std::iter::once("spice-peer").chain(args.iter().copied()))
+                    .unwrap();
             assert!(validate(&cli).is_err(), "{args:?}");
         }
     }

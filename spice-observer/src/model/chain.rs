@@ -73,7 +73,11 @@ pub enum Boundaries {
     /// No relay: spice-server's socket only.
     Direct { server: SendPos },
     /// A byte-transparent relay: all stages.
-    Relay { server: SendPos, backend: RecvPos, client: SendPos },
+    Relay {
+        server: SendPos,
+        backend: RecvPos,
+        client: SendPos,
+    },
     /// A relay that changes the stream: stages up to `proxy_recv_queue`.
     OpaqueRelay { server: SendPos, backend: RecvPos },
 }
@@ -110,10 +114,18 @@ pub fn place(inflight: &[MsgSpan], b: &Boundaries) -> Placement {
     let mut th: [(u64, usize); 7] = [(0, 0); 7];
     let n = match *b {
         Boundaries::Direct { server } => {
-            th[..3].copy_from_slice(&[(server.written, 0), (server.snd_nxt, 1), (server.snd_una, 2)]);
+            th[..3].copy_from_slice(&[
+                (server.written, 0),
+                (server.snd_nxt, 1),
+                (server.snd_una, 2),
+            ]);
             3
         }
-        Boundaries::Relay { server, backend, client } => {
+        Boundaries::Relay {
+            server,
+            backend,
+            client,
+        } => {
             th.copy_from_slice(&[
                 (server.written, 0),
                 (server.snd_nxt, 1),
@@ -170,7 +182,11 @@ pub enum Transparency {
     /// Every message compared so far sits at the same offset with the same type and size.
     Transparent { compared: u64 },
     /// The relay inserted, dropped or changed a message.
-    Changed { direction: &'static str, index: u64, detail: String },
+    Changed {
+        direction: &'static str,
+        index: u64,
+        detail: String,
+    },
 }
 
 /// One channel's chain.
@@ -240,7 +256,12 @@ fn same_ip(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
 /// Processes that act as relays: they hold a SPICE socket on the client end (they connected to
 /// a SPICE server). Every other watched process's server-end sockets head a chain.
 fn relay_pids(model: &Model) -> HashSet<u32> {
-    model.sockets.values().filter(|s| s.is_server_end() == Some(false)).map(|s| s.pid).collect()
+    model
+        .sockets
+        .values()
+        .filter(|s| s.is_server_end() == Some(false))
+        .map(|s| s.pid)
+        .collect()
 }
 
 /// Direction indexes: server→client and client→server of a socket.
@@ -255,7 +276,10 @@ fn fingerprints_agree(a: &[MsgSpan], b: &[MsgSpan]) -> Option<usize> {
     if n == 0 {
         return None;
     }
-    let same = a[..n].iter().zip(&b[..n]).all(|(x, y)| x.at == y.at && x.end == y.end && x.msg_type == y.msg_type);
+    let same = a[..n]
+        .iter()
+        .zip(&b[..n])
+        .all(|(x, y)| x.at == y.at && x.end == y.end && x.msg_type == y.msg_type);
     same.then_some(n)
 }
 
@@ -264,13 +288,22 @@ fn fingerprints_agree(a: &[MsgSpan], b: &[MsgSpan]) -> Option<usize> {
 pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
     let relays = relay_pids(model);
     for s in model.sockets.values() {
-        if s.is_server_end() == Some(true) && !relays.contains(&s.pid) && !chains.iter().any(|c| c.server == s.cookie) {
+        if s.is_server_end() == Some(true)
+            && !relays.contains(&s.pid)
+            && !chains.iter().any(|c| c.server == s.cookie)
+        {
             chains.push(Chain::new(s.cookie));
         }
     }
-    let mut used: HashSet<u64> = chains.iter().flat_map(|c| [c.backend, c.client_leg]).flatten().collect();
+    let mut used: HashSet<u64> = chains
+        .iter()
+        .flat_map(|c| [c.backend, c.client_leg])
+        .flatten()
+        .collect();
     for chain in chains.iter_mut() {
-        let Some(server) = model.sockets.get(&chain.server) else { continue };
+        let Some(server) = model.sockets.get(&chain.server) else {
+            continue;
+        };
         if chain.backend.is_none() {
             // Same TCP connection from the other end: mirrored addresses; the TCP sequence
             // numbers of the server's sending side must match the relay's receiving side.
@@ -296,25 +329,50 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
                     "backend: relay pid {} socket {} is the same TCP connection ({}{})",
                     b.pid,
                     b.local.map(|a| a.to_string()).unwrap_or_default(),
-                    if server.local.is_some() { "mirrored addresses" } else { "" },
-                    if server_seq.is_some() && server_seq == b_seq { ", same sequence numbers" } else { "" },
+                    if server.local.is_some() {
+                        "mirrored addresses"
+                    } else {
+                        ""
+                    },
+                    if server_seq.is_some() && server_seq == b_seq {
+                        ", same sequence numbers"
+                    } else {
+                        ""
+                    },
                 ));
             }
         }
-        let Some(backend) = chain.backend.and_then(|b| model.sockets.get(&b)) else { continue };
+        let Some(backend) = chain.backend.and_then(|b| model.sockets.get(&b)) else {
+            continue;
+        };
         if chain.client_leg.is_none() {
             let b_c2s_link = backend.c2s().and_then(|d| backend.dirs[d].link);
             let mut best: Option<(&SocketModel, usize)> = None;
             for c in model.sockets.values() {
-                if c.pid != backend.pid || c.cookie == backend.cookie || c.is_server_end() != Some(true) || used.contains(&c.cookie) {
+                if c.pid != backend.pid
+                    || c.cookie == backend.cookie
+                    || c.is_server_end() != Some(true)
+                    || used.contains(&c.cookie)
+                {
                     continue;
                 }
                 // The client's link message, forwarded unchanged.
                 let c_link = c.c2s().and_then(|d| c.dirs[d].link);
                 let link_ok = match (c_link, b_c2s_link) {
                     (Some(x), Some(y)) => {
-                        (x.channel_type, x.channel_id, x.connection_id, x.common_caps, x.link_size)
-                            == (y.channel_type, y.channel_id, y.connection_id, y.common_caps, y.link_size)
+                        (
+                            x.channel_type,
+                            x.channel_id,
+                            x.connection_id,
+                            x.common_caps,
+                            x.link_size,
+                        ) == (
+                            y.channel_type,
+                            y.channel_id,
+                            y.connection_id,
+                            y.common_caps,
+                            y.link_size,
+                        )
                     }
                     _ => false,
                 };
@@ -323,7 +381,9 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
                 }
                 // The first server→client messages, forwarded unchanged.
                 let compared = match (s2c(c), s2c(backend)) {
-                    (Some(cd), Some(bd)) => fingerprints_agree(&c.dirs[cd].first, &backend.dirs[bd].first).unwrap_or(0),
+                    (Some(cd), Some(bd)) => {
+                        fingerprints_agree(&c.dirs[cd].first, &backend.dirs[bd].first).unwrap_or(0)
+                    }
                     _ => 0,
                 };
                 if best.is_none_or(|(_, n)| compared > n) {
@@ -336,7 +396,12 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
                 let candidates = model
                     .sockets
                     .values()
-                    .filter(|x| x.pid == backend.pid && x.cookie != backend.cookie && x.is_server_end() == Some(true) && !used.contains(&x.cookie))
+                    .filter(|x| {
+                        x.pid == backend.pid
+                            && x.cookie != backend.cookie
+                            && x.is_server_end() == Some(true)
+                            && !used.contains(&x.cookie)
+                    })
                     .count();
                 if compared > 0 || candidates == 1 {
                     chain.client_leg = Some(c.cookie);
@@ -344,7 +409,11 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
                     chain.pairing.push(format!(
                         "client leg: relay socket {} carries the same link message{}",
                         c.local.map(|a| a.to_string()).unwrap_or_default(),
-                        if compared > 0 { format!(" and the same first {compared} server message(s)") } else { String::new() },
+                        if compared > 0 {
+                            format!(" and the same first {compared} server message(s)")
+                        } else {
+                            String::new()
+                        },
                     ));
                 }
             }
@@ -369,11 +438,21 @@ fn check_transparency(model: &Model, chain: &mut Chain) {
     };
     // (direction name, relay reads from, relay writes to)
     let pairs = [
-        ("server_to_client", b.s2c().map(|d| &b.dirs[d]), c.s2c().map(|d| &c.dirs[d])),
-        ("client_to_server", c.c2s().map(|d| &c.dirs[d]), b.c2s().map(|d| &b.dirs[d])),
+        (
+            "server_to_client",
+            b.s2c().map(|d| &b.dirs[d]),
+            c.s2c().map(|d| &c.dirs[d]),
+        ),
+        (
+            "client_to_server",
+            c.c2s().map(|d| &c.dirs[d]),
+            b.c2s().map(|d| &b.dirs[d]),
+        ),
     ];
     for (k, (name, read, written)) in pairs.into_iter().enumerate() {
-        let (Some(read), Some(written)) = (read, written) else { continue };
+        let (Some(read), Some(written)) = (read, written) else {
+            continue;
+        };
         while chain.checked[k] < written.last_index {
             let i = chain.checked[k] + 1;
             let Some(w) = written.by_index(i) else {
@@ -388,7 +467,12 @@ fn check_transparency(model: &Model, chain: &mut Chain) {
                         index: i,
                         detail: format!(
                             "message {i} written as type {} at offset {} ({} bytes), read as type {} at offset {} ({} bytes)",
-                            w.msg_type, w.at, w.end - w.at, r.msg_type, r.at, r.end - r.at
+                            w.msg_type,
+                            w.at,
+                            w.end - w.at,
+                            r.msg_type,
+                            r.at,
+                            r.end - r.at
                         ),
                     };
                     return;
@@ -397,7 +481,10 @@ fn check_transparency(model: &Model, chain: &mut Chain) {
                     chain.transparency = Transparency::Changed {
                         direction: name,
                         index: i,
-                        detail: format!("the relay wrote message {i} (type {}) before reading it", w.msg_type),
+                        detail: format!(
+                            "the relay wrote message {i} (type {}) before reading it",
+                            w.msg_type
+                        ),
                     };
                     return;
                 }
@@ -419,7 +506,11 @@ pub fn inflight(s: &SocketModel) -> Vec<MsgSpan> {
     let Some(d) = s.s2c() else { return Vec::new() };
     let count = s.window.count.max(0) as usize;
     let recent = &s.dirs[d].recent;
-    recent.iter().skip(recent.len().saturating_sub(count)).copied().collect()
+    recent
+        .iter()
+        .skip(recent.len().saturating_sub(count))
+        .copied()
+        .collect()
 }
 
 /// Which direction index of a socket is the watched process's sending side.
@@ -437,7 +528,12 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, &n)| {
-                let m = MsgSpan { index: i as u64 + 1, at, end: at + n, msg_type: 302 };
+                let m = MsgSpan {
+                    index: i as u64 + 1,
+                    at,
+                    end: at + n,
+                    msg_type: 302,
+                };
                 at += n;
                 m
             })
@@ -448,7 +544,11 @@ mod tests {
     fn direct_placement_by_last_byte() {
         // Messages end at 110, 120, ..., 200.
         let m = msgs(&[10; 10], 100);
-        let server = SendPos { written: 195, snd_nxt: 160, snd_una: 130 };
+        let server = SendPos {
+            written: 195,
+            snd_nxt: 160,
+            snd_una: 130,
+        };
         let p = place(&m, &Boundaries::Direct { server });
         // end 200 > 195: writing; 170..190 > 160: notsent (3); 140..160 > 130: unacked (3);
         // 110..130: client owes the ACK (3).
@@ -463,9 +563,20 @@ mod tests {
         let m = msgs(&[10; 8], 0);
         // Messages end at 10, 20, ..., 80; one boundary between each pair.
         let b = Boundaries::Relay {
-            server: SendPos { written: 75, snd_nxt: 65, snd_una: 55 },
-            backend: RecvPos { rcv_nxt: 55, copied: 45 },
-            client: SendPos { written: 35, snd_nxt: 25, snd_una: 15 },
+            server: SendPos {
+                written: 75,
+                snd_nxt: 65,
+                snd_una: 55,
+            },
+            backend: RecvPos {
+                rcv_nxt: 55,
+                copied: 45,
+            },
+            client: SendPos {
+                written: 35,
+                snd_nxt: 25,
+                snd_una: 15,
+            },
         };
         let p = place(&m, &b);
         assert_eq!(p.counts, [1, 1, 1, 1, 1, 1, 1, 1]);
@@ -477,9 +588,20 @@ mod tests {
         let m = msgs(&[10; 4], 0);
         // The relay read more than spice-server's snd_una shows (its ACK was still in flight).
         let b = Boundaries::Relay {
-            server: SendPos { written: 40, snd_nxt: 40, snd_una: 10 },
-            backend: RecvPos { rcv_nxt: 40, copied: 30 },
-            client: SendPos { written: 30, snd_nxt: 30, snd_una: 30 },
+            server: SendPos {
+                written: 40,
+                snd_nxt: 40,
+                snd_una: 10,
+            },
+            backend: RecvPos {
+                rcv_nxt: 40,
+                copied: 30,
+            },
+            client: SendPos {
+                written: 30,
+                snd_nxt: 30,
+                snd_una: 30,
+            },
         };
         let p = place(&m, &b);
         assert_eq!(p.placed(), 4);
@@ -491,8 +613,15 @@ mod tests {
     fn opaque_relay_leaves_the_client_side_unplaced() {
         let m = msgs(&[10; 4], 0);
         let b = Boundaries::OpaqueRelay {
-            server: SendPos { written: 40, snd_nxt: 40, snd_una: 30 },
-            backend: RecvPos { rcv_nxt: 30, copied: 20 },
+            server: SendPos {
+                written: 40,
+                snd_nxt: 40,
+                snd_una: 30,
+            },
+            backend: RecvPos {
+                rcv_nxt: 30,
+                copied: 20,
+            },
         };
         let p = place(&m, &b);
         assert_eq!((p.counts[2], p.counts[3], p.unplaced), (1, 1, 2));
@@ -500,7 +629,12 @@ mod tests {
 
     #[test]
     fn empty_inflight_places_nothing() {
-        let p = place(&[], &Boundaries::Direct { server: SendPos::default() });
+        let p = place(
+            &[],
+            &Boundaries::Direct {
+                server: SendPos::default(),
+            },
+        );
         assert_eq!(p, Placement::default());
     }
 }

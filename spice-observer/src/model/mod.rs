@@ -140,12 +140,16 @@ impl SocketModel {
 
     /// Index of the direction carrying server → client bytes, once the link phase told.
     pub fn s2c(&self) -> Option<usize> {
-        self.dirs.iter().position(|d| d.role == Role::ServerToClient)
+        self.dirs
+            .iter()
+            .position(|d| d.role == Role::ServerToClient)
     }
 
     /// Index of the direction carrying client → server bytes.
     pub fn c2s(&self) -> Option<usize> {
-        self.dirs.iter().position(|d| d.role == Role::ClientToServer)
+        self.dirs
+            .iter()
+            .position(|d| d.role == Role::ClientToServer)
     }
 
     /// Channel type and id from the client's link message.
@@ -162,7 +166,10 @@ impl SocketModel {
 
     /// The first reason framing stopped, in either direction.
     pub fn unparsed(&self) -> Option<Unparsed> {
-        self.dirs.iter().filter_map(|d| d.unparsed).min_by_key(|u| u.at)
+        self.dirs
+            .iter()
+            .filter_map(|d| d.unparsed)
+            .min_by_key(|u| u.at)
     }
 
     /// `"mini"`, `"full"`, `"unparsed"`, or `"pending"` (link phase not finished yet).
@@ -202,7 +209,12 @@ impl SocketModel {
         ds.first_ns.get_or_insert(m.hdr.ts_ns);
         ds.last_ns = m.hdr.ts_ns;
         ds.seq_base.get_or_insert(m.seq.wrapping_sub(m.at as u32));
-        let span = MsgSpan { index: m.index, at: m.at, end: m.at + bytes, msg_type: m.msg_type };
+        let span = MsgSpan {
+            index: m.index,
+            at: m.at,
+            end: m.at + bytes,
+            msg_type: m.msg_type,
+        };
         if ds.recent.len() == RECENT {
             ds.recent.pop_front();
         }
@@ -212,7 +224,8 @@ impl SocketModel {
         }
         match ds.role {
             Role::ServerToClient => {
-                self.window.server_message(m.hdr.ts_ns, m.msg_type, m.prefix);
+                self.window
+                    .server_message(m.hdr.ts_ns, m.msg_type, m.prefix);
                 let is_main = self.channel().map(|c| c.0) == Some(channel::MAIN);
                 if is_main && m.msg_type == msg_server::MAIN_INIT && m.size >= 4 {
                     self.session_id = Some(m.prefix[0]);
@@ -233,8 +246,16 @@ impl SocketModel {
 pub enum ProcessNote {
     /// `parent` forked `child`, which is watched from then on.
     /// `ts_ns`: CLOCK_MONOTONIC ns of the fork.
-    Forked { ts_ns: u64, parent: u32, child: u32, comm: String },
-    Exited { ts_ns: u64, pid: u32 },
+    Forked {
+        ts_ns: u64,
+        parent: u32,
+        child: u32,
+        comm: String,
+    },
+    Exited {
+        ts_ns: u64,
+        pid: u32,
+    },
 }
 
 /// All sockets and process notes of one observation.
@@ -248,14 +269,22 @@ pub struct Model {
 
 impl Model {
     fn socket(&mut self, hdr: &EventHeader) -> &mut SocketModel {
-        self.sockets.entry(hdr.cookie).or_insert_with(|| SocketModel::new(hdr.cookie, hdr))
+        self.sockets
+            .entry(hdr.cookie)
+            .or_insert_with(|| SocketModel::new(hdr.cookie, hdr))
     }
 
     /// Applies one kernel record.
     pub fn apply(&mut self, ev: &Event) {
         self.records += 1;
         match ev {
-            Event::Socket { hdr, tid, local, remote, comm } => {
+            Event::Socket {
+                hdr,
+                tid,
+                local,
+                remote,
+                comm,
+            } => {
                 let s = self.socket(hdr);
                 if s.local.is_none() {
                     s.tid = *tid;
@@ -275,10 +304,19 @@ impl Model {
                 }
             }
             Event::Message(m) => self.socket(&m.hdr).message(m),
-            Event::Unparsed { hdr, at, reason, detail } => {
+            Event::Unparsed {
+                hdr,
+                at,
+                reason,
+                detail,
+            } => {
                 let s = self.socket(hdr);
                 let d = (hdr.dir & 1) as usize;
-                s.dirs[d].unparsed.get_or_insert(Unparsed { reason: *reason, detail: *detail, at: *at });
+                s.dirs[d].unparsed.get_or_insert(Unparsed {
+                    reason: *reason,
+                    detail: *detail,
+                    at: *at,
+                });
             }
             Event::Fork { hdr, child, comm } => self.processes.push(ProcessNote::Forked {
                 ts_ns: hdr.ts_ns,
@@ -286,7 +324,10 @@ impl Model {
                 child: *child,
                 comm: comm.clone(),
             }),
-            Event::Exit { hdr } => self.processes.push(ProcessNote::Exited { ts_ns: hdr.ts_ns, pid: hdr.tgid }),
+            Event::Exit { hdr } => self.processes.push(ProcessNote::Exited {
+                ts_ns: hdr.ts_ns,
+                pid: hdr.tgid,
+            }),
             Event::Close { hdr, tcp } => {
                 if let Some(s) = self.sockets.get_mut(&hdr.cookie) {
                     s.closed_ns = Some(hdr.ts_ns);
@@ -299,13 +340,29 @@ impl Model {
 
     /// Lists a connection that was open before observation started: reported with its TCP
     /// state, never framed ([`UnparsedReason::AttachedMidStream`]).
-    pub fn add_existing(&mut self, cookie: u64, pid: u32, local: SocketAddr, remote: SocketAddr, now_ns: u64) {
-        let hdr = EventHeader { tgid: pid, ts_ns: now_ns, cookie, ..Default::default() };
+    pub fn add_existing(
+        &mut self,
+        cookie: u64,
+        pid: u32,
+        local: SocketAddr,
+        remote: SocketAddr,
+        now_ns: u64,
+    ) {
+        let hdr = EventHeader {
+            tgid: pid,
+            ts_ns: now_ns,
+            cookie,
+            ..Default::default()
+        };
         let s = self.socket(&hdr);
         s.local = Some(local);
         s.remote = Some(remote);
         for d in s.dirs.iter_mut() {
-            d.unparsed.get_or_insert(Unparsed { reason: UnparsedReason::AttachedMidStream, detail: 0, at: 0 });
+            d.unparsed.get_or_insert(Unparsed {
+                reason: UnparsedReason::AttachedMidStream,
+                detail: 0,
+                at: 0,
+            });
         }
     }
 

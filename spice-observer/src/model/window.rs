@@ -111,7 +111,10 @@ impl AckWindow {
         } else if self.active() {
             self.messages_after_set_ack += 1;
             if self.count > self.threshold() {
-                let urgent = matches!(self.last_type, msg_server::DISPLAY_INVAL_LIST | msg_server::LIST);
+                let urgent = matches!(
+                    self.last_type,
+                    msg_server::DISPLAY_INVAL_LIST | msg_server::LIST
+                );
                 if urgent && self.count == self.threshold() + 1 {
                     self.urgent_pair_peaks += 1;
                 } else {
@@ -154,7 +157,11 @@ impl AckWindow {
     /// Fraction of observed time with count > 2W (0 when nothing was observed).
     pub fn stalled_fraction(&self) -> f64 {
         let total = self.observed_ns();
-        if total == 0 { 0.0 } else { self.stalled_ns as f64 / total as f64 }
+        if total == 0 {
+            0.0
+        } else {
+            self.stalled_ns as f64 / total as f64
+        }
     }
 
     /// Time-weighted quantile `q` (0..=1) of the count; the current count if no time passed.
@@ -242,7 +249,10 @@ mod tests {
         a.server_message(50, DISPLAY_INVAL_LIST, [0, 0]);
         assert_eq!(a.count, 41);
         a.server_message(51, DRAW, [0, 0]);
-        assert_eq!((a.count, a.max, a.urgent_pair_peaks, a.starts_while_stalled), (42, 42, 1, 0));
+        assert_eq!(
+            (a.count, a.max, a.urgent_pair_peaks, a.starts_while_stalled),
+            (42, 42, 1, 0)
+        );
     }
 
     #[test]

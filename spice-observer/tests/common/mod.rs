@@ -48,7 +48,9 @@ pub fn sh(cmd: &mut Command) -> Result<String> {
 
 fn read_pid(path: &Path) -> Result<u32> {
     let s = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    s.trim().parse().with_context(|| format!("pid in {}", path.display()))
+    s.trim()
+        .parse()
+        .with_context(|| format!("pid in {}", path.display()))
 }
 
 /// Rig pieces started by one test; stopped in reverse order when dropped.
@@ -63,7 +65,10 @@ impl Rig {
         let state = std::env::temp_dir().join(format!("spice-observer-test-{name}"));
         let _ = std::fs::remove_dir_all(&state);
         std::fs::create_dir_all(&state)?;
-        Ok(Self { state, stops: Vec::new() })
+        Ok(Self {
+            state,
+            stops: Vec::new(),
+        })
     }
 
     fn on_drop(&mut self, cmd: Command) {
@@ -103,17 +108,36 @@ impl Rig {
 
     /// Waits until the QEMU guest has drawn its frames.
     pub fn qemu_wait_done(&self, port: u16, timeout_s: u32) -> Result<()> {
-        sh(Command::new(rig().join("start-qemu.sh")).args(["wait-done", &port.to_string(), &timeout_s.to_string()]))?;
+        sh(Command::new(rig().join("start-qemu.sh")).args([
+            "wait-done",
+            &port.to_string(),
+            &timeout_s.to_string(),
+        ]))?;
         Ok(())
     }
 
     /// A `kind` (socat or haproxy) relay from laddr:lport to saddr:sport. Returns its pid.
-    pub fn relay(&mut self, kind: &str, laddr: &str, lport: u16, saddr: &str, sport: u16) -> Result<u32> {
+    pub fn relay(
+        &mut self,
+        kind: &str,
+        laddr: &str,
+        lport: u16,
+        saddr: &str,
+        sport: u16,
+    ) -> Result<u32> {
         self.relay_env(kind, laddr, lport, saddr, sport, &[])
     }
 
     /// [`Rig::relay`] with rig settings in the environment (e.g. `RIG_RELAY_RCVBUF`).
-    pub fn relay_env(&mut self, kind: &str, laddr: &str, lport: u16, saddr: &str, sport: u16, env: &[(&str, &str)]) -> Result<u32> {
+    pub fn relay_env(
+        &mut self,
+        kind: &str,
+        laddr: &str,
+        lport: u16,
+        saddr: &str,
+        sport: u16,
+        env: &[(&str, &str)],
+    ) -> Result<u32> {
         let pidfile = self.state.join(format!("relay-{lport}.pid"));
         let mut stop = Command::new(rig().join("relay.sh"));
         stop.arg("stop").arg(&pidfile);
@@ -131,7 +155,12 @@ impl Rig {
         let pidfile = self.state.join(format!("mangle-{lport}.pid"));
         let mut child = Command::new("/usr/bin/python3")
             .arg(rig().join("mangle-relay.py"))
-            .args(["--listen", &format!("127.0.0.1:{lport}"), "--server", &format!("127.0.0.1:{sport}")])
+            .args([
+                "--listen",
+                &format!("127.0.0.1:{lport}"),
+                "--server",
+                &format!("127.0.0.1:{sport}"),
+            ])
             .arg("--pidfile")
             .arg(&pidfile)
             .stdout(Stdio::piped())
@@ -141,7 +170,10 @@ impl Rig {
         let pid = child.id();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line)?;
-        ensure!(line.trim() == "listening", "mangle-relay did not start: {line:?}");
+        ensure!(
+            line.trim() == "listening",
+            "mangle-relay did not start: {line:?}"
+        );
         let mut stop = Command::new("kill");
         stop.arg(pid.to_string());
         self.on_drop(stop);
@@ -151,7 +183,9 @@ impl Rig {
 
     /// Runs `shape.sh ARGS` (after [`Rig::shaped_link`]), e.g. `["rmem", "4096 65536 262144"]`.
     pub fn shape(&mut self, args: &[&str]) -> Result<()> {
-        sh(Command::new(rig().join("shape.sh")).env("RIG_STATE", self.state.join("shape")).args(args))?;
+        sh(Command::new(rig().join("shape.sh"))
+            .env("RIG_STATE", self.state.join("shape"))
+            .args(args))?;
         Ok(())
     }
 
@@ -161,9 +195,14 @@ impl Rig {
         let mut down = Command::new(rig().join("shape.sh"));
         down.env("RIG_STATE", self.state.join("shape")).arg("down");
         self.on_drop(down);
-        sh(Command::new(rig().join("shape.sh")).env("RIG_STATE", self.state.join("shape")).arg("up").args(up))?;
+        sh(Command::new(rig().join("shape.sh"))
+            .env("RIG_STATE", self.state.join("shape"))
+            .arg("up")
+            .args(up))?;
         if let Some(r) = rate {
-            sh(Command::new(rig().join("shape.sh")).env("RIG_STATE", self.state.join("shape")).args(["rate", r, r]))?;
+            sh(Command::new(rig().join("shape.sh"))
+                .env("RIG_STATE", self.state.join("shape"))
+                .args(["rate", r, r]))?;
         }
         Ok(())
     }
@@ -233,16 +272,26 @@ impl Observer {
     }
 
     /// Like [`Observer::start`], with extra `observe` arguments (e.g. `--plot PATH`).
-    pub fn start_with(pids: &[u32], seconds: f64, json: PathBuf, extra: &[&str]) -> Result<Started> {
+    pub fn start_with(
+        pids: &[u32],
+        seconds: f64,
+        json: PathBuf,
+        extra: &[&str],
+    ) -> Result<Started> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_spice-observer"));
         cmd.arg("observe").args(extra);
         for p in pids {
             cmd.args(["--pid", &p.to_string()]);
         }
-        cmd.args(["--duration", &seconds.to_string(), "--no-progress", "--json"])
-            .arg(&json)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        cmd.args([
+            "--duration",
+            &seconds.to_string(),
+            "--no-progress",
+            "--json",
+        ])
+        .arg(&json)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
         let mut child = cmd.spawn().context("starting spice-observer")?;
         let (tx, rx) = mpsc::channel();
         let err = child.stderr.take().unwrap();
@@ -268,14 +317,21 @@ impl Observer {
                     let attached = line.starts_with("spice-observer: watching");
                     log.push(line);
                     if attached {
-                        return Ok(Started::Running(Observer { child, json, stderr: rx, log }));
+                        return Ok(Started::Running(Observer {
+                            child,
+                            json,
+                            stderr: rx,
+                            log,
+                        }));
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     let status = child.wait()?;
                     let text = log.join("\n");
-                    if text.contains("is not available on this kernel") || text.contains("no cgroup2") {
+                    if text.contains("is not available on this kernel")
+                        || text.contains("no cgroup2")
+                    {
                         return Ok(Started::Unsupported(text));
                     }
                     bail!("spice-observer exited before attaching ({status}):\n{text}");
@@ -283,7 +339,10 @@ impl Observer {
             }
             if t0.elapsed() > Duration::from_secs(60) {
                 let _ = child.kill();
-                bail!("spice-observer did not attach within 60 s:\n{}", log.join("\n"));
+                bail!(
+                    "spice-observer did not attach within 60 s:\n{}",
+                    log.join("\n")
+                );
             }
         }
     }
@@ -298,7 +357,8 @@ impl Observer {
         if !status.success() {
             bail!("spice-observer failed ({status}):\n{}", self.log.join("\n"));
         }
-        let text = std::fs::read_to_string(&self.json).with_context(|| format!("reading {}", self.json.display()))?;
+        let text = std::fs::read_to_string(&self.json)
+            .with_context(|| format!("reading {}", self.json.display()))?;
         serde_json::from_str(&text).map_err(|e| anyhow!("bad JSON report: {e}"))
     }
 }
@@ -324,28 +384,50 @@ macro_rules! observe_or_skip {
 pub fn channels<'a>(report: &'a Value, pid: u32, ty: &str) -> Vec<&'a Value> {
     report["channels"]
         .as_array()
-        .map(|v| v.iter().filter(|c| c["pid"] == pid && c["channel_type"] == ty).collect())
+        .map(|v| {
+            v.iter()
+                .filter(|c| c["pid"] == pid && c["channel_type"] == ty)
+                .collect()
+        })
         .unwrap_or_default()
 }
 
 /// The channel whose `socket` starts with `local` ("addr:port->").
 pub fn by_local<'a>(report: &'a Value, local: &str) -> Option<&'a Value> {
     report["channels"].as_array()?.iter().find(|c| {
-        c["socket"].as_str().is_some_and(|s| s.starts_with(&format!("{local}->")))
+        c["socket"]
+            .as_str()
+            .is_some_and(|s| s.starts_with(&format!("{local}->")))
     })
 }
 
 /// The remote endpoint of a channel's `socket` ("…->addr:port").
 pub fn remote(c: &Value) -> String {
-    c["socket"].as_str().unwrap_or("").split("->").nth(1).unwrap_or("").to_string()
+    c["socket"]
+        .as_str()
+        .unwrap_or("")
+        .split("->")
+        .nth(1)
+        .unwrap_or("")
+        .to_string()
 }
 
 /// Short description of a channel for assertion messages.
 pub fn describe(c: &Value) -> String {
     format!(
         "{} {} pid {} {} (framing {}, W {}, set_acks {}, ack_syncs {}, acks {}, sent {}, received {}, max {})",
-        c["channel_type"], c["channel_id"], c["pid"], c["socket"], c["framing"], c["window"],
-        c["set_acks"], c["ack_syncs"], c["acks"], c["messages_sent"], c["messages_received"], c["in_flight_max"]
+        c["channel_type"],
+        c["channel_id"],
+        c["pid"],
+        c["socket"],
+        c["framing"],
+        c["window"],
+        c["set_acks"],
+        c["ack_syncs"],
+        c["acks"],
+        c["messages_sent"],
+        c["messages_received"],
+        c["in_flight_max"]
     )
 }
 
