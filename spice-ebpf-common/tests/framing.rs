@@ -11,7 +11,7 @@ use spice_ebpf_common::framing::{
     BUF_LEN, DirState, LinkInfo, MAX_MESSAGE_SIZE, MessageInfo, Output, Phase, UnparsedReason, feed,
 };
 use spice_ebpf_common::protocol::{channel, msg_client, msg_server};
-use spice_ebpf_common::wire::{self, HeaderKind, MessageWriter, Session};
+use spice_ebpf_common::wire::{self, HeaderKind, MessageWriter, Session, SplitMix64 as Rng};
 
 const C2S: u8 = 1;
 const S2C: u8 = 2;
@@ -813,21 +813,6 @@ fn data_before_the_peer_link_reply() {
 // Property: random split points frame identically to one call
 // ---------------------------------------------------------------------------------------------
 
-/// splitmix64: small deterministic PRNG.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// Feeds `bytes` as a random sequence of calls, each a random number of random segments.
 fn feed_randomly(
     st: &mut DirState,
@@ -873,7 +858,7 @@ fn random_splits_frame_like_one_call() {
         } else {
             Session::new_full(ch, 0)
         };
-        sess.server_channel_caps = (0..rng.below(3)).map(|_| rng.next() as u32).collect();
+        sess.server_channel_caps = (0..rng.below(3)).map(|_| rng.next_u64() as u32).collect();
         let n = 1 + rng.below(60) as usize;
         let server_msgs: Vec<(u16, Vec<u8>)> = (0..n)
             .map(|_| {
@@ -883,7 +868,7 @@ fn random_splits_frame_like_one_call() {
                     1 => rng.below(5000) as usize,
                     _ => rng.below(64) as usize,
                 };
-                let body: Vec<u8> = (0..size).map(|_| rng.next() as u8).collect();
+                let body: Vec<u8> = (0..size).map(|_| rng.next_u64() as u8).collect();
                 (t, body)
             })
             .collect();

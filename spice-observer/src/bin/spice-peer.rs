@@ -42,7 +42,7 @@ use spice_ebpf_common::protocol::{
     CAP_MINI_HEADER, LINK_HEADER_LEN, LINK_MESS_MAX, LINK_MESS_MIN, LINK_REPLY_MIN, SPICE_MAGIC,
     SPICE_VERSION_MAJOR, TICKET_LEN, channel, msg_client, msg_server,
 };
-use spice_ebpf_common::wire::{self, HeaderKind, PUB_KEY_LEN};
+use spice_ebpf_common::wire::{self, HeaderKind, PUB_KEY_LEN, SplitMix64 as Rng};
 
 // ---------------------------------------------------------------------------------------------
 // Command line
@@ -1199,21 +1199,6 @@ impl Rx {
 // ---------------------------------------------------------------------------------------------
 // Shared pieces of both scripts
 // ---------------------------------------------------------------------------------------------
-
-/// splitmix64.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-}
 
 /// Random bytes that do not start like REDQ, TLS, "GET " or "HTTP".
 fn garbage(seed: u64, n: usize) -> Vec<u8> {
