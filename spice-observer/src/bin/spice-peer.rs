@@ -1548,6 +1548,35 @@ fn server_script(
     (reader, wres.and(shut).and(rres))
 }
 
+/// Both sides, after the 4-byte link result: record it; on a refusal close (the peer closes
+/// too); otherwise fix the negotiated header and switch both directions to SASL framing if
+/// SASL was used. Returns whether the data phase starts.
+fn finish_link(
+    result: u32,
+    sasl: bool,
+    stream: &TcpStream,
+    tx: &Arc<Mutex<Tx>>,
+    rx: &mut Rx,
+    link: &mut LinkFacts,
+) -> io::Result<bool> {
+    link.result = Some(result);
+    if result != 0 {
+        link.outcome = "link_refused";
+        link.refused = Some(result);
+        close_and_drain(stream, rx)?;
+        return Ok(false);
+    }
+    link.header = Some(HeaderKind::negotiated(
+        &link.client_common_caps,
+        &link.server_common_caps,
+    ));
+    if sasl {
+        tx.lock().unwrap().sasl_wrap = true;
+        rx.sasl = true;
+    }
+    Ok(true)
+}
+
 /// The server's link phase. Ok(true): go on to data; Ok(false): the script ended here.
 fn server_link(
     a: &ServerArgs,
@@ -1670,22 +1699,7 @@ fn server_link(
         return Ok(false);
     }
     send(&[&wire::link_result(a.result)])?;
-    link.result = Some(a.result);
-    if a.result != 0 {
-        link.outcome = "link_refused";
-        link.refused = Some(a.result);
-        close_and_drain(stream, rx)?;
-        return Ok(false);
-    }
-    link.header = Some(HeaderKind::negotiated(
-        &link.client_common_caps,
-        &link.server_common_caps,
-    ));
-    if sasl {
-        tx.lock().unwrap().sasl_wrap = true;
-        rx.sasl = true;
-    }
-    Ok(true)
+    finish_link(a.result, sasl, stream, tx, rx, link)
 }
 
 fn server_answer_non_spice(
@@ -2085,22 +2099,7 @@ fn client_link(
         client_error_after_reply(stream, rx, link)?;
         return Ok(false);
     }
-    link.result = Some(result);
-    if result != 0 {
-        link.outcome = "link_refused";
-        link.refused = Some(result);
-        close_and_drain(stream, rx)?;
-        return Ok(false);
-    }
-    link.header = Some(HeaderKind::negotiated(
-        &link.client_common_caps,
-        &link.server_common_caps,
-    ));
-    if sasl {
-        tx.lock().unwrap().sasl_wrap = true;
-        rx.sasl = true;
-    }
-    Ok(true)
+    finish_link(result, sasl, stream, tx, rx, link)
 }
 
 /// The 4 bytes "REDQ" were read where a result was expected: read the rest of the error reply.
