@@ -49,7 +49,7 @@ fn plot_series(
     chains: &[Chain],
     started_ns: u64,
 ) -> Vec<crate::plot::ChannelSeries> {
-    use crate::model::chain::{NO_RELAY_STAGES, STAGES};
+    use crate::model::chain::STAGES;
     let mut out = Vec::new();
     for chain in chains {
         let Some(s) = model.sockets.get(&chain.server) else {
@@ -66,15 +66,7 @@ fn plot_series(
         if samples.is_empty() {
             continue;
         }
-        let stage_idx: Vec<usize> = if chain.backend.is_some() {
-            if chain.client_leg.is_some() && chain.is_transparent() {
-                (0..STAGES.len()).collect()
-            } else {
-                vec![0, 1, 2, 3]
-            }
-        } else {
-            NO_RELAY_STAGES.to_vec()
-        };
+        let stage_idx = chain.placeable_stages();
         let stages = stage_idx
             .iter()
             .map(|&i| {
@@ -277,12 +269,7 @@ fn progress_line(model: &Model, started_ns: u64, lost: u64) -> String {
         .filter(|s| matches!(s.framing(), "mini" | "full"))
         .count();
     // spice-server's display channels only: a relay's client-facing legs are server ends too.
-    let relays: std::collections::HashSet<u32> = model
-        .sockets
-        .values()
-        .filter(|s| s.is_server_end() == Some(false))
-        .map(|s| s.pid)
-        .collect();
+    let relays = crate::model::chain::relay_pids(model);
     let mut display = Vec::new();
     for s in model.sockets.values() {
         if s.closed_ns.is_none()

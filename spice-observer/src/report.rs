@@ -13,7 +13,7 @@ use spice_ebpf_common::{
 
 use crate::model::{
     Model, SocketModel,
-    chain::{Chain, ChainSample, NO_RELAY_STAGES, Placement, STAGES, Transparency},
+    chain::{Chain, ChainSample, Placement, STAGES, Transparency},
 };
 
 /// TCP state of one socket at the end of the run.
@@ -525,14 +525,7 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
         c.in_flight_relay_p50 = Some(b.window.quantile(0.5));
         c.in_flight_relay_max = Some(b.window.max);
     }
-    let placeable: Vec<usize> = match (
-        chain.backend.is_some(),
-        chain.client_leg.is_some() && chain.is_transparent(),
-    ) {
-        (false, _) => NO_RELAY_STAGES.to_vec(),
-        (true, true) => (0..STAGES.len()).collect(),
-        (true, false) => vec![0, 1, 2, 3],
-    };
+    let placeable = chain.placeable_stages();
     let placed: Vec<&ChainSample> = chain
         .samples
         .iter()

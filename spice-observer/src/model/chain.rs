@@ -243,9 +243,24 @@ impl Chain {
         }
     }
 
-    /// The stage boundaries usable with what is paired.
+    /// False once the relay was seen inserting, dropping or rewriting a message.
     pub fn is_transparent(&self) -> bool {
         !matches!(self.transparency, Transparency::Changed { .. })
+    }
+
+    /// Indexes into [`STAGES`] this chain can place: all of them through a byte-transparent
+    /// relay whose two legs are paired, the server side up to the relay's receive queue when
+    /// the relay changes the stream (or its client leg is not found yet), [`NO_RELAY_STAGES`]
+    /// without a relay.
+    pub fn placeable_stages(&self) -> Vec<usize> {
+        match (
+            self.backend.is_some(),
+            self.client_leg.is_some() && self.is_transparent(),
+        ) {
+            (false, _) => NO_RELAY_STAGES.to_vec(),
+            (true, true) => (0..STAGES.len()).collect(),
+            (true, false) => vec![0, 1, 2, 3],
+        }
     }
 }
 
@@ -255,7 +270,7 @@ fn same_ip(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
 
 /// Processes that act as relays: they hold a SPICE socket on the client end (they connected to
 /// a SPICE server). Every other watched process's server-end sockets head a chain.
-fn relay_pids(model: &Model) -> HashSet<u32> {
+pub fn relay_pids(model: &Model) -> HashSet<u32> {
     model
         .sockets
         .values()
