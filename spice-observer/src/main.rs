@@ -4,20 +4,12 @@
 //! TCP sockets and read each socket's TCP state; this agent replays spice-server's ACK window
 //! per display and cursor channel from them. See README.md.
 
-mod btf;
-mod events;
-mod loader;
-mod model;
-mod observe;
-mod plot;
-mod report;
-mod sampler;
-mod sockdiag;
 
 use std::{path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use spice_observer::observe;
 
 /// eBPF observer of SPICE remote-display sockets: exact ACK-window accounting per channel.
 #[derive(Debug, Parser)]

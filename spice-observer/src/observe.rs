@@ -245,7 +245,7 @@ fn final_tcp(model: &Model) -> BTreeMap<u64, TcpReport> {
                 unacked_segments: i.unacked,
                 total_retrans: i.total_retrans,
                 recv_queue_bytes: d.recv_queue,
-                source: "sock_diag",
+                source: "sock_diag".into(),
             }),
             _ => from_hooks,
         };

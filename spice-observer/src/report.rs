@@ -3,7 +3,7 @@
 
 use std::{collections::BTreeMap, fmt::Write as _};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use spice_ebpf_common::{
     config::counter,
     event::TcpSnapshot,
@@ -17,7 +17,7 @@ use crate::model::{
 };
 
 /// TCP state of one socket at the end of the run.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct TcpReport {
     /// Smoothed RTT, microseconds.
     pub srtt_us: u32,
@@ -35,7 +35,7 @@ pub struct TcpReport {
     pub recv_queue_bytes: u32,
     /// Where the values come from: `sock_diag` (end-of-run netlink snapshot), `kernel_hooks`
     /// (last socket call or sockops callback), or `close` (the close tracepoint).
-    pub source: &'static str,
+    pub source: String,
 }
 
 impl TcpReport {
@@ -51,13 +51,13 @@ impl TcpReport {
             unacked_segments: s.packets_out,
             total_retrans: s.total_retrans,
             recv_queue_bytes: if rq < 1 << 31 { rq } else { 0 },
-            source,
+            source: source.into(),
         }
     }
 }
 
 /// Rates of the server → client direction of one channel.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct FlowReport {
     pub messages: u64,
     pub bytes: u64,
@@ -68,7 +68,7 @@ pub struct FlowReport {
 }
 
 /// One stage's statistics over the samples (counts in messages, bytes of the in-flight range).
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct StageStat {
     pub now: u32,
     pub p50: u32,
@@ -77,7 +77,7 @@ pub struct StageStat {
 }
 
 /// How a channel's chain (spice-server → relay → client) was assembled and sampled.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ChainReport {
     /// The relay's socket toward spice-server (same TCP connection), `"laddr:port->raddr:port"`.
     pub backend: Option<String>,
@@ -88,10 +88,10 @@ pub struct ChainReport {
     pub pairing: Vec<String>,
     /// `no_relay`, `unknown` (nothing compared yet), `transparent`, or `changed` (the relay
     /// inserted, dropped or rewrote a message: stages past its receive queue are not placed).
-    pub transparency: &'static str,
+    pub transparency: String,
     pub transparency_detail: Option<String>,
     /// Stages this chain can place.
-    pub placeable_stages: Vec<&'static str>,
+    pub placeable_stages: Vec<String>,
     /// Samples taken, and those with every socket's TCP position available.
     pub samples: usize,
     pub samples_placed: usize,
@@ -121,7 +121,7 @@ pub struct ChainReport {
 }
 
 /// One watched socket (a SPICE channel when framed).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ChannelReport {
     /// `"laddr:lport->raddr:rport"`.
     pub socket: String,
@@ -131,13 +131,13 @@ pub struct ChannelReport {
     /// `"server"` if the watched process is the server end of this TCP connection (it read
     /// the client's link message: spice-server, or a relay's client-facing leg), `"client"`
     /// if it is the client end (a relay's leg toward spice-server), null if not known.
-    pub end: Option<&'static str>,
+    pub end: Option<String>,
     pub session_id: Option<u32>,
-    pub channel_type: &'static str,
+    pub channel_type: String,
     pub channel_id: Option<u8>,
     /// `"mini"`, `"full"`, `"unparsed"` or `"pending"` (link phase not finished).
-    pub framing: &'static str,
-    pub unparsed_reason: Option<&'static str>,
+    pub framing: String,
+    pub unparsed_reason: Option<String>,
     /// Human-readable detail of `unparsed_reason`.
     pub unparsed_detail: Option<String>,
     /// W from SET_ACK (display and cursor only), messages.
@@ -191,7 +191,7 @@ pub struct ChannelReport {
     pub in_flight_relay_p50: Option<i64>,
     pub in_flight_relay_max: Option<i64>,
     /// Where spice-server's in-flight messages are: stage → statistics over the samples.
-    pub stages: Option<BTreeMap<&'static str, StageStat>>,
+    pub stages: Option<BTreeMap<String, StageStat>>,
     pub chain: Option<ChainReport>,
     /// Messages sent per smoothed RTT of the client-facing link (compare with 2W+1).
     pub messages_per_srtt: Option<f64>,
@@ -203,14 +203,14 @@ pub struct ChannelReport {
 }
 
 /// A watched pid.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PidReport {
     pub pid: u32,
     pub comm: String,
 }
 
 /// A child a watched process forked during the run.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ForkReport {
     pub parent: u32,
     pub child: u32,
@@ -220,7 +220,7 @@ pub struct ForkReport {
 }
 
 /// A watched process that exited during the run.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ExitReport {
     pub pid: u32,
     /// Seconds after the start of observation.
@@ -228,14 +228,14 @@ pub struct ExitReport {
 }
 
 /// The whole `--json` document.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Report {
     pub duration_s: f64,
     pub hook_set: String,
     /// Information lost anywhere (ring full, map full, unreadable user memory, untraced bytes,
     /// loop limit): the sum of the kernel's loss counters plus message records missing.
     pub events_lost: u64,
-    pub kernel_counters: BTreeMap<&'static str, u64>,
+    pub kernel_counters: BTreeMap<String, u64>,
     pub degraded: Vec<String>,
     pub pids: Vec<PidReport>,
     pub forked: Vec<ForkReport>,
@@ -275,7 +275,7 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
     if c.framing == "unparsed" {
         return Some(format!(
             "cannot judge: stream unparsed ({})",
-            c.unparsed_reason.unwrap_or("?")
+            c.unparsed_reason.as_deref().unwrap_or("?")
         ));
     }
     let (Some(w), Some(p50), Some(limit)) = (c.window, c.in_flight_p50, c.in_flight_limit) else {
@@ -454,12 +454,12 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         comm: s.comm.clone(),
         end: s
             .is_server_end()
-            .map(|b| if b { "server" } else { "client" }),
+            .map(|b| if b { "server" } else { "client" }.into()),
         session_id: s.session_id,
-        channel_type: ctype,
+        channel_type: ctype.into(),
         channel_id: cid,
-        framing: s.framing(),
-        unparsed_reason: unparsed.map(|u| u.reason.name()),
+        framing: s.framing().into(),
+        unparsed_reason: unparsed.map(|u| u.reason.name().into()),
         unparsed_detail: unparsed.map(|u| detail_text(u.reason, u.detail, u.at)),
         window: active.then_some(w.window),
         ack_generation: active.then_some(w.generation),
@@ -542,7 +542,7 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
             .map(|s| s.placement.unwrap().bytes[i])
             .collect();
         stages.insert(
-            STAGES[i],
+            STAGES[i].to_string(),
             StageStat {
                 now: placed.last().map_or(0, |s| s.placement.unwrap().counts[i]),
                 p50: quantile_u(&mut counts.clone(), 0.5) as u32,
@@ -629,9 +629,9 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
         client_leg: client_leg.map(name),
         relay_pid: backend.map(|b| b.pid),
         pairing: chain.pairing.clone(),
-        transparency,
+        transparency: transparency.into(),
         transparency_detail: detail,
-        placeable_stages: placeable.iter().map(|&i| STAGES[i]).collect(),
+        placeable_stages: placeable.iter().map(|&i| STAGES[i].into()).collect(),
         samples: chain.samples.len(),
         samples_placed: placed.len(),
         stages_add_up: add_up,
@@ -657,7 +657,7 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
 
 /// Sort key: process, session, channel type and id, socket.
 fn order(c: &ChannelReport) -> (u32, u32, u8, u8, String) {
-    let t = match c.channel_type {
+    let t = match c.channel_type.as_str() {
         "main" => 1,
         "display" => 2,
         "inputs" => 3,
@@ -715,19 +715,19 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
     // Verdicts belong to spice-server's channels: a relay's legs are part of those chains.
     let relay_pids: std::collections::HashSet<u32> = channels
         .iter()
-        .filter(|c| c.end == Some("client"))
+        .filter(|c| c.end.as_deref() == Some("client"))
         .map(|c| c.pid)
         .collect();
     for c in channels.iter_mut() {
-        if c.end != Some("server") || relay_pids.contains(&c.pid) {
+        if c.end.as_deref() != Some("server") || relay_pids.contains(&c.pid) {
             c.verdict = None;
         }
     }
     channels.sort_by_key(order);
-    let kernel_counters: BTreeMap<&'static str, u64> = counter::NAMES
+    let kernel_counters: BTreeMap<String, u64> = counter::NAMES
         .iter()
         .zip(counters.iter())
-        .map(|(n, v)| (*n, *v))
+        .map(|(n, v)| (n.to_string(), *v))
         .collect();
     let kernel_lost: u64 = (0..counter::COUNT)
         .filter(|&i| counter::is_loss(i))
@@ -814,7 +814,7 @@ pub fn render(r: &Report) -> String {
         "RETRANS"
     );
     let not_spice =
-        |c: &&ChannelReport| matches!(c.unparsed_reason, Some("not_spice") | Some("http"));
+        |c: &&ChannelReport| matches!(c.unparsed_reason.as_deref(), Some("not_spice") | Some("http"));
     let hidden = r.channels.iter().filter(not_spice).count();
     for c in r.channels.iter().filter(|c| !not_spice(c)) {
         let chan = match c.channel_id {
@@ -925,7 +925,7 @@ pub fn render(r: &Report) -> String {
             let cols: Vec<String> = STAGES
                 .iter()
                 .zip(short)
-                .map(|(name, s)| match stages.get(name) {
+                .map(|(name, s)| match stages.get(*name) {
                     Some(st) => format!("{:>w$}", st.p50, w = s.len()),
                     None => format!("{:>w$}", "-", w = s.len()),
                 })
@@ -985,7 +985,7 @@ pub fn render(r: &Report) -> String {
             "{hidden} other TCP socket(s) of the watched processes carry no SPICE (not listed; see --json)"
         );
     }
-    if r.channels.iter().any(|c| c.end == Some("client"))
+    if r.channels.iter().any(|c| c.end.as_deref() == Some("client"))
         && !r.channels.iter().any(|c| c.chain.is_some())
     {
         let _ = writeln!(
@@ -1006,7 +1006,7 @@ pub fn render(r: &Report) -> String {
                 "  {} pid {}: {} ({})",
                 c.socket,
                 c.pid,
-                c.unparsed_reason.unwrap_or("?"),
+                c.unparsed_reason.as_deref().unwrap_or("?"),
                 c.unparsed_detail.as_deref().unwrap_or("")
             );
         }
@@ -1051,11 +1051,11 @@ mod tests {
             cookie: 1,
             pid: 1,
             comm: "qemu".into(),
-            end: Some("server"),
+            end: Some("server".into()),
             session_id: Some(7),
-            channel_type: "display",
+            channel_type: "display".into(),
             channel_id: Some(0),
-            framing: "mini",
+            framing: "mini".into(),
             unparsed_reason: None,
             unparsed_detail: None,
             window: Some(40),
@@ -1112,14 +1112,14 @@ mod tests {
     ) -> ChannelReport {
         let mut stages = BTreeMap::new();
         stages.insert(
-            "server_notsent",
+            "server_notsent".into(),
             StageStat {
                 bytes_p50: notsent_bytes,
                 ..Default::default()
             },
         );
         stages.insert(
-            "client_owes_ack",
+            "client_owes_ack".into(),
             StageStat {
                 bytes_p50: 100_000,
                 ..Default::default()
@@ -1174,11 +1174,11 @@ mod tests {
     #[test]
     fn no_verdict_for_other_channels_or_unparsed_streams() {
         let mut c = display(0.0, 1, 10.0, 1.0);
-        c.channel_type = "cursor";
+        c.channel_type = "cursor".into();
         assert_eq!(verdict(&c), None);
         let mut c = display(0.0, 1, 10.0, 1.0);
-        c.framing = "unparsed";
-        c.unparsed_reason = Some("tls");
+        c.framing = "unparsed".into();
+        c.unparsed_reason = Some("tls".into());
         assert!(starts(&c, "cannot judge"));
         let mut c = display(0.0, 1, 10.0, 1.0);
         c.window = None;

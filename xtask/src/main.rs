@@ -196,7 +196,7 @@ fn test(unit_only: bool, filter: &[String]) -> Result<()> {
         "--exclude",
         "spice-observer",
     ]))?;
-    run(cargo().args(["test", "-p", "spice-observer", "--bins"]))?;
+    run(cargo().args(["test", "-p", "spice-observer", "--lib", "--bins"]))?;
     if unit_only {
         return Ok(());
     }

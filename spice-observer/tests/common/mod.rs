@@ -17,6 +17,7 @@ use std::{
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::Value;
+use spice_observer::report::Report;
 
 /// The rig scripts.
 pub fn rig() -> PathBuf {
@@ -347,6 +348,13 @@ impl Observer {
         }
     }
 
+    /// Waits for the end of the observation and returns the JSON report, read into the typed
+    /// [`Report`] the observer writes (see [`parse_report`]).
+    pub fn finish_report(self) -> Result<Report> {
+        let raw = self.finish()?;
+        parse_report(&raw)
+    }
+
     /// Waits for the end of the observation and returns the JSON report.
     pub fn finish(mut self) -> Result<Value> {
         let status = self.child.wait()?;
@@ -433,4 +441,34 @@ pub fn describe(c: &Value) -> String {
 
 pub fn u(v: &Value) -> u64 {
     v.as_u64().unwrap_or(u64::MAX)
+}
+
+/// Reads a JSON report into [`Report`]. Fails on a field that is missing from the document
+/// (serde alone would read a missing `Option` field as `None`) or of the wrong type.
+pub fn parse_report(raw: &Value) -> Result<Report> {
+    let rep: Report = serde_json::from_value(raw.clone()).context("JSON report")?;
+    missing_keys(&serde_json::to_value(&rep)?, raw, "")?;
+    Ok(rep)
+}
+
+/// Fails if `typed` (the typed struct written back) has an object key `raw` lacks.
+fn missing_keys(typed: &Value, raw: &Value, path: &str) -> Result<()> {
+    match (typed, raw) {
+        (Value::Object(t), Value::Object(r)) => {
+            for (k, v) in t {
+                let p = format!("{path}.{k}");
+                let rv = r
+                    .get(k)
+                    .ok_or_else(|| anyhow!("JSON report lacks field {p}"))?;
+                missing_keys(v, rv, &p)?;
+            }
+        }
+        (Value::Array(t), Value::Array(r)) => {
+            for (i, (tv, rv)) in t.iter().zip(r).enumerate() {
+                missing_keys(tv, rv, &format!("{path}[{i}]"))?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
