@@ -472,3 +472,28 @@ fn missing_keys(typed: &Value, raw: &Value, path: &str) -> Result<()> {
     }
     Ok(())
 }
+
+/// The hook set every privileged test expects: `tracepoints+sockops` (this project's machines),
+/// or `$SPICE_OBSERVER_EXPECT_HOOK_SET`.
+pub fn expected_hook_set() -> String {
+    std::env::var("SPICE_OBSERVER_EXPECT_HOOK_SET").unwrap_or_else(|_| "tracepoints+sockops".into())
+}
+
+/// Checks every privileged test makes of a run: the expected hook set, nothing degraded, and
+/// no information lost (the kernel's loss counters and missing records).
+pub fn check_run(r: &Report) -> Result<()> {
+    ensure!(
+        r.hook_set == expected_hook_set(),
+        "hook set {:?}, expected {:?}",
+        r.hook_set,
+        expected_hook_set()
+    );
+    ensure!(r.degraded.is_empty(), "degraded: {:?}", r.degraded);
+    ensure!(
+        r.events_lost == 0,
+        "events lost: {} ({:?})",
+        r.events_lost,
+        r.kernel_counters
+    );
+    Ok(())
+}
