@@ -35,7 +35,7 @@ pub mod dir {
 /// [`MessageEvent::flags`] bits.
 pub mod msg_flags {
     /// Reported from a send call that failed with EAGAIN before any byte was taken: spice-server
-    /// has already counted the message (protocol notes §3.2).
+    /// has already counted the message (`docs/spice-protocol.md` §3.2).
     pub const EAGAIN_START: u8 = 1;
 }
 

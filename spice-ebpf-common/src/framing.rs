@@ -6,7 +6,7 @@
 //! 6- or 18-byte data header plus up to 8 body bytes for SET_ACK / ACK_SYNC / MAIN_INIT), then
 //! jumps the stream position past the rest.
 //!
-//! Protocol facts (team notes `docs/spice-protocol.md`, sources named there):
+//! Protocol facts (`docs/spice-protocol.md`, sources named there):
 //! * §1.2/§1.3: link header (16 bytes) then the client's `SpiceLinkMess` (size H_c) or the
 //!   server's `SpiceLinkReply` (size H_s), each with caps at `16 + caps_offset`.
 //! * §1.5: client → server: auth mechanism u32 (only if the client advertised
@@ -32,7 +32,8 @@ pub const BUF_LEN: usize = 64;
 /// Most bytes the state machine asks for at one boundary: full header (18) + 8 body bytes.
 pub const MAX_WANT: u32 = 26;
 /// Largest body size accepted before the stream is declared out of sync (256 MiB). spice-server
-/// has no cap on server → client sizes but real ones stay at a few MiB (protocol notes §5.5).
+/// has no cap on server → client sizes but real ones stay at a few MiB
+/// (`docs/spice-protocol.md` §5.5).
 pub const MAX_MESSAGE_SIZE: u32 = 256 << 20;
 /// Largest message type accepted: the highest defined number is display 322 (`spice.proto`).
 pub const MAX_MESSAGE_TYPE: u16 = 1000;
@@ -65,7 +66,7 @@ pub enum Phase {
 }
 
 /// Which way this direction's bytes flow in SPICE terms (decided at its link header: the
-/// direction that starts first carries the client's link message, protocol notes §1.1).
+/// direction that starts first carries the client's link message, `docs/spice-protocol.md` §1.1).
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Role {
@@ -679,11 +680,12 @@ impl DirState {
     /// Reads a message start from the bytes of a send call that moved nothing (EAGAIN).
     ///
     /// spice-server counts a message when it starts writing it, before the first `writev`
-    /// (`RedChannelClient::begin_send_message`, protocol notes §3.2), and that `writev` may fail
-    /// with EAGAIN. `first` holds the first bytes of the rejected call's buffer (`avail` of them
-    /// valid). If the state sits at a data boundary and those bytes hold the whole header (plus
-    /// the prefix it needs), returns the message and remembers its offset so that the later
-    /// successful write does not report it again. State is otherwise unchanged.
+    /// (`RedChannelClient::begin_send_message`, `docs/spice-protocol.md` §3.2), and that
+    /// `writev` may fail with EAGAIN. `first` holds the first bytes of the rejected call's
+    /// buffer (`avail` of them valid). If the state sits at a data boundary and those bytes hold
+    /// the whole header (plus the prefix it needs), returns the message and remembers its offset
+    /// so that the later successful write does not report it again. State is otherwise
+    /// unchanged.
     #[inline(always)]
     pub fn peek(
         &mut self,

@@ -2,8 +2,9 @@
 //!
 //! Every number here comes from spice-protocol (`spice/protocol.h`, `spice/enums.h`) and
 //! spice-common's `spice.proto`, as summarised byte by byte in the project's protocol notes
-//! (`docs/spice-protocol.md` §1–§2 in the team's shared material; the same facts are repeated in
-//! this crate's docs so the code stands alone). All integers on the wire are little-endian.
+//! (`docs/spice-protocol.md` §1–§2, with the upstream file and function for each fact; the
+//! facts the code needs are repeated in this crate's docs). All integers on the wire are
+//! little-endian.
 
 /// `SPICE_MAGIC`, the first 4 bytes of both link messages: "REDQ" (`spice/protocol.h`).
 pub const SPICE_MAGIC: [u8; 4] = *b"REDQ";
@@ -99,7 +100,8 @@ pub mod msg_server {
     pub const LIST: u16 = 8;
     /// Main channel INIT: body starts with session_id u32.
     pub const MAIN_INIT: u16 = 103;
-    /// Display INVAL_LIST: the other urgent message of an urgent pair.
+    /// Display INVAL_LIST: the other urgent message of an urgent pair (display only; on the
+    /// cursor channel 105 is HIDE, `docs/spice-protocol.md` §3.3).
     pub const DISPLAY_INVAL_LIST: u16 = 105;
 }
 

@@ -2,7 +2,7 @@
 //! scripted peer `spice-peer`). Compiled with feature `std` or under `cfg(test)`.
 //!
 //! Every builder returns the exact bytes a real peer puts on the wire, little-endian and packed,
-//! following the team's protocol notes (`docs/spice-protocol.md`):
+//! following the project's protocol notes (`docs/spice-protocol.md`):
 //! * §1.2 client link message (spice-gtk layout), §1.3 server link reply (spice-server layout),
 //!   §1.5 auth mechanism word, 128-byte ticket and 4-byte link result, §1.7 error replies;
 //! * §1.9 the 6-byte mini header and the 18-byte full header; §2.2/§2.3 SET_ACK, ACK_SYNC,
@@ -22,7 +22,7 @@ use crate::protocol::{
 /// Bytes of the public key field of `SpiceLinkReply` (`SPICE_TICKET_PUBKEY_BYTES`, 128 + 34).
 pub const PUB_KEY_LEN: usize = 162;
 
-/// The data header a connection uses (protocol notes §1.9).
+/// The data header a connection uses (`docs/spice-protocol.md` §1.9).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum HeaderKind {
     /// `SpiceMiniDataHeader`, 6 bytes: type u16, size u32.

@@ -3,7 +3,7 @@
 //! Real spice-server and spice-gtk cannot be told to split a header over two `writev`s, to hit
 //! EAGAIN mid-message or to send garbage, so the observer's end-to-end tests run this peer as
 //! a real process over real TCP sockets instead. Each side speaks the SPICE link phase
-//! byte-exactly (team protocol notes `docs/spice-protocol.md` §1), then streams data messages
+//! byte-exactly (`docs/spice-protocol.md` §1), then streams data messages
 //! with a chosen header kind (§1.9), ACK-window behaviour (§3) and syscall pattern (§4.2, §4.7).
 //!
 //! * `spice-peer server --listen 127.0.0.1:PORT [options]` accepts ONE connection, prints

@@ -1,6 +1,7 @@
 //! spice-server's ACK window, replayed from the messages the kernel saw.
 //!
-//! The rules are spice-server's own (`server/red-channel-client.cpp`; team protocol notes §3):
+//! The rules are spice-server's own (`server/red-channel-client.cpp`; explained with sources in
+//! `docs/spice-protocol.md` §3):
 //! * SET_ACK (server → client, type 3) carries (generation, window W) and sets the count to 1:
 //!   the SET_ACK counts itself (`send_set_ack` then `begin_send_message`).
 //! * Every later server → client message adds 1 when it starts (`begin_send_message`), before
@@ -10,7 +11,8 @@
 //!   other ACKs are dropped silently.
 //! * The server starts no new message while the count is above 2W (`waiting_for_ack`), so the
 //!   count peaks at 2W+1, or 2W+2 when an urgent pair (INVAL_LIST or LIST, then the message it
-//!   guards, `dcc-send.cpp` `send_free_list`) straddles the threshold.
+//!   guards, `dcc-send.cpp` `send_free_list`; display connections only, §3.3) straddles the
+//!   threshold.
 //!
 //! The count is "in flight" in spice-server's sense: messages started and not yet covered by
 //! an ACK. Time-weighted statistics are kept from the SET_ACK on.
