@@ -19,6 +19,8 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::Value;
 use spice_observer::report::Report;
 
+pub mod oracle;
+
 /// The rig scripts.
 pub fn rig() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../rig")
