@@ -235,7 +235,7 @@ fn check_mutations(a: &Agreement) -> Result<()> {
     ];
     for (name, m) in mutations {
         let shares = a.shares_with(&m)?;
-        eprint!("{}", a.table(&shares, "mutated"));
+        eprint!("{}", a.table(&m, "mutated")?);
         eprintln!("ORACLE | {} | mutation: {name}", a.scenario);
         for g in affected {
             let (ok, n) = *shares

@@ -1113,13 +1113,22 @@ fn observed(g: &Group, stages: &BTreeMap<String, u32>, unplaced: u32) -> Result<
 /// Per channel and group: (agreeing samples, compared samples).
 pub type Shares = BTreeMap<(String, &'static str), (usize, usize)>;
 
+/// Per channel and group: (sum of the oracle's midpoint counts, sum of the observer's counts,
+/// the observer's largest count), to show what the agreement was about.
+type Sizes = BTreeMap<(String, &'static str), (f64, u64, u64)>;
+
 impl Agreement {
     /// Scores the samples, the observer's stages first passed through `mutate`.
     pub fn shares_with(
         &self,
         mutate: &dyn Fn(&mut BTreeMap<String, u32>),
     ) -> Result<Shares> {
+        Ok(self.score(mutate)?.0)
+    }
+
+    fn score(&self, mutate: &dyn Fn(&mut BTreeMap<String, u32>)) -> Result<(Shares, Sizes)> {
         let mut out = Shares::new();
+        let mut sizes = Sizes::new();
         for sc in &self.scored {
             let mut st = sc.sample.stages.clone();
             mutate(&mut st);
@@ -1132,9 +1141,13 @@ impl Agreement {
                 if ok {
                     e.0 += 1;
                 }
+                let z = sizes.entry((chan.clone(), group.name)).or_default();
+                z.0 += (sc.lo[g] + sc.hi[g]) as f64 / 2.0;
+                z.1 += obs as u64;
+                z.2 = z.2.max(obs as u64);
             }
         }
-        Ok(out)
+        Ok((out, sizes))
     }
 
     /// The observer's own numbers.
@@ -1142,15 +1155,26 @@ impl Agreement {
         self.shares_with(&|_| {})
     }
 
-    /// A copyable table of `shares`, one line per channel and group.
-    pub fn table(&self, shares: &Shares, label: &str) -> String {
+    /// A copyable table of the agreement after `mutate`, one line per channel and group:
+    /// agreeing/compared samples, share, mean oracle and observer counts, observer maximum.
+    pub fn table(&self, mutate: &dyn Fn(&mut BTreeMap<String, u32>), label: &str) -> Result<String> {
+        let (shares, sizes) = self.score(mutate)?;
         let mut s = String::new();
-        for ((chan, g), (ok, n)) in shares {
+        let _ = writeln!(
+            s,
+            "ORACLE | {:<48} | {:<10} | {:<9} | {:<44} | agree/samples | share  | mean oracle / observer (max)",
+            "scenario", "numbers", "channel", "group"
+        );
+        for ((chan, g), (ok, n)) in &shares {
+            let (so, sb, mx) = sizes[&(chan.clone(), *g)];
+            let nn = (*n).max(1) as f64;
             let _ = writeln!(
                 s,
-                "ORACLE | {:<48} | {label:<10} | {chan:<9} | {g:<44} | {ok:>5}/{n:<5} | {:>6.1}%",
+                "ORACLE | {:<48} | {label:<10} | {chan:<9} | {g:<44} | {ok:>5}/{n:<7} | {:>5.1}% | {:>6.2} / {:>6.2} ({mx})",
                 self.scenario,
-                100.0 * *ok as f64 / (*n).max(1) as f64
+                100.0 * *ok as f64 / nn,
+                so / nn,
+                sb as f64 / nn
             );
         }
         for (why, n) in &self.skipped {
@@ -1166,7 +1190,7 @@ impl Agreement {
             "ORACLE | {:<48} | clock check: server-leg snd_una within the captured ACKs of the read interval ±2 ms in {a}/{b} samples",
             self.scenario
         );
-        s
+        Ok(s)
     }
 
     /// Prints the table and fails unless every group of the display channel (and of any
@@ -1174,7 +1198,7 @@ impl Agreement {
     /// the display channel has at least `min_samples` compared samples.
     pub fn check(&self, min_samples: usize) -> Result<Shares> {
         let shares = self.shares()?;
-        eprint!("{}", self.table(&shares, "observer"));
+        eprint!("{}", self.table(&|_| {}, "observer")?);
         let display = shares
             .iter()
             .filter(|((c, _), _)| c.starts_with("display"))
