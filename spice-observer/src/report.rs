@@ -813,8 +813,12 @@ pub fn render(r: &Report) -> String {
         "NOTSENT",
         "RETRANS"
     );
-    let not_spice =
-        |c: &&ChannelReport| matches!(c.unparsed_reason.as_deref(), Some("not_spice") | Some("http"));
+    let not_spice = |c: &&ChannelReport| {
+        matches!(
+            c.unparsed_reason.as_deref(),
+            Some("not_spice") | Some("http")
+        )
+    };
     let hidden = r.channels.iter().filter(not_spice).count();
     for c in r.channels.iter().filter(|c| !not_spice(c)) {
         let chan = match c.channel_id {
@@ -985,7 +989,9 @@ pub fn render(r: &Report) -> String {
             "{hidden} other TCP socket(s) of the watched processes carry no SPICE (not listed; see --json)"
         );
     }
-    if r.channels.iter().any(|c| c.end.as_deref() == Some("client"))
+    if r.channels
+        .iter()
+        .any(|c| c.end.as_deref() == Some("client"))
         && !r.channels.iter().any(|c| c.chain.is_some())
     {
         let _ = writeln!(

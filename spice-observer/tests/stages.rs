@@ -198,7 +198,27 @@ impl Oracle {
             clock.realtime_ns,
             clock.monotonic_ns
         );
-        oracle::classify(scenario, &samples, clock, &server, client.as_deref())
+        if client.is_some() {
+            // For information: the same comparison with the capture's times as "on the wire"
+            // (after the relay link's qdisc), which counts the qdisc's backlog as not sent.
+            let captured = oracle::classify(
+                oracle::Wire::Captured,
+                scenario,
+                &samples,
+                clock,
+                &server,
+                client.as_deref(),
+            )?;
+            eprint!("{}", captured.table(&|_| {}, "capture-time")?);
+        }
+        oracle::classify(
+            oracle::Wire::TcpSent,
+            scenario,
+            &samples,
+            clock,
+            &server,
+            client.as_deref(),
+        )
     }
 
     /// [`Oracle::agreement`], then every group of every compared channel must agree on
@@ -213,7 +233,10 @@ impl Oracle {
 /// Mutation test on a real run's samples: wrong placements of the client-leg boundary must
 /// drop the display channel's agreement below the threshold for the groups they touch.
 fn check_mutations(a: &Agreement) -> Result<()> {
-    type Mutation = (&'static str, fn(&mut std::collections::BTreeMap<String, u32>));
+    type Mutation = (
+        &'static str,
+        fn(&mut std::collections::BTreeMap<String, u32>),
+    );
     let mutations: [Mutation; 2] = [
         (
             "client_unacked placed as proxy_notsent (client-leg boundary at snd_una, not snd_nxt)",
@@ -387,7 +410,9 @@ fn paused_client_backlog_reaches_spice_server() -> Result<()> {
         "relay-visible not below the true count: {:?}",
         c.chain
     );
-    let relay_max = c.in_flight_relay_max.context("in_flight_relay_max missing")?;
+    let relay_max = c
+        .in_flight_relay_max
+        .context("in_flight_relay_max missing")?;
     let true_max = c.in_flight_max.context("in_flight_max missing")?;
     ensure!(relay_max <= true_max, "relay max above true max: {d}");
     o.check(T, 20)?;
@@ -442,7 +467,9 @@ fn link_binds_at_8_mbit_with_55k_draws() -> Result<()> {
     );
     let stalled = c.stalled_fraction.context("stalled_fraction missing")?;
     ensure!(stalled >= 0.5, "not at 2W+1 most of the run: {d} {stalled}");
-    let relay_p50 = c.in_flight_relay_p50.context("in_flight_relay_p50 missing")?;
+    let relay_p50 = c
+        .in_flight_relay_p50
+        .context("in_flight_relay_p50 missing")?;
     let true_p50 = c.in_flight_p50.context("in_flight_p50 missing")?;
     ensure!(
         relay_p50 < true_p50,
@@ -690,5 +717,38 @@ fn non_transparent_relay_is_detected() -> Result<()> {
         cursor.chain
     );
     o.check(T, 20)?;
+    Ok(())
+}
+
+/// Re-runs the oracle comparison on a kept run's files (`server-leg.pcapng`,
+/// `client-leg.pcapng`, `samples.jsonl`, `report.json` in the test's state directory):
+/// `ORACLE_REPLAY=/tmp/spice-observer-test-NAME cargo test --test stages oracle_replay`.
+/// Without the variable it says so and does nothing.
+#[test]
+fn oracle_replay() -> Result<()> {
+    let Ok(dir) = std::env::var("ORACLE_REPLAY") else {
+        eprintln!("SKIP oracle_replay: set ORACLE_REPLAY=DIR to replay a kept run");
+        return Ok(());
+    };
+    let dir = PathBuf::from(dir);
+    let name = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("replay")
+        .trim_start_matches("spice-observer-test-")
+        .to_string();
+    let server = oracle::parse_capture(&dir.join("server-leg.pcapng"))?;
+    let client_path = dir.join("client-leg.pcapng");
+    let client = if client_path.exists() {
+        Some(oracle::parse_capture(&client_path)?)
+    } else {
+        None
+    };
+    let samples = oracle::read_samples(&dir.join("samples.jsonl"))?;
+    let clock = oracle::read_clock(&dir.join("report.json"))?;
+    for wire in [oracle::Wire::Captured, oracle::Wire::TcpSent] {
+        let a = oracle::classify(wire, &name, &samples, clock, &server, client.as_deref())?;
+        eprint!("{}", a.table(&|_| {}, "observer")?);
+    }
     Ok(())
 }

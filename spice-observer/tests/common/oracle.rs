@@ -108,7 +108,9 @@ fn parse_dumpcap_log(log: &str) -> Result<CaptureStats> {
     let line = log
         .lines()
         .find(|l| l.starts_with("Packets received/dropped"))
-        .ok_or_else(|| anyhow!("no 'Packets received/dropped' line (dumpcap not stopped cleanly?)"))?;
+        .ok_or_else(|| {
+            anyhow!("no 'Packets received/dropped' line (dumpcap not stopped cleanly?)")
+        })?;
     let after = line
         .rsplit_once("': ")
         .map(|(_, a)| a)
@@ -119,11 +121,7 @@ fn parse_dumpcap_log(log: &str) -> Result<CaptureStats> {
         .ok_or_else(|| anyhow!("unexpected counts in {line:?}"))?;
     let mut dropped: u64 = drop.parse().with_context(|| format!("{line:?}"))?;
     // "(pcap:0/dumpcap:0/flushed:0/ps_ifdrop:0)"
-    let inner = rest
-        .split(')')
-        .next()
-        .unwrap_or("")
-        .trim_start_matches('(');
+    let inner = rest.split(')').next().unwrap_or("").trim_start_matches('(');
     for part in inner.split('/') {
         if let Some((_, n)) = part.split_once(':') {
             dropped += n.parse::<u64>().with_context(|| format!("{line:?}"))?;
@@ -151,6 +149,9 @@ struct Segment {
     ack: u32,
     syn: bool,
     has_ack: bool,
+    /// TCP timestamp option's TSval (RFC 7323): the sender's clock when its TCP built the
+    /// segment, before any qdisc.
+    tsval: Option<u32>,
     payload: Vec<u8>,
 }
 
@@ -195,6 +196,7 @@ fn read_segments(cap: &Path) -> Result<Vec<Segment>> {
                 "tcp.ack_raw",
                 "tcp.flags",
                 "tcp.len",
+                "tcp.options.timestamp.tsval",
                 "tcp.payload",
             ]
             .iter()
@@ -213,7 +215,7 @@ fn read_segments(cap: &Path) -> Result<Vec<Segment>> {
     for (n, line) in text.lines().enumerate() {
         let f: Vec<&str> = line.split('\t').collect();
         ensure!(
-            f.len() == 11,
+            f.len() == 12,
             "{} line {}: {} fields: {line:?}",
             cap.display(),
             n + 1,
@@ -221,8 +223,10 @@ fn read_segments(cap: &Path) -> Result<Vec<Segment>> {
         );
         let flags = u16::from_str_radix(f[8].trim_start_matches("0x"), 16)
             .with_context(|| format!("flags {:?}", f[8]))?;
-        let len: usize = f[9].parse().with_context(|| format!("tcp.len {:?}", f[9]))?;
-        let payload = unhex(f[10])?;
+        let len: usize = f[9]
+            .parse()
+            .with_context(|| format!("tcp.len {:?}", f[9]))?;
+        let payload = unhex(f[11])?;
         ensure!(
             payload.len() == len,
             "{} line {}: tcp.len {len} but {} payload bytes (snaplen?)",
@@ -239,6 +243,15 @@ fn read_segments(cap: &Path) -> Result<Vec<Segment>> {
             ack: f[7].parse()?,
             syn: flags & 0x02 != 0,
             has_ack: flags & 0x10 != 0,
+            tsval: if f[10].is_empty() {
+                None
+            } else {
+                Some(
+                    f[10]
+                        .parse()
+                        .with_context(|| format!("tsval {:?}", f[10]))?,
+                )
+            },
             payload,
         });
     }
@@ -257,6 +270,11 @@ pub struct Direction {
     /// (start, end, t): bytes [start, end) first appeared in a segment captured at t; sorted,
     /// disjoint, covering [0, bytes.len()).
     first_seen: Vec<(u64, u64, f64)>,
+    /// The same pieces with the time the sender's TCP sent them (from TSval, see
+    /// [`Direction::sent_at`]); empty without TCP timestamps.
+    first_sent: Vec<(u64, u64, f64)>,
+    /// Bytes captured more than once (retransmissions, duplicates).
+    pub resent_bytes: u64,
     /// (t, acked): the peer's cumulative ACK reached offset `acked` (exclusive) at t; both
     /// non-decreasing.
     acked: Vec<(f64, u64)>,
@@ -277,6 +295,20 @@ impl Direction {
     pub fn first_seen(&self, off: u64) -> Option<f64> {
         let i = self.first_seen.partition_point(|&(_, end, _)| end <= off);
         self.first_seen
+            .get(i)
+            .filter(|&&(s, e, _)| s <= off && off < e)
+            .map(|&(_, _, t)| t)
+    }
+
+    /// When the sender's TCP first sent byte `off` (handed it to IP, before any qdisc), from
+    /// the TSval of the first segment that carried it: TSval counts milliseconds on the
+    /// sender's clock plus a per-connection offset (Linux: `tcp_clock` ms + `tsoffset`), so
+    /// send time = TSval / 1000 + c with c = min over the direction's segments of (capture
+    /// time − TSval / 1000), the segments that met no queue. Error about 1 ms, never later
+    /// than the capture. None if never in the capture.
+    pub fn sent_at(&self, off: u64) -> Option<f64> {
+        let i = self.first_sent.partition_point(|&(_, end, _)| end <= off);
+        self.first_sent
             .get(i)
             .filter(|&&(s, e, _)| s <= off && off < e)
             .map(|&(_, _, t)| t)
@@ -336,13 +368,21 @@ fn reassemble(cap: &Path, segs: &[Segment]) -> Result<Vec<Connection>> {
         ];
         // Covered intervals per direction (disjoint, sorted), for first-seen bookkeeping.
         let mut covered: [Vec<(u64, u64)>; 2] = [Vec::new(), Vec::new()];
+        // Per direction: (start, end, TSval) of each new piece; TSval of every data segment
+        // with its capture time, for the clock offset.
+        let mut piece_ts: [Vec<(u64, u64, Option<u32>)>; 2] = [Vec::new(), Vec::new()];
+        let mut ts_cal: [Vec<(u32, f64)>; 2] = [Vec::new(), Vec::new()];
         for s in &segs {
             let d = if s.src == dirs[0].src {
                 0
             } else if s.src == dirs[1].src {
                 1
             } else {
-                bail!("{} stream {stream}: third endpoint {}", cap.display(), s.src);
+                bail!(
+                    "{} stream {stream}: third endpoint {}",
+                    cap.display(),
+                    s.src
+                );
             };
             if s.has_ack && !(s.syn && d == 0) {
                 let other = &mut dirs[1 - d];
@@ -354,6 +394,9 @@ fn reassemble(cap: &Path, segs: &[Segment]) -> Result<Vec<Connection>> {
             }
             if s.payload.is_empty() {
                 continue;
+            }
+            if let Some(ts) = s.tsval {
+                ts_cal[d].push((ts, s.t));
             }
             let dir = &mut dirs[d];
             let start = dir.offset(s.seq);
@@ -384,6 +427,7 @@ fn reassemble(cap: &Path, segs: &[Segment]) -> Result<Vec<Connection>> {
                 // overlap [max(cs,at), min(ce,end)): must carry the same bytes
                 let (os, oe) = (cs.max(at), ce.min(end));
                 if os < oe {
+                    dir.resent_bytes += oe - os;
                     ensure!(
                         dir.bytes[os as usize..oe as usize]
                             == s.payload[(os - start) as usize..(oe - start) as usize],
@@ -403,6 +447,7 @@ fn reassemble(cap: &Path, segs: &[Segment]) -> Result<Vec<Connection>> {
                 dir.bytes[ps as usize..pe as usize]
                     .copy_from_slice(&s.payload[(ps - start) as usize..(pe - start) as usize]);
                 dir.first_seen.push((ps, pe, s.t));
+                piece_ts[d].push((ps, pe, s.tsval));
                 cov.push((ps, pe));
             }
             cov.sort_unstable();
@@ -426,6 +471,39 @@ fn reassemble(cap: &Path, segs: &[Segment]) -> Result<Vec<Connection>> {
                 cov.iter().take(5).collect::<Vec<_>>()
             );
             dir.first_seen.sort_by_key(|p| p.0);
+            // TSval → send time (see `sent_at`). TSval may wrap: count from the first one.
+            if let Some(&(ts0, _)) = ts_cal[d].first() {
+                let rel = |ts: u32| f64::from(ts.wrapping_sub(ts0)) / 1000.0;
+                let c = ts_cal[d]
+                    .iter()
+                    .map(|&(ts, t)| t - rel(ts))
+                    .fold(f64::INFINITY, f64::min);
+                // The clock must run at 1 ms per TSval tick (not µs, not 10 ms): compare over
+                // the whole direction (queueing delays of up to ~0.3 s blur short spans).
+                let (&(tsa, ta), &(tsb, tb)) =
+                    (ts_cal[d].first().unwrap(), ts_cal[d].last().unwrap());
+                let (dt, dts) = (tb - ta, rel(tsb) - rel(tsa));
+                ensure!(
+                    dt < 2.0 || (0.8..1.25).contains(&(dts / dt)),
+                    "{} stream {stream} {}->{}: TSval advanced {dts:.3} s over {dt:.3} s of capture: \
+                     not a millisecond clock",
+                    cap.display(),
+                    dir.src,
+                    dir.dst
+                );
+                let mut sent = Vec::new();
+                for &(ps, pe, ts) in &piece_ts[d] {
+                    let ts = ts.with_context(|| {
+                        format!(
+                            "{} stream {stream}: a data segment without TSval",
+                            cap.display()
+                        )
+                    })?;
+                    sent.push((ps, pe, rel(ts) + c));
+                }
+                sent.sort_by_key(|p| p.0);
+                dir.first_sent = sent;
+            }
         }
         let [c2s, s2c] = dirs;
         conns.push(Connection { stream, c2s, s2c });
@@ -473,7 +551,10 @@ fn u32le(b: &[u8], at: usize) -> Result<u32> {
 fn parse_spice(conn: Connection) -> Result<SpiceConn> {
     let c = &conn.c2s.bytes;
     let s = &conn.s2c.bytes;
-    ensure!(c.get(..4) == Some(b"REDQ"), "client link message lacks REDQ");
+    ensure!(
+        c.get(..4) == Some(b"REDQ"),
+        "client link message lacks REDQ"
+    );
     ensure!(s.get(..4) == Some(b"REDQ"), "server link reply lacks REDQ");
     // Client link message §1.2: size at 12, type at 20, id at 21, caps counts at 22/26,
     // caps_offset at 30 counted from byte 16.
@@ -839,7 +920,19 @@ struct Matched<'a> {
     times: Vec<Times>,
 }
 
+/// Which time puts a byte "on the wire" of a leg.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wire {
+    /// When the sender's TCP sent it (TSval): the point `snd_nxt` moves, before the shaping
+    /// qdisc of the relay's link. The oracle's reference.
+    TcpSent,
+    /// When the capture saw it (after the qdisc on `rigr0`): shown for information, it counts
+    /// bytes waiting in the qdisc as not yet on the wire.
+    Captured,
+}
+
 fn match_channel<'a>(
+    wire: Wire,
     socket: &str,
     server_leg: &'a [SpiceConn],
     client_leg: Option<&'a [SpiceConn]>,
@@ -851,7 +944,9 @@ fn match_channel<'a>(
     let server = server_leg
         .iter()
         .find(|c| c.conn.s2c.src == l && c.conn.s2c.dst == r)
-        .with_context(|| format!("spice-server's socket {socket} is not in the server-leg capture"))?;
+        .with_context(|| {
+            format!("spice-server's socket {socket} is not in the server-leg capture")
+        })?;
     let (client, chain) = match client_leg {
         None => (None, Chain::NoRelay),
         Some(legs) => {
@@ -876,19 +971,34 @@ fn match_channel<'a>(
             (Some(c), chain)
         }
     };
+    if wire == Wire::TcpSent {
+        for c in std::iter::once(server).chain(client) {
+            ensure!(
+                c.conn.s2c.bytes.is_empty() || !c.conn.s2c.first_sent.is_empty(),
+                "stream {} {}->{}: no TCP timestamps (net.ipv4.tcp_timestamps off?)",
+                c.conn.stream,
+                c.conn.s2c.src,
+                c.conn.s2c.dst
+            );
+        }
+    }
+    let on_wire = |d: &Direction, off: u64| match wire {
+        Wire::TcpSent => d.sent_at(off),
+        Wire::Captured => d.first_seen(off),
+    };
     let times = server
         .messages
         .iter()
         .map(|m| {
             let (client_wire, client_acked) = match (chain, client) {
                 (Chain::Transparent, Some(c)) => {
-                    (c.conn.s2c.first_seen(m.last), c.conn.s2c.acked_at(m.last))
+                    (on_wire(&c.conn.s2c, m.last), c.conn.s2c.acked_at(m.last))
                 }
                 // Without a (transparent) client leg, (c) and (d) drop out.
                 _ => (Some(f64::NEG_INFINITY), Some(f64::NEG_INFINITY)),
             };
             Times {
-                server_wire: server.conn.s2c.first_seen(m.last),
+                server_wire: on_wire(&server.conn.s2c, m.last),
                 server_acked: server.conn.s2c.acked_at(m.last),
                 client_wire,
                 client_acked,
@@ -917,6 +1027,7 @@ pub struct Scored {
 /// The comparison of one scenario's samples with the captures.
 pub struct Agreement {
     pub scenario: String,
+    pub wire: Wire,
     pub scored: Vec<Scored>,
     /// Samples not compared or compared differently, with the reason (printed).
     pub skipped: BTreeMap<String, usize>,
@@ -940,6 +1051,7 @@ pub const THRESHOLD: f64 = 0.95;
 /// Fails if a sample's newest in-flight message is not in the server-leg capture, or if the
 /// observer's stage keys do not match the chain the captures show.
 pub fn classify(
+    wire: Wire,
     scenario: &str,
     samples: &[Sample],
     clock: Clock,
@@ -953,7 +1065,7 @@ pub fn classify(
     let base = clock.realtime_ns as f64 / 1e9;
     for (n, s) in samples.iter().enumerate() {
         if !matched.contains_key(&s.socket) {
-            let m = match_channel(&s.socket, server_leg, client_leg)?;
+            let m = match_channel(wire, &s.socket, server_leg, client_leg)?;
             ensure!(
                 type_name(m.server.channel_type) == s.channel_type
                     && m.server.channel_id == s.channel_id,
@@ -967,7 +1079,13 @@ pub fn classify(
             matched.insert(s.socket.clone(), m);
         }
         let m = &matched[&s.socket];
-        let what = format!("{scenario}: sample {} ({} {} t_s {:.3})", n + 1, s.channel_type, s.channel_id, s.t_s);
+        let what = format!(
+            "{scenario}: sample {} ({} {} t_s {:.3})",
+            n + 1,
+            s.channel_type,
+            s.channel_id,
+            s.t_s
+        );
         let (t0, t1) = (base + s.t_s, base + s.t_end_s);
         ensure!(t1 >= t0, "{what}: t_end_s before t_s");
         if let Some(leg) = &s.legs.server {
@@ -979,7 +1097,9 @@ pub fn classify(
             }
         }
         if s.in_flight == 0 {
-            *skipped.entry("not compared: nothing in flight".into()).or_default() += 1;
+            *skipped
+                .entry("not compared: nothing in flight".into())
+                .or_default() += 1;
             continue;
         }
         // Which stages the observer placed at this sample decides the groups compared; they
@@ -1013,9 +1133,12 @@ pub fn classify(
                 .or_default() += 1;
             continue;
         }
-        let newest = s
-            .newest_last_byte_seq
-            .with_context(|| format!("{what}: {} in flight but newest_last_byte_seq is null", s.in_flight))?;
+        let newest = s.newest_last_byte_seq.with_context(|| {
+            format!(
+                "{what}: {} in flight but newest_last_byte_seq is null",
+                s.in_flight
+            )
+        })?;
         let off = m.server.conn.s2c.offset(newest);
         let k = m
             .server
@@ -1081,13 +1204,16 @@ pub fn classify(
             m.server.conn.stream,
             m.server.messages.len(),
             m.server.mini_header,
-            m.client
-                .map_or("none".to_string(), |c| format!("stream {} {}->{}", c.conn.stream, c.conn.s2c.src, c.conn.s2c.dst)),
+            m.client.map_or("none".to_string(), |c| format!(
+                "stream {} {}->{}",
+                c.conn.stream, c.conn.s2c.src, c.conn.s2c.dst
+            )),
             m.chain
         );
     }
     Ok(Agreement {
         scenario: scenario.to_string(),
+        wire,
         scored,
         skipped,
         snd_una_in_range: una,
@@ -1119,10 +1245,7 @@ type Sizes = BTreeMap<(String, &'static str), (f64, u64, u64)>;
 
 impl Agreement {
     /// Scores the samples, the observer's stages first passed through `mutate`.
-    pub fn shares_with(
-        &self,
-        mutate: &dyn Fn(&mut BTreeMap<String, u32>),
-    ) -> Result<Shares> {
+    pub fn shares_with(&self, mutate: &dyn Fn(&mut BTreeMap<String, u32>)) -> Result<Shares> {
         Ok(self.score(mutate)?.0)
     }
 
@@ -1157,20 +1280,24 @@ impl Agreement {
 
     /// A copyable table of the agreement after `mutate`, one line per channel and group:
     /// agreeing/compared samples, share, mean oracle and observer counts, observer maximum.
-    pub fn table(&self, mutate: &dyn Fn(&mut BTreeMap<String, u32>), label: &str) -> Result<String> {
+    pub fn table(
+        &self,
+        mutate: &dyn Fn(&mut BTreeMap<String, u32>),
+        label: &str,
+    ) -> Result<String> {
         let (shares, sizes) = self.score(mutate)?;
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "ORACLE | {:<48} | {:<10} | {:<9} | {:<44} | agree/samples | share  | mean oracle / observer (max)",
-            "scenario", "numbers", "channel", "group"
+            "ORACLE | {:<48} | {:<12} | {:<9} | {:<44} | agree/samples | share  | mean oracle / observer (max)   [wire time: {:?}]",
+            "scenario", "numbers", "channel", "group", self.wire
         );
         for ((chan, g), (ok, n)) in &shares {
             let (so, sb, mx) = sizes[&(chan.clone(), *g)];
             let nn = (*n).max(1) as f64;
             let _ = writeln!(
                 s,
-                "ORACLE | {:<48} | {label:<10} | {chan:<9} | {g:<44} | {ok:>5}/{n:<7} | {:>5.1}% | {:>6.2} / {:>6.2} ({mx})",
+                "ORACLE | {:<48} | {label:<12} | {chan:<9} | {g:<44} | {ok:>5}/{n:<7} | {:>5.1}% | {:>6.2} / {:>6.2} ({mx})",
                 self.scenario,
                 100.0 * *ok as f64 / nn,
                 so / nn,
@@ -1180,7 +1307,7 @@ impl Agreement {
         for (why, n) in &self.skipped {
             let _ = writeln!(
                 s,
-                "ORACLE | {:<48} | {label:<10} | {n} samples {why}",
+                "ORACLE | {:<48} | {label:<12} | {n} samples {why}",
                 self.scenario
             );
         }
@@ -1232,11 +1359,7 @@ pub struct Legs {
 impl Legs {
     /// Starts the server-leg capture on loopback (`server_port`) and, with a relay, the
     /// client-leg capture on `client_iface` (`relay_port`). Call before the client connects.
-    pub fn start(
-        dir: &Path,
-        server_port: u16,
-        relay: Option<(&str, u16)>,
-    ) -> Result<Self> {
+    pub fn start(dir: &Path, server_port: u16, relay: Option<(&str, u16)>) -> Result<Self> {
         let server = Capture::start(dir.join("server-leg.pcapng"), None, "lo", &[server_port])?;
         let client = match relay {
             Some((iface, port)) => Some(Capture::start(
@@ -1264,14 +1387,15 @@ impl Legs {
         for (leg, conns) in [("server", Some(&server)), ("client", client.as_ref())] {
             for c in conns.into_iter().flatten() {
                 eprintln!(
-                    "oracle: {leg} leg stream {} {}->{}: {} {}, {} messages, {} trailing bytes",
+                    "oracle: {leg} leg stream {} {}->{}: {} {}, {} messages, {} trailing bytes, {} bytes captured twice",
                     c.conn.stream,
                     c.conn.s2c.src,
                     c.conn.s2c.dst,
                     type_name(c.channel_type),
                     c.channel_id,
                     c.messages.len(),
-                    c.trailing
+                    c.trailing,
+                    c.conn.s2c.resent_bytes
                 );
             }
         }
