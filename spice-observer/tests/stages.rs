@@ -167,6 +167,9 @@ fn check_stages(c: &ChannelReport) -> Result<()> {
 /// Both legs captured for one scenario, and where the observer writes its samples.
 struct Oracle {
     legs: oracle::Legs,
+    /// Seconds to keep capturing after the observation, so that the messages in flight at
+    /// the last samples reach the wire (a deep send queue drains at the link's rate).
+    linger_s: f64,
     samples: PathBuf,
     json: PathBuf,
 }
@@ -177,6 +180,7 @@ impl Oracle {
     fn start(rig: &Rig, server_port: u16, client_iface: &str, relay_port: u16) -> Result<Self> {
         Ok(Self {
             legs: oracle::Legs::start(&rig.state, server_port, Some((client_iface, relay_port)))?,
+            linger_s: 2.0,
             samples: rig.state.join("samples.jsonl"),
             json: rig.state.join("report.json"),
         })
@@ -189,6 +193,7 @@ impl Oracle {
 
     /// Stops the captures (failing on drops), parses them and classifies every sample.
     fn agreement(self, scenario: &str) -> Result<Agreement> {
+        std::thread::sleep(std::time::Duration::from_secs_f64(self.linger_s));
         let (server, client) = self.legs.finish()?;
         let samples = oracle::read_samples(&self.samples)?;
         let clock = oracle::read_clock(&self.json)?;
@@ -541,7 +546,9 @@ fn big_draws_fill_send_buffers_before_the_window() -> Result<()> {
             ("RIG_RELAY_SNDBUF", "262144"),
         ],
     )?;
-    let o = Oracle::start(&rig, 5955, "rigr0", 6955)?;
+    let mut o = Oracle::start(&rig, 5955, "rigr0", 6955)?;
+    // ~5 s of backlog in spice-server's send queue and the relay at 8 Mbit/s.
+    o.linger_s = 8.0;
     let obs = observe_or_skip!(T, &[xorg, relay], 20.0, json(&rig), &o.args());
     let _client = Client::start("spice://198.18.0.1:6955", 40, &[], Some("rigc"))?;
     let report = obs.finish_report()?;

@@ -917,7 +917,20 @@ struct Matched<'a> {
     server: &'a SpiceConn,
     client: Option<&'a SpiceConn>,
     chain: Chain,
+    /// Behind a changing relay: (offset, length) of the one run of bytes it inserted.
+    insertion: Option<(u64, u64)>,
     times: Vec<Times>,
+}
+
+/// If `client` is `server` with one run of bytes inserted (compared over the part both hold),
+/// its (offset, length).
+fn single_insertion(server: &[u8], client: &[u8]) -> Option<(u64, u64)> {
+    let at = server.iter().zip(client).position(|(a, b)| a != b)?;
+    (1..=4096.min(client.len() - at)).find_map(|len| {
+        let n = (client.len() - at - len).min(server.len() - at);
+        (n > 0 && client[at + len..at + len + n] == server[at..at + n])
+            .then_some((at as u64, len as u64))
+    })
 }
 
 /// Which time puts a byte "on the wire" of a leg.
@@ -962,14 +975,30 @@ fn match_channel<'a>(
                 server.channel_id
             );
             let c = same[0];
-            let n = c.conn.s2c.bytes.len().min(server.conn.s2c.bytes.len());
-            let chain = if c.conn.s2c.bytes[..n] == server.conn.s2c.bytes[..n] {
+            let (sb, cb) = (&server.conn.s2c.bytes, &c.conn.s2c.bytes);
+            let n = cb.len().min(sb.len());
+            let chain = if cb[..n] == sb[..n] {
                 Chain::Transparent
             } else {
                 Chain::Changed
             };
             (Some(c), chain)
         }
+    };
+    // Behind a changing relay: if it inserted one run of bytes into an otherwise identical
+    // stream (rig/mangle-relay.py inserts one message), server offset o maps to o below the
+    // insertion point and to o + its length above it; otherwise the client leg cannot be
+    // mapped.
+    let insertion = match (chain, client) {
+        (Chain::Changed, Some(c)) => single_insertion(&server.conn.s2c.bytes, &c.conn.s2c.bytes),
+        _ => None,
+    };
+    let map: Option<Box<dyn Fn(u64) -> u64>> = match (chain, insertion) {
+        (Chain::Transparent, _) => Some(Box::new(|o| o)),
+        (Chain::Changed, Some((at, len))) => {
+            Some(Box::new(move |o| if o < at { o } else { o + len }))
+        }
+        _ => None,
     };
     if wire == Wire::TcpSent {
         for c in std::iter::once(server).chain(client) {
@@ -990,9 +1019,10 @@ fn match_channel<'a>(
         .messages
         .iter()
         .map(|m| {
-            let (client_wire, client_acked) = match (chain, client) {
-                (Chain::Transparent, Some(c)) => {
-                    (on_wire(&c.conn.s2c, m.last), c.conn.s2c.acked_at(m.last))
+            let (client_wire, client_acked) = match (&map, client) {
+                (Some(map), Some(c)) => {
+                    let o = map(m.last);
+                    (on_wire(&c.conn.s2c, o), c.conn.s2c.acked_at(o))
                 }
                 // Without a (transparent) client leg, (c) and (d) drop out.
                 _ => (Some(f64::NEG_INFINITY), Some(f64::NEG_INFINITY)),
@@ -1009,6 +1039,7 @@ fn match_channel<'a>(
         server,
         client,
         chain,
+        insertion,
         times,
     })
 }
@@ -1035,6 +1066,10 @@ pub struct Agreement {
     /// [t_s − 2 ms, t_end_s + 2 ms] (the clock mapping's sanity), and those checked.
     pub snd_una_in_range: (usize, usize),
 }
+
+/// Skip reason: the sample's newest in-flight message was not sent before the capture stopped.
+pub const BEYOND_CAPTURE: &str =
+    "not compared: newest in-flight message sent after the capture stopped";
 
 /// Tolerance: ±1 message. Threshold: share of samples that must agree, per group.
 pub const TOLERANCE: i64 = 1;
@@ -1117,6 +1152,11 @@ pub fn classify(
             .with_context(|| format!("{what}: unexpected stage set {keys:?}"))?;
         match (m.chain, mode) {
             (a, b) if a == b => {}
+            (Chain::Changed, Chain::Transparent) if m.insertion.is_some() => {
+                *skipped
+                    .entry("compared with all stages behind the changing relay (placed before the change was detected; client leg mapped around the insertion)".into())
+                    .or_default() += 1;
+            }
             (Chain::Transparent, Chain::Changed) => {
                 *skipped
                     .entry("compared up to proxy_recv_queue only: the observer placed no client-leg stages".into())
@@ -1140,6 +1180,10 @@ pub fn classify(
             )
         })?;
         let off = m.server.conn.s2c.offset(newest);
+        if m.server.messages.last().is_none_or(|x| off > x.last) {
+            *skipped.entry(BEYOND_CAPTURE.into()).or_default() += 1;
+            continue;
+        }
         let k = m
             .server
             .messages
@@ -1198,7 +1242,7 @@ pub fn classify(
     for (sock, m) in &matched {
         eprintln!(
             "oracle: {scenario}: {sock} = {} {}, server leg stream {} ({} messages, mini header {}), \
-             client leg {}, chain {:?}",
+             client leg {}, chain {:?}, insertion (offset, bytes) {:?}",
             type_name(m.server.channel_type),
             m.server.channel_id,
             m.server.conn.stream,
@@ -1208,7 +1252,8 @@ pub fn classify(
                 "stream {} {}->{}",
                 c.conn.stream, c.conn.s2c.src, c.conn.s2c.dst
             )),
-            m.chain
+            m.chain,
+            m.insertion
         );
     }
     Ok(Agreement {
@@ -1335,6 +1380,14 @@ impl Agreement {
         ensure!(
             display >= min_samples,
             "{}: only {display} display samples with messages in flight compared (need {min_samples})",
+            self.scenario
+        );
+        let beyond = self.skipped.get(BEYOND_CAPTURE).copied().unwrap_or(0);
+        let all = self.scored.len() + self.skipped.values().sum::<usize>();
+        ensure!(
+            beyond * 10 <= all,
+            "{}: {beyond} of {all} samples name a message the capture did not reach: keep \
+             capturing longer after the observation",
             self.scenario
         );
         for ((chan, g), &(ok, n)) in &shares {
