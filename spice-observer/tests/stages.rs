@@ -756,6 +756,7 @@ fn oracle_replay() -> Result<()> {
     for wire in [oracle::Wire::Captured, oracle::Wire::TcpSent] {
         let a = oracle::classify(wire, &name, &samples, clock, &server, client.as_deref())?;
         eprint!("{}", a.table(&|_| {}, "observer")?);
+        eprint!("{}", a.disagreements(20)?);
     }
     Ok(())
 }

@@ -1318,6 +1318,49 @@ impl Agreement {
         Ok((out, sizes))
     }
 
+    /// Up to `n` samples where a group disagrees, one line each: time, count, the oracle's
+    /// [lo, hi] and the observer's number per group, and the observer's raw stages.
+    pub fn disagreements(&self, n: usize) -> Result<String> {
+        let mut s = String::new();
+        for sc in self.scored.iter() {
+            let gs = groups(sc.chain);
+            let mut line = String::new();
+            let mut bad = false;
+            for (g, group) in gs.iter().enumerate() {
+                let obs = observed(group, &sc.sample.stages, sc.sample.unplaced)? as i64;
+                let ok = sc.lo[g] as i64 - TOLERANCE <= obs && obs <= sc.hi[g] as i64 + TOLERANCE;
+                bad |= !ok;
+                let _ = write!(
+                    line,
+                    " {}{}=[{},{}]/{obs}",
+                    if ok { "" } else { "!" },
+                    group.name,
+                    sc.lo[g],
+                    sc.hi[g]
+                );
+            }
+            if bad {
+                let _ = writeln!(
+                    s,
+                    "ORACLE | {} | disagreement: {} {} t_s {:.3}..{:.3} in_flight {} unplaced {} clamped {}:{line} | observer {:?}",
+                    self.scenario,
+                    sc.sample.channel_type,
+                    sc.sample.channel_id,
+                    sc.sample.t_s,
+                    sc.sample.t_end_s,
+                    sc.sample.in_flight,
+                    sc.sample.unplaced,
+                    sc.sample.clamped,
+                    sc.sample.stages
+                );
+                if s.lines().count() >= n {
+                    break;
+                }
+            }
+        }
+        Ok(s)
+    }
+
     /// The observer's own numbers.
     pub fn shares(&self) -> Result<Shares> {
         self.shares_with(&|_| {})
@@ -1371,6 +1414,7 @@ impl Agreement {
     pub fn check(&self, min_samples: usize) -> Result<Shares> {
         let shares = self.shares()?;
         eprint!("{}", self.table(&|_| {}, "observer")?);
+        eprint!("{}", self.disagreements(10)?);
         let display = shares
             .iter()
             .filter(|((c, _), _)| c.starts_with("display"))
