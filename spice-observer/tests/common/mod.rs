@@ -31,9 +31,9 @@ use serde::{Serialize, de::DeserializeOwned};
 use serde_json::Value;
 use spice_observer::report::{ChannelReport, Report};
 
-/// The phrase the observer's error contains when the kernel lacks a program type or hook
-/// (spice-observer/src/loader.rs); only that error is a skip.
-pub const UNAVAILABLE: &str = "is not available on this kernel";
+/// The phrase the observer's error contains when (and only when) the kernel lacks a program
+/// type or hook; only that error is a skip.
+pub use spice_observer::loader::UNAVAILABLE;
 
 /// True when `CI` is `true` in the environment: a test that would skip fails instead.
 pub fn ci() -> bool {
