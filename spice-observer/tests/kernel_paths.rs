@@ -1606,3 +1606,108 @@ fn data_read_after_the_socket_reached_tcp_close() -> Result<()> {
         check_pairs(report, done)
     })
 }
+
+/// Runs this test binary's `split_headers_and_small_reads` in a child, through `wrap` (e.g.
+/// `setpriv …`), with `CI=true` or without `CI`; returns (exit success, stdout + stderr).
+fn run_child_test(wrap: &[&str], ci: bool) -> Result<(bool, String)> {
+    let me = std::env::current_exe().context("this test binary")?;
+    let mut cmd = match wrap.split_first() {
+        Some((prog, args)) => {
+            let mut c = Command::new(prog);
+            c.args(args).arg(&me);
+            c
+        }
+        None => Command::new(&me),
+    };
+    cmd.args([
+        "--exact",
+        "split_headers_and_small_reads",
+        "--test-threads=1",
+        "--nocapture",
+    ]);
+    // Backtraces off: the messages are what is checked (and read).
+    cmd.env("RUST_BACKTRACE", "0")
+        .env("RUST_LIB_BACKTRACE", "0");
+    if ci {
+        cmd.env("CI", "true");
+    } else {
+        cmd.env_remove("CI");
+    }
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {cmd:?}"))?;
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!(
+        "--- {cmd:?} (CI {}) exited {}:\n{text}\n---",
+        if ci { "true" } else { "unset" },
+        out.status
+    );
+    Ok((out.status.success(), text))
+}
+
+/// No silent passes: a privileged test that cannot run skips loudly, and fails under
+/// `CI=true` naming why (here: not root, the test run as user nobody, or as this non-root
+/// user); a test whose observer cannot load its programs (root without CAP_BPF,
+/// CAP_SYS_ADMIN and CAP_PERFMON) fails with the kernel's refusal, with or without `CI`.
+#[test]
+fn ci_true_turns_a_skip_into_a_failure() -> Result<()> {
+    const CHILD: &str = "split_headers_and_small_reads";
+    let root = unsafe { libc::geteuid() } == 0;
+    let nobody: &[&str] = if root {
+        &[
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--",
+        ]
+    } else {
+        &[]
+    };
+    let (ok, text) = run_child_test(nobody, true)?;
+    ensure!(!ok, "CI=true: a test that cannot run passed:\n{text}");
+    ensure!(
+        text.contains(&format!(
+            "FAIL {CHILD}: CI=true and the test cannot run: needs root"
+        )),
+        "CI=true: the failure does not name the reason:\n{text}"
+    );
+    let (ok, text) = run_child_test(nobody, false)?;
+    ensure!(ok, "without CI the test should skip (pass):\n{text}");
+    ensure!(
+        text.contains(&format!("SKIP {CHILD}: needs root")),
+        "without CI the skip is not loud:\n{text}"
+    );
+    if !root {
+        eprintln!(
+            "ci_true_turns_a_skip_into_a_failure: not root, the capability-dropped load was not tried"
+        );
+        return Ok(());
+    }
+    let no_bpf = [
+        "setpriv",
+        "--inh-caps=-bpf,-sys_admin,-perfmon",
+        "--bounding-set=-bpf,-sys_admin,-perfmon",
+        "--",
+    ];
+    for ci in [false, true] {
+        let (ok, text) = run_child_test(&no_bpf, ci)?;
+        ensure!(
+            !ok,
+            "root without CAP_BPF: the test passed (CI {ci}):\n{text}"
+        );
+        ensure!(
+            text.contains("spice-observer exited before attaching")
+                && text.contains("permission denied")
+                && !text.contains(common::UNAVAILABLE)
+                && !text.contains("SKIP"),
+            "root without CAP_BPF: not failed with the kernel's refusal (CI {ci}):\n{text}"
+        );
+    }
+    Ok(())
+}
