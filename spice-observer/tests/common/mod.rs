@@ -431,6 +431,10 @@ macro_rules! observe_or_skip {
     };
 }
 
+// The serde_json::Value helpers below (channels, by_local, remote, describe, u) remain only
+// until tests/stages.rs reads the typed Report too; u() reads a missing number as u64::MAX,
+// which passes every `>=`: do not use them in new code (use channels_of, describe_ch, …).
+
 /// Channels of the report whose `pid` is `pid` and type is `ty`.
 pub fn channels<'a>(report: &'a Value, pid: u32, ty: &str) -> Vec<&'a Value> {
     report["channels"]
