@@ -14,22 +14,14 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, ensure};
 use common::{
-    Client, Rig, check_run,
+    Client, Rig, channels_of, check_run, describe_ch,
     oracle::{self, Agreement, THRESHOLD},
     privileged,
 };
 use spice_observer::report::{ChainReport, ChannelReport, Report, StageStat};
 
-/// spice-server's channels of type `ty` in the report.
-fn channels<'a>(r: &'a Report, pid: u32, ty: &str) -> Vec<&'a ChannelReport> {
-    r.channels
-        .iter()
-        .filter(|c| c.pid == pid && c.channel_type == ty)
-        .collect()
-}
-
 fn display(r: &Report, pid: u32) -> Result<&ChannelReport> {
-    let d = channels(r, pid, "display");
+    let d = channels_of(r, pid, "display");
     ensure!(
         d.len() == 1,
         "expected one display channel of pid {pid}, got {}",
@@ -41,40 +33,21 @@ fn display(r: &Report, pid: u32) -> Result<&ChannelReport> {
 fn chain(c: &ChannelReport) -> Result<&ChainReport> {
     c.chain
         .as_ref()
-        .with_context(|| format!("chain missing: {}", describe(c)))
+        .with_context(|| format!("chain missing: {}", describe_ch(c)))
 }
 
 fn stage<'a>(c: &'a ChannelReport, name: &str) -> Result<&'a StageStat> {
     c.stages
         .as_ref()
-        .with_context(|| format!("stages missing: {}", describe(c)))?
+        .with_context(|| format!("stages missing: {}", describe_ch(c)))?
         .get(name)
-        .with_context(|| format!("stage {name} missing: {}", describe(c)))
+        .with_context(|| format!("stage {name} missing: {}", describe_ch(c)))
 }
 
 fn verdict(c: &ChannelReport) -> Result<&str> {
     c.verdict
         .as_deref()
-        .with_context(|| format!("verdict missing: {}", describe(c)))
-}
-
-/// Short description of a channel for assertion messages.
-fn describe(c: &ChannelReport) -> String {
-    format!(
-        "{} {:?} pid {} {} (framing {}, W {:?}, set_acks {}, ack_syncs {}, acks {}, sent {}, received {}, max {:?})",
-        c.channel_type,
-        c.channel_id,
-        c.pid,
-        c.socket,
-        c.framing,
-        c.window,
-        c.set_acks,
-        c.ack_syncs,
-        c.acks,
-        c.messages_sent,
-        c.messages_received,
-        c.in_flight_max
-    )
+        .with_context(|| format!("verdict missing: {}", describe_ch(c)))
 }
 
 /// Every channel of spice-server is paired with exactly one relay leg toward it and one toward
@@ -93,7 +66,7 @@ fn check_pairing(report: &Report, server: u32, relay_kind: &str) -> Result<()> {
     let mut legs = std::collections::HashSet::new();
     for c in ours {
         let ch = chain(c)?;
-        let d = describe(c);
+        let d = describe_ch(c);
         let backend = ch
             .backend
             .as_deref()
@@ -138,8 +111,8 @@ fn check_pairing(report: &Report, server: u32, relay_kind: &str) -> Result<()> {
         ensure!(
             c.messages_sent == b.messages_received && c.messages_sent == cl.messages_sent,
             "server→client counts differ along the chain: {d} / {} / {}",
-            describe(b),
-            describe(cl)
+            describe_ch(b),
+            describe_ch(cl)
         );
     }
     Ok(())
@@ -148,7 +121,7 @@ fn check_pairing(report: &Report, server: u32, relay_kind: &str) -> Result<()> {
 /// Checks common to every stage scenario on the display chain.
 fn check_stages(c: &ChannelReport) -> Result<()> {
     let ch = chain(c)?;
-    let d = describe(c);
+    let d = describe_ch(c);
     ensure!(
         ch.stages_add_up,
         "stages did not add up to the count: {d}\n{ch:?}"
@@ -396,7 +369,7 @@ fn paused_client_backlog_reaches_spice_server() -> Result<()> {
     check_run(&report)?;
     let c = display(&report, xorg)?;
     check_stages(c)?;
-    let d = describe(c);
+    let d = describe_ch(c);
     ensure!(
         stage(c, "server_notsent")?.max >= 1,
         "nothing ever waited in spice-server's send queue: {d}\n{:?}",
@@ -463,7 +436,7 @@ fn link_binds_at_8_mbit_with_55k_draws() -> Result<()> {
     check_run(&report)?;
     let c = display(&report, xorg)?;
     check_stages(c)?;
-    let d = describe(c);
+    let d = describe_ch(c);
     ensure!(c.window == Some(40), "W: {d}");
     let mean = c.server_to_client.mean_message_bytes;
     ensure!(
@@ -555,7 +528,7 @@ fn big_draws_fill_send_buffers_before_the_window() -> Result<()> {
     check_run(&report)?;
     let c = display(&report, xorg)?;
     check_stages(c)?;
-    let d = describe(c);
+    let d = describe_ch(c);
     let mean = c.server_to_client.mean_message_bytes;
     ensure!(
         mean > 150_000.0,
@@ -603,12 +576,12 @@ fn unshaped_link_binds_nothing() -> Result<()> {
     ensure!(
         stalled < 0.05,
         "stalled on an unshaped link: {}",
-        describe(c)
+        describe_ch(c)
     );
     ensure!(
         c.server_to_client.mbit_per_s > 10.0,
         "the animation did not flow: {}",
-        describe(c)
+        describe_ch(c)
     );
     let v = verdict(c)?;
     ensure!(v.starts_with("neither"), "verdict: {v}");
@@ -640,7 +613,7 @@ fn delayed_link_window_binds_small_messages() -> Result<()> {
     check_run(&report)?;
     let c = display(&report, xorg)?;
     check_stages(c)?;
-    let d = describe(c);
+    let d = describe_ch(c);
     ensure!(c.window == Some(40), "W: {d}");
     let v = verdict(c)?;
     ensure!(v.starts_with("ACK-window bound"), "verdict: {v}");
@@ -716,7 +689,7 @@ fn non_transparent_relay_is_detected() -> Result<()> {
         ch.stages_add_up && ch.unplaced_max > 0,
         "unplaced messages not counted: {ch:?}"
     );
-    let cursor = channels(&report, xorg, "cursor");
+    let cursor = channels_of(&report, xorg, "cursor");
     let cursor = cursor.first().context("no cursor channel")?;
     ensure!(
         chain(cursor)?.transparency != "changed",

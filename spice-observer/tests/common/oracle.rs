@@ -156,7 +156,7 @@ struct Segment {
 }
 
 fn unhex(s: &str) -> Result<Vec<u8>> {
-    ensure!(s.len() % 2 == 0, "odd hex length");
+    ensure!(s.len().is_multiple_of(2), "odd hex length");
     (0..s.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(|e| anyhow!("hex: {e}")))
