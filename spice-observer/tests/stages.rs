@@ -208,37 +208,62 @@ impl Oracle {
     }
 }
 
-/// Mutation test on a real run's samples: wrong placements of the client-leg boundary must
-/// drop the display channel's agreement below the threshold for the groups they touch.
-fn check_mutations(a: &Agreement) -> Result<()> {
-    type Mutation = (
-        &'static str,
-        fn(&mut std::collections::BTreeMap<String, u32>),
-    );
-    let mutations: [Mutation; 2] = [
-        (
-            "client_unacked placed as proxy_notsent (client-leg boundary at snd_una, not snd_nxt)",
-            |st| {
-                let n = st.insert("client_unacked".into(), 0).unwrap_or(0);
-                *st.entry("proxy_notsent".into()).or_default() += n;
-            },
-        ),
-        ("proxy_notsent and client_unacked swapped", |st| {
+/// A wrong placement applied to the observer's numbers: name, the change, the groups it
+/// must make disagree.
+type Mutation = (
+    &'static str,
+    fn(&mut std::collections::BTreeMap<String, u32>),
+    &'static [&'static str],
+);
+
+/// Moves all of stage `from` into stage `to`.
+fn merge_into(st: &mut std::collections::BTreeMap<String, u32>, from: &str, to: &str) {
+    let n = st.insert(from.into(), 0).unwrap_or(0);
+    *st.entry(to.into()).or_default() += n;
+}
+
+/// Wrong placements of the client-leg boundary (for runs with many messages on the client
+/// link).
+const CLIENT_LEG_MUTATIONS: [Mutation; 2] = [
+    (
+        "client_unacked placed as proxy_notsent (client-leg boundary at snd_una, not snd_nxt)",
+        |st| merge_into(st, "client_unacked", "proxy_notsent"),
+        &[
+            "proxy_recv_queue+proxy_inside+proxy_notsent",
+            "client_unacked",
+        ],
+    ),
+    (
+        "proxy_notsent and client_unacked swapped",
+        |st| {
             let p = st.get("proxy_notsent").copied().unwrap_or(0);
             let c = st.get("client_unacked").copied().unwrap_or(0);
             st.insert("proxy_notsent".into(), c);
             st.insert("client_unacked".into(), p);
-        }),
-    ];
-    let affected = [
-        "proxy_recv_queue+proxy_inside+proxy_notsent",
-        "client_unacked",
-    ];
-    for (name, m) in mutations {
+        },
+        &[
+            "proxy_recv_queue+proxy_inside+proxy_notsent",
+            "client_unacked",
+        ],
+    ),
+];
+
+/// A wrong placement of spice-server's send boundary (for runs with a backlog in its send
+/// queue).
+const SERVER_LEG_MUTATIONS: [Mutation; 1] = [(
+    "server_notsent placed as server_unacked (boundary at write_seq, not snd_nxt)",
+    |st| merge_into(st, "server_notsent", "server_unacked"),
+    &["server_writing+server_notsent", "server_unacked"],
+)];
+
+/// Mutation test on a real run's samples: each wrong placement must drop the display
+/// channel's agreement below the threshold for every group it touches.
+fn check_mutations(a: &Agreement, mutations: &[Mutation]) -> Result<()> {
+    for &(name, m, affected) in mutations {
         let shares = a.shares_with(&m)?;
         eprint!("{}", a.table(&m, "mutated")?);
         eprintln!("ORACLE | {} | mutation: {name}", a.scenario);
-        for g in affected {
+        for &g in affected {
             let (ok, n) = *shares
                 .get(&("display 0".to_string(), g))
                 .with_context(|| format!("display 0 {g} not compared"))?;
@@ -247,6 +272,11 @@ fn check_mutations(a: &Agreement) -> Result<()> {
                 "{}: the mutation '{name}' still agrees on {ok}/{n} samples for {g}: the \
                  comparison does not catch it",
                 a.scenario
+            );
+            eprintln!(
+                "ORACLE | {} | mutation caught: {g} agrees on {ok}/{n} ({:.1}%)",
+                a.scenario,
+                100.0 * ok as f64 / n.max(1) as f64
             );
         }
     }
@@ -494,7 +524,8 @@ fn link_binds_at_8_mbit_with_55k_draws() -> Result<()> {
 /// The same link with ~200 KB draws: the send buffers fill before the window does. The relay's
 /// socket buffers are capped at 256 KiB so that the backlog sits in spice-server's send queue:
 /// with autotuned relay buffers the relay alone can hold 20+ of these draws, and whether the
-/// count then touches 2W+1 varies from run to run (seen once in CI: 81).
+/// count then touches 2W+1 varies from run to run (seen once in CI: 81). The oracle's
+/// server-side mutation test runs on this scenario's samples (a deep server_notsent).
 #[test]
 fn big_draws_fill_send_buffers_before_the_window() -> Result<()> {
     const T: &str = "big_draws_fill_send_buffers_before_the_window";
@@ -547,8 +578,8 @@ fn big_draws_fill_send_buffers_before_the_window() -> Result<()> {
         v.starts_with("send-buffer bound") || v.starts_with("link bound"),
         "verdict: {v}"
     );
-    o.check(T, 20)?;
-    Ok(())
+    let a = o.check(T, 20)?;
+    check_mutations(&a, &SERVER_LEG_MUTATIONS)
 }
 
 /// Unshaped loopback: neither the window nor the link binds.
@@ -630,7 +661,7 @@ fn delayed_link_window_binds_small_messages() -> Result<()> {
         "ceiling not computed: {d}"
     );
     let a = o.check(T, 20)?;
-    check_mutations(&a)
+    check_mutations(&a, &CLIENT_LEG_MUTATIONS)
 }
 
 /// A relay that inserts a message toward the client: detected, reported, and the split then
@@ -730,6 +761,12 @@ fn oracle_replay() -> Result<()> {
         let a = oracle::classify(wire, &name, &samples, clock, &server, client.as_deref())?;
         eprint!("{}", a.table(&|_| {}, "observer")?);
         eprint!("{}", a.disagreements(20)?);
+        if wire == oracle::Wire::TcpSent {
+            for &(name, m, _) in CLIENT_LEG_MUTATIONS.iter().chain(&SERVER_LEG_MUTATIONS) {
+                eprintln!("ORACLE | {name} | mutation:");
+                eprint!("{}", a.table(&m, "mutated")?);
+            }
+        }
     }
     Ok(())
 }
