@@ -27,9 +27,7 @@
 
 use std::collections::HashSet;
 
-use spice_ebpf_common::event::dir;
-
-use spice_ebpf_common::protocol::channel;
+use spice_ebpf_common::{event::dir, protocol::channel};
 
 use super::{DirStats, Model, MsgSpan, SocketModel};
 
@@ -459,7 +457,7 @@ fn sock_name(s: &SocketModel) -> String {
 }
 
 /// Prefix of the pairing note kept while a chain waits for its client leg.
-const WAITING: &str = "client leg: waiting: ";
+const WAITING: &str = "client leg not paired yet: ";
 
 /// Finds and extends chains: new server sockets get a chain; unpaired chains look for their
 /// relay legs. Call after applying records; cheap when everything is paired.
