@@ -470,12 +470,9 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
             chains.push(Chain::new(s.cookie));
         }
     }
-    // The relays' legs toward clients (server-end sockets of relay processes).
-    let legs: Vec<&SocketModel> = model
-        .sockets
-        .values()
-        .filter(|x| x.is_server_end() == Some(true) && relays.contains(&x.pid))
-        .collect();
+    // The relays' legs toward clients (server-end sockets of relay processes), listed only
+    // if a chain still looks for its client leg.
+    let mut legs: Option<Vec<&SocketModel>> = None;
     let mut used: HashSet<u64> = chains
         .iter()
         .flat_map(|c| [c.backend, c.client_leg])
@@ -527,7 +524,14 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
             continue;
         };
         if chain.client_leg.is_none() {
-            pair_client_leg(model, &legs, backend, chain, &mut used);
+            let legs = legs.get_or_insert_with(|| {
+                model
+                    .sockets
+                    .values()
+                    .filter(|x| x.is_server_end() == Some(true) && relays.contains(&x.pid))
+                    .collect()
+            });
+            pair_client_leg(model, legs, backend, chain, &mut used);
         }
     }
     for chain in chains.iter_mut() {
