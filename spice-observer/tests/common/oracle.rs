@@ -944,6 +944,16 @@ pub enum Wire {
     Captured,
 }
 
+impl Wire {
+    /// Short name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Wire::TcpSent => "tcp-sent",
+            Wire::Captured => "captured",
+        }
+    }
+}
+
 fn match_channel<'a>(
     wire: Wire,
     socket: &str,
@@ -1093,6 +1103,36 @@ pub fn classify(
     server_leg: &[SpiceConn],
     client_leg: Option<&[SpiceConn]>,
 ) -> Result<Agreement> {
+    classify_with(
+        wire,
+        Ties::ReadInterval,
+        scenario,
+        samples,
+        clock,
+        server_leg,
+        client_leg,
+    )
+}
+
+/// How a sample's time is taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ties {
+    /// Any time in [t_s, t_end_s] (the rule of [`classify`]).
+    ReadInterval,
+    /// t_s alone (stricter; for information).
+    StartOnly,
+}
+
+/// [`classify`] with a choice of tie rule.
+pub fn classify_with(
+    wire: Wire,
+    ties: Ties,
+    scenario: &str,
+    samples: &[Sample],
+    clock: Clock,
+    server_leg: &[SpiceConn],
+    client_leg: Option<&[SpiceConn]>,
+) -> Result<Agreement> {
     let mut matched: BTreeMap<String, Matched> = BTreeMap::new();
     let mut scored = Vec::new();
     let mut skipped: BTreeMap<String, usize> = BTreeMap::new();
@@ -1123,6 +1163,10 @@ pub fn classify(
         );
         let (t0, t1) = (base + s.t_s, base + s.t_end_s);
         ensure!(t1 >= t0, "{what}: t_end_s before t_s");
+        let t1 = match ties {
+            Ties::ReadInterval => t1,
+            Ties::StartOnly => t0,
+        };
         if let Some(leg) = &s.legs.server {
             let d = &m.server.conn.s2c;
             let off = d.offset(leg.snd_una);
@@ -1377,16 +1421,17 @@ impl Agreement {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "ORACLE | {:<48} | {:<12} | {:<9} | {:<44} | agree/samples | share  | mean oracle / observer (max)   [wire time: {:?}]",
-            "scenario", "numbers", "channel", "group", self.wire
+            "ORACLE | {:<48} | {:<12} | {:<9} | {:<9} | {:<44} | agree/samples | share  | mean oracle / observer (max)",
+            "scenario", "numbers", "wire time", "channel", "group"
         );
         for ((chan, g), (ok, n)) in &shares {
             let (so, sb, mx) = sizes[&(chan.clone(), *g)];
             let nn = (*n).max(1) as f64;
             let _ = writeln!(
                 s,
-                "ORACLE | {:<48} | {label:<12} | {chan:<9} | {g:<44} | {ok:>5}/{n:<7} | {:>5.1}% | {:>6.2} / {:>6.2} ({mx})",
+                "ORACLE | {:<48} | {label:<12} | {:<9} | {chan:<9} | {g:<44} | {ok:>5}/{n:<7} | {:>5.1}% | {:>6.2} / {:>6.2} ({mx})",
                 self.scenario,
+                self.wire.name(),
                 100.0 * *ok as f64 / nn,
                 so / nn,
                 sb as f64 / nn
