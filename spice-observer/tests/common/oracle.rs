@@ -1162,6 +1162,26 @@ pub fn classify_with(
             matched.insert(s.socket.clone(), m);
         }
         let m = &matched[&s.socket];
+        // The legs the observer paired must be this channel's connections in the captures.
+        if let Some(b) = &s.legs.relay_backend {
+            let want = format!("{}->{}", m.server.conn.s2c.dst, m.server.conn.s2c.src);
+            ensure!(
+                b.socket == want,
+                "sample {}: relay backend leg {} but the server-leg capture's connection is {want}",
+                n + 1,
+                b.socket
+            );
+        }
+        if let (Some(c), Some(cl)) = (&s.legs.relay_client, m.client) {
+            let want = format!("{}->{}", cl.conn.s2c.src, cl.conn.s2c.dst);
+            ensure!(
+                c.socket == want,
+                "sample {}: relay client leg {} but the capture's connection with the same link \
+                 message is {want}",
+                n + 1,
+                c.socket
+            );
+        }
         let what = format!(
             "{scenario}: sample {} ({} {} t_s {:.3})",
             n + 1,
