@@ -140,16 +140,27 @@ pub struct ChannelReport {
     pub unparsed_reason: Option<String>,
     /// Human-readable detail of `unparsed_reason`.
     pub unparsed_detail: Option<String>,
-    /// W from SET_ACK (display and cursor only), messages.
+    /// W from the last SET_ACK (display and cursor only), messages.
     pub window: Option<u32>,
-    /// Generation from SET_ACK.
+    /// Generation from the last SET_ACK.
     pub ack_generation: Option<u32>,
     /// Generation from the last ACK_SYNC.
     pub ack_sync_generation: Option<u32>,
     pub set_acks: u64,
+    /// Generations this connection had: each SET_ACK opens one (spice-server resets its count
+    /// there, docs/spice-protocol.md §3.5). The window statistics below (`in_flight_p50`,
+    /// `in_flight_max`, `stalled_fraction`, `stalls`) are the last generation's. spice-server
+    /// 0.14 and 0.15 send one SET_ACK per connection, so this is 1 there.
+    pub generations: u64,
     pub ack_syncs: u64,
+    /// ACKs that matched the generation (each subtracted W), all generations.
     pub acks: u64,
+    /// ACKs dropped: no ACK_SYNC before them, or a different generation.
     pub acks_ignored: u64,
+    /// Matched ACKs that found fewer than W messages in flight. spice-server's unsigned count
+    /// wraps around on such an ACK and the connection waits for an ACK for good (§3.5); the
+    /// in-flight count shows 0 then, never a negative value. 0 with well-behaved clients.
+    pub ack_surplus: u64,
     /// Messages the watched process wrote on this socket, and their bytes (headers included).
     pub messages_sent: u64,
     pub bytes_sent: u64,
@@ -166,15 +177,17 @@ pub struct ChannelReport {
     pub messages_sent_eagain_start: u64,
     /// Server → client flow (whichever way it goes relative to the watched process).
     pub server_to_client: FlowReport,
-    /// spice-server's in-flight count (its `messages_window`): now, time-weighted median and
-    /// maximum since SET_ACK, in messages; `in_flight_limit` = 2W+1.
-    pub in_flight_now: Option<i64>,
-    pub in_flight_p50: Option<i64>,
-    pub in_flight_max: Option<i64>,
-    pub in_flight_limit: Option<i64>,
-    /// Fraction of time since SET_ACK with the count above 2W (0..1).
+    /// spice-server's in-flight count (its `messages_window`, never below 0: see
+    /// `ack_surplus`): now, and the time-weighted median and maximum since the last SET_ACK, in
+    /// messages; `in_flight_limit` = 2W+1.
+    pub in_flight_now: Option<u32>,
+    pub in_flight_p50: Option<u32>,
+    pub in_flight_max: Option<u32>,
+    pub in_flight_limit: Option<u32>,
+    /// Fraction of time since the last SET_ACK that spice-server waited for an ACK (its count
+    /// above 2W) (0..1).
     pub stalled_fraction: Option<f64>,
-    /// Times the count went above 2W.
+    /// Times spice-server began waiting for an ACK since the last SET_ACK.
     pub stalls: u64,
     /// Message starts above 2W not explained by an urgent pair (always 0 for spice-server).
     pub starts_while_stalled: u64,
@@ -188,8 +201,8 @@ pub struct ChannelReport {
     pub tcp: Option<TcpReport>,
     /// The count a relay-side observer reports (messages the relay read from spice-server
     /// minus W × the ACKs it passed on): time-weighted median and maximum. Relay chains only.
-    pub in_flight_relay_p50: Option<i64>,
-    pub in_flight_relay_max: Option<i64>,
+    pub in_flight_relay_p50: Option<u32>,
+    pub in_flight_relay_max: Option<u32>,
     /// Where spice-server's in-flight messages are: stage → statistics over the samples.
     pub stages: Option<BTreeMap<String, StageStat>>,
     pub chain: Option<ChainReport>,
@@ -368,7 +381,7 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
         )
     } else if c.stages.is_some()
         && stage_bytes("server_notsent") >= (256 * 1024).max(total_bytes / 2)
-        && p50 < 2 * w as i64
+        && u64::from(p50) < 2 * u64::from(w)
     {
         format!(
             "send-buffer bound: {} KiB of the {} KiB in flight wait unsent in qemu's socket while the count stays at p50 {p50} of {limit}",
@@ -465,9 +478,11 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         ack_generation: active.then_some(w.generation),
         ack_sync_generation: w.client_generation,
         set_acks: w.set_acks,
+        generations: w.generations(),
         ack_syncs: w.ack_syncs,
         acks: w.acks,
         acks_ignored: w.acks_ignored,
+        ack_surplus: w.ack_surplus,
         messages_sent: send.messages,
         bytes_sent: send.bytes,
         messages_received: recv.messages,
@@ -481,7 +496,7 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         in_flight_now: active.then_some(w.count),
         in_flight_p50: active.then(|| w.quantile(0.5)),
         in_flight_max: active.then_some(w.max),
-        in_flight_limit: active.then(|| w.threshold() + 1),
+        in_flight_limit: active.then(|| w.limit()),
         stalled_fraction: active.then(|| w.stalled_fraction()),
         stalls: w.stalls,
         starts_while_stalled: w.starts_while_stalled,
@@ -813,8 +828,12 @@ pub fn render(r: &Report) -> String {
         "NOTSENT",
         "RETRANS"
     );
-    let not_spice =
-        |c: &&ChannelReport| matches!(c.unparsed_reason.as_deref(), Some("not_spice") | Some("http"));
+    let not_spice = |c: &&ChannelReport| {
+        matches!(
+            c.unparsed_reason.as_deref(),
+            Some("not_spice") | Some("http")
+        )
+    };
     let hidden = r.channels.iter().filter(not_spice).count();
     for c in r.channels.iter().filter(|c| !not_spice(c)) {
         let chan = match c.channel_id {
@@ -862,6 +881,40 @@ pub fn render(r: &Report) -> String {
             opt(c.tcp.as_ref().map(|t| t.notsent_bytes)),
             opt(c.tcp.as_ref().map(|t| t.total_retrans)),
         );
+    }
+    // Window facts the columns cannot show: several generations, surplus ACKs, and starts
+    // spice-server would not make.
+    for c in r.channels.iter().filter(|c| c.window.is_some()) {
+        let mut notes = Vec::new();
+        if c.generations > 1 {
+            notes.push(format!(
+                "{} generations (SET_ACKs); the window columns are generation {}'s",
+                c.generations,
+                opt(c.ack_generation)
+            ));
+        }
+        if c.ack_surplus > 0 {
+            notes.push(format!(
+                "{} surplus ACK(s): spice-server's unsigned count wrapped and it waits for an ACK for good (in flight shown as 0)",
+                c.ack_surplus
+            ));
+        }
+        if c.starts_while_stalled > 0 {
+            notes.push(format!(
+                "{} message start(s) while waiting for an ACK: not spice-server's behaviour, or events were missed",
+                c.starts_while_stalled
+            ));
+        }
+        if !notes.is_empty() {
+            let _ = writeln!(
+                out,
+                "  window of {} {} ({}): {}",
+                c.channel_type,
+                opt(c.channel_id),
+                c.socket,
+                notes.join("; ")
+            );
+        }
     }
     let chained: Vec<&ChannelReport> = r
         .channels
@@ -985,7 +1038,9 @@ pub fn render(r: &Report) -> String {
             "{hidden} other TCP socket(s) of the watched processes carry no SPICE (not listed; see --json)"
         );
     }
-    if r.channels.iter().any(|c| c.end.as_deref() == Some("client"))
+    if r.channels
+        .iter()
+        .any(|c| c.end.as_deref() == Some("client"))
         && !r.channels.iter().any(|c| c.chain.is_some())
     {
         let _ = writeln!(
@@ -1045,7 +1100,7 @@ mod tests {
     use super::*;
 
     /// A display channel with W=40, given window and flow figures.
-    fn display(stalled: f64, p50: i64, msgs_per_s: f64, mbit: f64) -> ChannelReport {
+    fn display(stalled: f64, p50: u32, msgs_per_s: f64, mbit: f64) -> ChannelReport {
         ChannelReport {
             socket: "127.0.0.1:5900->127.0.0.1:40000".into(),
             cookie: 1,
@@ -1062,9 +1117,11 @@ mod tests {
             ack_generation: Some(1),
             ack_sync_generation: Some(1),
             set_acks: 1,
+            generations: 1,
             ack_syncs: 1,
             acks: 10,
             acks_ignored: 0,
+            ack_surplus: 0,
             messages_sent: 0,
             bytes_sent: 0,
             messages_received: 0,
@@ -1183,5 +1240,37 @@ mod tests {
         let mut c = display(0.0, 1, 10.0, 1.0);
         c.window = None;
         assert!(starts(&c, "no SET_ACK"));
+    }
+
+    #[test]
+    fn window_notes_name_generations_and_surplus_acks() {
+        let report = |c: ChannelReport| Report {
+            duration_s: 1.0,
+            hook_set: "tracepoints+sockops".into(),
+            events_lost: 0,
+            kernel_counters: BTreeMap::new(),
+            degraded: Vec::new(),
+            pids: Vec::new(),
+            forked: Vec::new(),
+            exited: Vec::new(),
+            channels: vec![c],
+        };
+        let plain = render(&report(display(0.0, 1, 10.0, 1.0)));
+        assert!(!plain.contains("window of display 0"), "{plain}");
+        let mut c = display(0.9, 0, 10.0, 1.0);
+        c.generations = 2;
+        c.ack_generation = Some(2);
+        c.ack_surplus = 1;
+        c.in_flight_now = Some(0);
+        let text = render(&report(c));
+        assert!(
+            text.contains("2 generations (SET_ACKs); the window columns are generation 2's"),
+            "{text}"
+        );
+        assert!(text.contains("1 surplus ACK(s)"), "{text}");
+        // The JSON carries both counters.
+        let v = serde_json::to_value(display(0.0, 1, 10.0, 1.0)).unwrap();
+        assert_eq!(v["ack_surplus"], 0);
+        assert_eq!(v["generations"], 1);
     }
 }

@@ -132,7 +132,7 @@ pub fn sample(
             .backend
             .and_then(|b| model.sockets.get(&b))
             .filter(|b| b.window.active())
-            .map(|b| b.window.count);
+            .map(|b| i64::from(b.window.count));
         let delivered = match (chain.backend.is_some(), client_pos, server_pos) {
             (true, Some(c), _) => Some(c.snd_una),
             (false, _, Some(s)) => Some(s.snd_una),
@@ -140,7 +140,7 @@ pub fn sample(
         };
         chain.samples.push(ChainSample {
             t_ns: now_ns,
-            in_flight: count,
+            in_flight: i64::from(count),
             relay_visible,
             placement,
             delivered,
