@@ -899,7 +899,8 @@ pub fn render(r: &Report) -> String {
                 c.ack_surplus
             ));
         }
-        if c.starts_while_stalled > 0 {
+        // (Display channels get this warning with their verdict.)
+        if c.starts_while_stalled > 0 && c.verdict.is_none() {
             notes.push(format!(
                 "{} message start(s) while waiting for an ACK: not spice-server's behaviour, or events were missed",
                 c.starts_while_stalled
