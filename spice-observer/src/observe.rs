@@ -116,7 +116,7 @@ fn plot_series(
                     _ => String::new(),
                 }
             ),
-            limit: (s.window.threshold() + 1) as u32,
+            limit: s.window.limit(),
             t_s,
             stages,
             relay_visible: relay,
@@ -278,7 +278,7 @@ fn progress_line(model: &Model, started_ns: u64, lost: u64) -> String {
             && s.is_server_end() == Some(true)
             && !relays.contains(&s.pid)
         {
-            display.push(format!("{}/{}", s.window.count, s.window.threshold() + 1));
+            display.push(format!("{}/{}", s.window.count, s.window.limit()));
         }
     }
     format!(

@@ -125,7 +125,7 @@ pub fn sample(
         };
         let placement = bounds.map(|b| {
             let mut p = chain::place(&inflight, &b);
-            p.unplaced += (count.max(0) as usize).saturating_sub(inflight.len()) as u32;
+            p.unplaced += (count as usize).saturating_sub(inflight.len()) as u32;
             p
         });
         let relay_visible = chain

@@ -24,6 +24,17 @@
 //! Without a relay the stages are `server_writing`, `server_notsent`, `server_unacked` and
 //! `client_owes_ack`. Behind a relay that is not byte-transparent only the server-side stages
 //! and `proxy_recv_queue` can be placed; the rest are counted as unplaced.
+//!
+//! Which messages are in flight ([`inflight`]): the newest `count` server → client messages of
+//! spice-server's socket, `count` being the replayed in-flight count of `model/window.rs`
+//! (SET_ACK included, since the SET_ACK counts itself: `docs/spice-protocol.md` §3.2). So the
+//! SET_ACK message itself is in the set, as its oldest member, from the moment it starts until
+//! the first matching ACK subtracts W, which drops the oldest W: the SET_ACK and the W − 1
+//! messages after it. From then on the set still holds one message more than the client has
+//! left unacknowledged by its own counting: with spice-gtk's cadence (an ACK after every W
+//! messages following the SET_ACK, §3.8) that is the message whose arrival triggered the last
+//! ACK, typically placed in `client_owes_ack`. A second SET_ACK restarts the set at that SET_ACK
+//! (count 1); after a surplus ACK the count, and so the set, is empty (§3.5).
 
 use std::collections::HashSet;
 
