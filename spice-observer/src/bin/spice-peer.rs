@@ -2458,6 +2458,73 @@ mod tests {
     }
 
     #[test]
+    fn second_set_ack_opens_a_generation() {
+        let (s, c) = pair(
+            &[
+                "--messages",
+                "20",
+                "--set-ack",
+                "--window",
+                "4",
+                "--second-set-ack-after",
+                "8",
+                "--second-generation",
+                "7",
+                "--second-window",
+                "2",
+                "--second-set-ack-delay-ms",
+                "50",
+            ],
+            &[],
+        );
+        check_consistent(&s, &c);
+        assert_eq!(s["sent"]["by_type"], json!({"3": 2, "304": 20}));
+        let a = &s["acks"];
+        assert_eq!(
+            (a["set_acks"].clone(), a["generation"].clone()),
+            (json!(2), json!(7))
+        );
+        assert_eq!(
+            (a["window"].clone(), a["ack_syncs"].clone()),
+            (json!(2), json!(2))
+        );
+        // Generation 7: SET_ACK + 12 messages, the client ACKs every 2: count 1 + 12 - 12.
+        assert_eq!(a["acks_matched"], 2 + 6);
+        assert_eq!(a["final_count"], 1);
+        assert!(n(&a["max_count_generation"]) <= 5, "gate: 2W+1 of W=2: {a}");
+        assert_eq!(c["framing"]["s2c"]["prefixes"][0], json!([3, 1, 4]));
+        assert_eq!(c["acks"]["generation"], 7);
+    }
+
+    #[test]
+    fn surplus_ack_wraps_the_unsigned_count_and_stalls() {
+        let (s, c) = pair(
+            &[
+                "--messages",
+                "10",
+                "--set-ack",
+                "--window",
+                "8",
+                "--interval-ms",
+                "30",
+                "--stall-timeout-ms",
+                "200",
+            ],
+            &["--surplus-ack-after", "2"],
+        );
+        assert!(s["error"].is_null() && c["error"].is_null(), "{s:#}\n{c:#}");
+        let a = &s["acks"];
+        // SET_ACK + 2 messages counted, then the ACK: 3 - 8 wraps messages_window.
+        assert_eq!(a["ack_surplus"], 1);
+        assert_eq!(a["final_count"], -5);
+        assert_eq!(a["messages_window"], 3u32.wrapping_sub(8));
+        assert_eq!(a["stalled_timeout"], true);
+        assert_eq!(s["sent"]["by_type"], json!({"3": 1, "304": 2}));
+        assert_eq!(c["acks"]["surplus_acks_sent"], 1);
+        assert_eq!(c["acks"]["acks_sent"], 1);
+    }
+
+    #[test]
     fn full_headers() {
         let (s, c) = pair(
             &["--messages", "30", "--set-ack", "--window", "5"],
