@@ -177,13 +177,14 @@ pub struct ChannelReport {
     pub messages_sent_eagain_start: u64,
     /// Server → client flow (whichever way it goes relative to the watched process).
     pub server_to_client: FlowReport,
-    /// spice-server's in-flight count (its `messages_window`, never below 0: see
-    /// `ack_surplus`): now, and the time-weighted median and maximum since the last SET_ACK, in
-    /// messages; `in_flight_limit` = 2W+1.
-    pub in_flight_now: Option<u32>,
-    pub in_flight_p50: Option<u32>,
-    pub in_flight_max: Option<u32>,
-    pub in_flight_limit: Option<u32>,
+    /// spice-server's in-flight count (its `messages_window`): now, and the time-weighted
+    /// median and maximum since the last SET_ACK, in messages; `in_flight_limit` = 2W+1. Never
+    /// negative (the model keeps it as a `u32`; see `ack_surplus`); `i64` in this struct only so
+    /// that code comparing it with signed counts (e.g. a peer's) needs no casts.
+    pub in_flight_now: Option<i64>,
+    pub in_flight_p50: Option<i64>,
+    pub in_flight_max: Option<i64>,
+    pub in_flight_limit: Option<i64>,
     /// Fraction of time since the last SET_ACK that spice-server waited for an ACK (its count
     /// above 2W) (0..1).
     pub stalled_fraction: Option<f64>,
@@ -201,8 +202,8 @@ pub struct ChannelReport {
     pub tcp: Option<TcpReport>,
     /// The count a relay-side observer reports (messages the relay read from spice-server
     /// minus W × the ACKs it passed on): time-weighted median and maximum. Relay chains only.
-    pub in_flight_relay_p50: Option<u32>,
-    pub in_flight_relay_max: Option<u32>,
+    pub in_flight_relay_p50: Option<i64>,
+    pub in_flight_relay_max: Option<i64>,
     /// Where spice-server's in-flight messages are: stage → statistics over the samples.
     pub stages: Option<BTreeMap<String, StageStat>>,
     pub chain: Option<ChainReport>,
@@ -381,7 +382,7 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
         )
     } else if c.stages.is_some()
         && stage_bytes("server_notsent") >= (256 * 1024).max(total_bytes / 2)
-        && u64::from(p50) < 2 * u64::from(w)
+        && p50 < 2 * i64::from(w)
     {
         format!(
             "send-buffer bound: {} KiB of the {} KiB in flight wait unsent in qemu's socket while the count stays at p50 {p50} of {limit}",
@@ -493,10 +494,10 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         bytes_received_by_type: bytes_by_type(recv),
         messages_sent_eagain_start: send.eagain_starts,
         server_to_client: flow,
-        in_flight_now: active.then_some(w.count),
-        in_flight_p50: active.then(|| w.quantile(0.5)),
-        in_flight_max: active.then_some(w.max),
-        in_flight_limit: active.then(|| w.limit()),
+        in_flight_now: active.then_some(i64::from(w.count)),
+        in_flight_p50: active.then(|| i64::from(w.quantile(0.5))),
+        in_flight_max: active.then_some(i64::from(w.max)),
+        in_flight_limit: active.then(|| i64::from(w.limit())),
         stalled_fraction: active.then(|| w.stalled_fraction()),
         stalls: w.stalls,
         starts_while_stalled: w.starts_while_stalled,
@@ -537,8 +538,8 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
     let backend = sock(chain.backend);
     let client_leg = sock(chain.client_leg);
     if let Some(b) = backend.filter(|b| b.window.active()) {
-        c.in_flight_relay_p50 = Some(b.window.quantile(0.5));
-        c.in_flight_relay_max = Some(b.window.max);
+        c.in_flight_relay_p50 = Some(i64::from(b.window.quantile(0.5)));
+        c.in_flight_relay_max = Some(i64::from(b.window.max));
     }
     let placeable = chain.placeable_stages();
     let placed: Vec<&ChainSample> = chain
@@ -1101,7 +1102,7 @@ mod tests {
     use super::*;
 
     /// A display channel with W=40, given window and flow figures.
-    fn display(stalled: f64, p50: u32, msgs_per_s: f64, mbit: f64) -> ChannelReport {
+    fn display(stalled: f64, p50: i64, msgs_per_s: f64, mbit: f64) -> ChannelReport {
         ChannelReport {
             socket: "127.0.0.1:5900->127.0.0.1:40000".into(),
             cookie: 1,
