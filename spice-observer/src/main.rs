@@ -4,6 +4,7 @@
 //! TCP sockets and read each socket's TCP state; this agent replays spice-server's ACK window
 //! per display and cursor channel from them. See README.md.
 
+
 use std::{path::PathBuf, time::Duration};
 
 use anyhow::Result;
