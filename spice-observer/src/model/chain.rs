@@ -92,6 +92,10 @@ pub struct Placement {
     /// Messages that could not be placed (behind a relay that changes the stream, or more
     /// in flight than messages kept).
     pub unplaced: u32,
+    /// Stage thresholds whose position [`place`] had to change to make the thresholds a
+    /// non-increasing sequence within the in-flight byte range: how many of this sample's
+    /// positions disagreed with chain order or with the in-flight messages.
+    pub clamped: u32,
 }
 
 impl Placement {
@@ -101,10 +105,29 @@ impl Placement {
     }
 }
 
+impl Boundaries {
+    /// Indexes into [`STAGES`] that a placement against these boundaries fills: every stage
+    /// through a byte-transparent relay, the server side and `proxy_recv_queue` behind an
+    /// opaque one (the rest is unplaced), [`NO_RELAY_STAGES`] without a relay.
+    pub fn stages(&self) -> &'static [usize] {
+        match self {
+            Boundaries::Direct { .. } => &NO_RELAY_STAGES,
+            Boundaries::Relay { .. } => &[0, 1, 2, 3, 4, 5, 6, 7],
+            Boundaries::OpaqueRelay { .. } => &[0, 1, 2, 3],
+        }
+    }
+}
+
 /// Places `inflight` (the messages spice-server counts as in flight, oldest first) against the
 /// stage boundaries `b`. Every message lands in exactly one stage or in `unplaced`, so the
-/// counts always add up to `inflight.len()`. Boundaries that disagree with the chain order
-/// (samples of different sockets are a few microseconds apart) are clamped, never reordered.
+/// counts add up to `inflight.len()` by construction (that sum is no check of anything).
+///
+/// The thresholds (in chain order: S written, S `snd_nxt`, S `snd_una`, B read, C written,
+/// C `snd_nxt`, C `snd_una`) must be non-increasing and lie within [start of the oldest
+/// in-flight message, end of the newest]. Positions that disagree (the sock_diag dump, the
+/// map reads and the drained ring records are not one instant; an ACK can be on its way) are
+/// clamped into that order, never reordered, and each threshold whose value the clamp changed
+/// is counted in [`Placement::clamped`].
 pub fn place(inflight: &[MsgSpan], b: &Boundaries) -> Placement {
     let mut p = Placement::default();
     let (Some(first), Some(last)) = (inflight.first(), inflight.last()) else {
@@ -151,8 +174,12 @@ pub fn place(inflight: &[MsgSpan], b: &Boundaries) -> Placement {
     let (lo, hi) = (first.at, last.end);
     let mut prev = hi;
     for t in th[..n].iter_mut() {
-        t.0 = t.0.clamp(lo, prev);
-        prev = t.0;
+        let c = t.0.clamp(lo, prev);
+        if c != t.0 {
+            p.clamped += 1;
+        }
+        t.0 = c;
+        prev = c;
     }
     let opaque = matches!(b, Boundaries::OpaqueRelay { .. });
     for m in inflight {
@@ -224,6 +251,9 @@ pub struct ChainSample {
     /// Where the in-flight messages are; `None` when the sockets' TCP positions were not
     /// available (e.g. a socket in another network namespace).
     pub placement: Option<Placement>,
+    /// How many of the `in_flight` messages the agent still kept to place ([`inflight`]):
+    /// fewer than `in_flight` means the rest are in `unplaced`.
+    pub kept: u64,
     /// Stream offset of the last byte TCP-acknowledged on the client-facing link.
     pub delivered: Option<u64>,
 }
@@ -622,6 +652,69 @@ mod tests {
         assert_eq!(p.placed(), 4);
         assert_eq!(p.counts[2], 3, "beyond snd_una 10: three messages unacked");
         assert_eq!(p.bytes.iter().sum::<u64>(), 40);
+        // B read 30, C written 30, C snd_nxt 30, C snd_una 30 were all above S snd_una 10.
+        assert_eq!(p.clamped, 4);
+    }
+
+    #[test]
+    fn consistent_boundaries_are_not_counted_as_clamped() {
+        let m = msgs(&[10; 10], 100);
+        let server = SendPos {
+            written: 200,
+            snd_nxt: 200,
+            snd_una: 100,
+        };
+        // Thresholds equal to the range's ends and to each other are in order: not clamped.
+        let p = place(&m, &Boundaries::Direct { server });
+        assert_eq!((p.clamped, p.counts[2]), (0, 10));
+    }
+
+    #[test]
+    fn clamp_counts_each_threshold_changed_at_either_end_of_the_range() {
+        // Messages 100..200.
+        let m = msgs(&[10; 10], 100);
+        // write_seq beyond the newest message's end (a message started after the ring was
+        // drained) and snd_una before the oldest message's start.
+        let server = SendPos {
+            written: 230,
+            snd_nxt: 150,
+            snd_una: 40,
+        };
+        let p = place(&m, &Boundaries::Direct { server });
+        assert_eq!(p.clamped, 2);
+        assert_eq!(p.counts, [0, 5, 5, 0, 0, 0, 0, 0]);
+        assert_eq!(p.bytes[..3], [0, 50, 50]);
+        // snd_nxt above written: snd_nxt is clamped down to written, and snd_una (in order
+        // with the clamped value) is not.
+        let server = SendPos {
+            written: 150,
+            snd_nxt: 170,
+            snd_una: 120,
+        };
+        let p = place(&m, &Boundaries::Direct { server });
+        assert_eq!(p.clamped, 1);
+        assert_eq!(p.counts, [5, 0, 3, 0, 0, 0, 0, 2]);
+        // Through a relay: the relay read past spice-server's snd_una (the ACK on its way) and
+        // the client leg wrote past what the relay read: two thresholds clamped.
+        let b = Boundaries::Relay {
+            server: SendPos {
+                written: 200,
+                snd_nxt: 200,
+                snd_una: 160,
+            },
+            backend: RecvPos {
+                rcv_nxt: 200,
+                copied: 180,
+            },
+            client: SendPos {
+                written: 190,
+                snd_nxt: 150,
+                snd_una: 120,
+            },
+        };
+        let p = place(&m, &b);
+        assert_eq!(p.clamped, 2);
+        assert_eq!(p.counts, [0, 0, 4, 0, 0, 1, 3, 2]);
     }
 
     #[test]
