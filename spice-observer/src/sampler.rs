@@ -129,6 +129,18 @@ struct Now<'a> {
 /// sock_diag dump failed (then no chain gets a sample).
 pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> Option<Sample> {
     chain::pair(model, chains);
+    // The chains' sockets: their map entries are read before the dump too, to tell whether the
+    // process moved write_seq / copied_seq while the dump ran (then the dump's queues and the
+    // map's positions are of different instants).
+    let chained: Vec<u64> = chains
+        .iter()
+        .flat_map(|c| [Some(c.server), c.backend, c.client_leg])
+        .flatten()
+        .collect();
+    let before: HashMap<u64, TcpSnapshot> = chained
+        .iter()
+        .filter_map(|&c| Some((c, cap.tcp_state(c)?)))
+        .collect();
     let t_ns = monotonic_ns();
     let dump: HashMap<u64, DiagSocket> = match sockdiag::dump_tcp() {
         Ok(v) => v.into_iter().map(|d| (d.cookie, d)).collect(),
@@ -137,21 +149,46 @@ pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> 
             return None;
         }
     };
-    // Kernel-hook snapshots right after the dump (write_seq / copied_seq anchor the queues).
-    let cookies: Vec<u64> = model
-        .sockets
-        .iter()
-        .filter(|(_, s)| s.closed_ns.is_none())
-        .map(|(c, _)| *c)
-        .collect();
+    // Kernel-hook snapshots right after the dump (write_seq / copied_seq anchor the queues),
+    // the chains' sockets first.
+    let mut cookies = chained.clone();
+    cookies.extend(
+        model
+            .sockets
+            .iter()
+            .filter(|(c, s)| s.closed_ns.is_none() && !chained.contains(c))
+            .map(|(c, _)| *c),
+    );
     let mut snaps = HashMap::new();
     for c in cookies {
-        if let Some(snap) = cap.tcp_state(c) {
+        if model.sockets.get(&c).is_some_and(|s| s.closed_ns.is_none())
+            && let Some(snap) = cap.tcp_state(c)
+        {
             model.tcp_sample(c, snap);
             snaps.insert(c, snap);
         }
     }
     let t_end_ns = monotonic_ns();
+    let moved: Vec<u32> = before
+        .iter()
+        .filter_map(|(c, b)| {
+            let a = snaps.get(c)?;
+            Some(
+                (a.write_seq.wrapping_sub(b.write_seq))
+                    .max(a.copied_seq.wrapping_sub(b.copied_seq)),
+            )
+        })
+        .filter(|&d| d != 0)
+        .collect();
+    if !moved.is_empty() {
+        log::debug!(
+            "sample: {} of {} chain socket(s) moved write_seq/copied_seq during the {} µs dump and map reads (up to {} bytes)",
+            moved.len(),
+            before.len(),
+            (t_end_ns - t_ns) / 1000,
+            moved.iter().max().unwrap()
+        );
+    }
     let now = |cookie: Option<u64>| -> Option<Now<'_>> {
         let c = cookie?;
         let diag = dump.get(&c)?;

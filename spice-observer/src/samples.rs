@@ -111,8 +111,9 @@ pub struct SampleLine {
     pub oldest_last_byte_seq: Option<u32>,
     /// In-flight messages the agent kept to place (≤ `in_flight`): the newest `kept` of them.
     pub kept: u64,
-    /// Stage thresholds that disagreed with chain order or with the in-flight byte range and
-    /// were clamped ([`crate::model::chain::place`]); 0 when nothing was placed.
+    /// Stage thresholds that disagreed with the data path's order or lay beyond the newest
+    /// in-flight message's end, and were clamped ([`crate::model::chain::place`]; a lagging acknowledgement is
+    /// not counted); 0 when nothing was placed.
     pub clamped: u32,
 }
 

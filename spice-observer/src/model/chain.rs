@@ -92,9 +92,9 @@ pub struct Placement {
     /// Messages that could not be placed (behind a relay that changes the stream, or more
     /// in flight than messages kept).
     pub unplaced: u32,
-    /// Stage thresholds whose position [`place`] had to change to make the thresholds a
-    /// non-increasing sequence within the in-flight byte range: how many of this sample's
-    /// positions disagreed with chain order or with the in-flight messages.
+    /// Stage thresholds whose position [`place`] had to clamp because it disagreed with the
+    /// data path's order or lay beyond the newest in-flight message's end (positions read at
+    /// different instants). A lagging acknowledgement is not counted.
     pub clamped: u32,
 }
 
@@ -122,12 +122,16 @@ impl Boundaries {
 /// stage boundaries `b`. Every message lands in exactly one stage or in `unplaced`, so the
 /// counts add up to `inflight.len()` by construction (that sum is no check of anything).
 ///
-/// The thresholds (in chain order: S written, S `snd_nxt`, S `snd_una`, B read, C written,
-/// C `snd_nxt`, C `snd_una`) must be non-increasing and lie within [start of the oldest
-/// in-flight message, end of the newest]. Positions that disagree (the sock_diag dump, the
-/// map reads and the drained ring records are not one instant; an ACK can be on its way) are
-/// clamped into that order, never reordered, and each threshold whose value the clamp changed
-/// is counted in [`Placement::clamped`].
+/// The thresholds, in chain order: S written, S `snd_nxt`, S `snd_una`, B read, C written,
+/// C `snd_nxt`, C `snd_una`. At any one instant the data path orders them (S written ≥
+/// S `snd_nxt` ≥ S `snd_una`; S `snd_nxt` ≥ B read ≥ C written ≥ C `snd_nxt` ≥ C `snd_una`)
+/// and none lies beyond the end of the newest in-flight message; a position beyond that means
+/// the readings are of different instants (the sock_diag dump, the map reads and the drained
+/// ring records are not one), and it is clamped, never reordered, and counted in
+/// [`Placement::clamped`]. Not counted: S `snd_una` below B read (an acknowledgement lagging
+/// behind the data, a delayed ACK: the message stays in `server_unacked`, the first stage whose
+/// position its last byte has not passed) and positions before the oldest in-flight message's
+/// start (bytes not counted in flight, e.g. the link phase; they move no message).
 pub fn place(inflight: &[MsgSpan], b: &Boundaries) -> Placement {
     let mut p = Placement::default();
     let (Some(first), Some(last)) = (inflight.first(), inflight.last()) else {
@@ -170,16 +174,32 @@ pub fn place(inflight: &[MsgSpan], b: &Boundaries) -> Placement {
             4
         }
     };
-    // Clamp into a non-increasing sequence within [oldest start, newest end].
+    // 1. Disagreements, clamped and counted: a position beyond its predecessor on the data
+    // path (S written ≥ S snd_nxt ≥ S snd_una, S snd_nxt ≥ B read ≥ C written ≥ C snd_nxt ≥
+    // C snd_una) or beyond the newest in-flight message's end cannot be at one instant with
+    // the others and with the count.
     let (lo, hi) = (first.at, last.end);
+    for i in 0..n {
+        let upper = match (i, th[i].1) {
+            (0, _) => hi,
+            // B read follows what S sent, not what S saw acknowledged.
+            (_, 3) => th[1].0,
+            _ => th[i - 1].0,
+        };
+        if th[i].0 > upper {
+            p.clamped += 1;
+            th[i].0 = upper;
+        }
+    }
+    // 2. The first-stage rule: an acknowledgement may lag behind the data (the relay has read
+    // bytes S has not seen acknowledged yet: a delayed ACK), and such a message stays in the
+    // earlier stage. A position before the oldest message's start (bytes not counted in
+    // flight: the link phase, messages that left the count) moves no message. Neither is a
+    // disagreement; neither is counted.
     let mut prev = hi;
     for t in th[..n].iter_mut() {
-        let c = t.0.clamp(lo, prev);
-        if c != t.0 {
-            p.clamped += 1;
-        }
-        t.0 = c;
-        prev = c;
+        t.0 = t.0.clamp(lo, prev);
+        prev = t.0;
     }
     let opaque = matches!(b, Boundaries::OpaqueRelay { .. });
     for m in inflight {
@@ -652,8 +672,9 @@ mod tests {
         assert_eq!(p.placed(), 4);
         assert_eq!(p.counts[2], 3, "beyond snd_una 10: three messages unacked");
         assert_eq!(p.bytes.iter().sum::<u64>(), 40);
-        // B read 30, C written 30, C snd_nxt 30, C snd_una 30 were all above S snd_una 10.
-        assert_eq!(p.clamped, 4);
+        // B read 30 and the client leg above S snd_una 10 is a lagging ACK, not a
+        // disagreement: nothing counted.
+        assert_eq!(p.clamped, 0);
     }
 
     #[test]
@@ -670,18 +691,19 @@ mod tests {
     }
 
     #[test]
-    fn clamp_counts_each_threshold_changed_at_either_end_of_the_range() {
+    fn clamp_counts_each_threshold_out_of_data_path_order() {
         // Messages 100..200.
         let m = msgs(&[10; 10], 100);
         // write_seq beyond the newest message's end (a message started after the ring was
-        // drained) and snd_una before the oldest message's start.
+        // drained): counted. snd_una before the oldest message's start (older bytes not yet
+        // acknowledged) moves no message: not counted.
         let server = SendPos {
             written: 230,
             snd_nxt: 150,
             snd_una: 40,
         };
         let p = place(&m, &Boundaries::Direct { server });
-        assert_eq!(p.clamped, 2);
+        assert_eq!(p.clamped, 1);
         assert_eq!(p.counts, [0, 5, 5, 0, 0, 0, 0, 0]);
         assert_eq!(p.bytes[..3], [0, 50, 50]);
         // snd_nxt above written: snd_nxt is clamped down to written, and snd_una (in order
@@ -694,8 +716,8 @@ mod tests {
         let p = place(&m, &Boundaries::Direct { server });
         assert_eq!(p.clamped, 1);
         assert_eq!(p.counts, [5, 0, 3, 0, 0, 0, 0, 2]);
-        // Through a relay: the relay read past spice-server's snd_una (the ACK on its way) and
-        // the client leg wrote past what the relay read: two thresholds clamped.
+        // Through a relay: the relay read past spice-server's snd_una (the ACK on its way: not
+        // counted) and the client leg wrote past what the relay read (counted).
         let b = Boundaries::Relay {
             server: SendPos {
                 written: 200,
@@ -713,8 +735,24 @@ mod tests {
             },
         };
         let p = place(&m, &b);
-        assert_eq!(p.clamped, 2);
+        assert_eq!(p.clamped, 1);
         assert_eq!(p.counts, [0, 0, 4, 0, 0, 1, 3, 2]);
+        // The relay read more than spice-server had sent (a read after the dump): counted, and
+        // the client leg, in order with the clamped read, is not.
+        let b = Boundaries::OpaqueRelay {
+            server: SendPos {
+                written: 200,
+                snd_nxt: 170,
+                snd_una: 150,
+            },
+            backend: RecvPos {
+                rcv_nxt: 190,
+                copied: 190,
+            },
+        };
+        let p = place(&m, &b);
+        assert_eq!(p.clamped, 1);
+        assert_eq!((p.counts[1], p.counts[2], p.unplaced), (3, 2, 5));
     }
 
     #[test]
