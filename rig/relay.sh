@@ -6,17 +6,21 @@
 #
 #   rig/relay.sh socat   LISTEN_ADDR LISTEN_PORT SERVER_ADDR SERVER_PORT [PIDFILE]
 #   rig/relay.sh haproxy LISTEN_ADDR LISTEN_PORT SERVER_ADDR SERVER_PORT [PIDFILE]
+#   rig/relay.sh haproxy LISTEN_ADDR LPORT1,LPORT2,... SERVER_ADDR SPORT1,SPORT2,... [PIDFILE]
 #   rig/relay.sh stop    PIDFILE
 #   rig/relay.sh status  PIDFILE
 # e.g.
 #   rig/relay.sh socat 127.0.0.1 6905 127.0.0.1 5905 /tmp/t1/relay.pid
 #   rig/relay.sh socat 198.18.0.1 6905 127.0.0.1 5905   # client side of rig/shape.sh
 #   rig/relay.sh stop /tmp/t1/relay.pid
+#   rig/relay.sh haproxy 127.0.0.1 6961,6962 127.0.0.1 5961,5962 /tmp/t2/relay.pid
+#                # ONE haproxy process, one frontend per pair: 6961->5961, 6962->5962
+#                # (several sessions through one relay process; haproxy only)
 #
-# PIDFILE defaults to $RIG_RELAY_DIR/rig-relay-LISTEN_PORT.pid (RIG_RELAY_DIR
-# default /tmp); its directory is created.  Next to it: NAME.log (and NAME.cfg
-# for haproxy).  The PID is the listening process, started with setsid, so it
-# leads a process group:
+# PIDFILE defaults to $RIG_RELAY_DIR/rig-relay-LISTEN_PORT.pid (the first port
+# of a list; RIG_RELAY_DIR default /tmp); its directory is created.  Next to
+# it: NAME.log (and NAME.cfg for haproxy).  The PID is the listening process,
+# started with setsid, so it leads a process group:
 #   socat   : TCP-LISTEN,fork: one forked child per connection, in that group;
 #             `stop` signals the whole group.  Default 8 KiB per read (-b).
 #   haproxy : 2.6, mode tcp, one process (-db: foreground, no daemon fork);
@@ -73,13 +77,25 @@ socat|haproxy) ;;
 esac
 [[ $# -ge 5 ]] || { rig_usage; exit 2; }
 laddr=$2 lport=$3 saddr=$4 sport=$5
+# comma-separated port lists (haproxy): LISTEN_PORT i forwards to SERVER_PORT i
+IFS=, read -ra lports <<<"$lport"
+IFS=, read -ra sports <<<"$sport"
+[[ ${#lports[@]} -eq ${#sports[@]} ]] \
+    || rig_die "LISTEN_PORT list ($lport) and SERVER_PORT list ($sport) differ in length"
+for p in "${lports[@]}" "${sports[@]}"; do
+    [[ $p =~ ^[0-9]+$ ]] || rig_die "not a port: '$p'"
+done
+[[ ${#lports[@]} -eq 1 || $kind == haproxy ]] || rig_die "several port pairs need haproxy (one process)"
+lport=${lports[0]} sport=${sports[0]}
 pidf=${6:-${RIG_RELAY_DIR:-/tmp}/rig-relay-$lport.pid}
 mkdir -p "$(dirname "$pidf")"
 log=${pidf%.pid}.log
 rig_stop_pidfile "$pidf" "$RE" 1
-if rig_listening "$lport"; then
-    echo "port $lport is already in use:" >&2; rig_listener_info "$lport" >&2; exit 1
-fi
+for p in "${lports[@]}"; do
+    if rig_listening "$p"; then
+        echo "port $p is already in use:" >&2; rig_listener_info "$p" >&2; exit 1
+    fi
+done
 # optional socket/userspace buffer sizes (see header)
 rcvbuf=${RIG_RELAY_RCVBUF:-0} sndbuf=${RIG_RELAY_SNDBUF:-0} bufsize=${RIG_RELAY_BUFSIZE:-0}
 for v in rcvbuf sndbuf bufsize; do
@@ -115,6 +131,17 @@ haproxy)
     # nosplice + `no option splice-*`: bytes go through recv()/send() in
     # userspace, where an observer of haproxy's syscalls sees them (splice is
     # off by default in 2.6 too; this makes it explicit)
+    # one frontend/backend pair per port pair; the first keeps the single-pair names
+    proxies=""
+    for i in "${!lports[@]}"; do
+        sfx=""; [[ $i -gt 0 ]] && sfx="_${lports[$i]}"
+        proxies+="frontend spice_in$sfx
+    bind $laddr:${lports[$i]}
+    default_backend spice_srv$sfx
+backend spice_srv$sfx
+    server spice $saddr:${sports[$i]}
+"
+    done
     cat >"$cfg" <<EOF
 global
     maxconn 256
@@ -127,24 +154,26 @@ ${tune}defaults
     timeout connect 5s
     timeout client 1h
     timeout server 1h
-frontend spice_in
-    bind $laddr:$lport
-    default_backend spice_srv
-backend spice_srv
-    server spice $saddr:$sport
+${proxies}
 EOF
     setsid haproxy -db -f "$cfg" >"$log" 2>&1 </dev/null &
     echo $! >"$pidf"
     ;;
 esac
 pid=$(cat "$pidf")
+all_listening() {
+    local p
+    for p in "${lports[@]}"; do rig_listening "$p" || return 1; done
+}
 for _ in $(seq 50); do
-    rig_listening "$lport" && break
+    all_listening && break
     rig_alive "$pid" || break
     sleep 0.1
 done
-if ! rig_alive "$pid" || ! rig_listening "$lport"; then
+if ! rig_alive "$pid" || ! all_listening; then
     echo "relay did not start:" >&2; cat "$log" >&2 || true
     rig_stop_pidfile "$pidf" "$RE" 1; exit 1
 fi
-echo "$kind relay $laddr:$lport -> $saddr:$sport pid $pid ($pidf)${bufdesc}"
+for i in "${!lports[@]}"; do
+    echo "$kind relay $laddr:${lports[$i]} -> $saddr:${sports[$i]} pid $pid ($pidf)${bufdesc}"
+done

@@ -5,12 +5,25 @@
 //! nightly's bitcode (same LLVM major, see README "Kernel and toolchain"). `cargo xtask setup`
 //! installs both. Set `AYA_BUILD_SKIP=1` to skip the kernel build (then `spice-observer`
 //! cannot load its programs; only useful for `cargo check` / unit tests of pure logic).
+//!
+//! Quiet build: aya-build forwards every line of the inner cargo's output as a
+//! `cargo:warning=` line, which cargo prints as a warning (about 200 lines). This script
+//! points its own stdout at a log file while aya-build runs, passes the `cargo:rerun-if-*`
+//! instructions on to cargo, and keeps the rest in `OUT_DIR/spice-ebpf-build.log`. On failure
+//! the log goes to stderr, which cargo shows.
+use std::{
+    fs::File,
+    io::{BufRead, BufReader, Write},
+    os::fd::AsRawFd,
+    path::PathBuf,
+};
+
 use aya_build::{Package, Toolchain};
 
 /// The nightly toolchain whose LLVM (22.1.4) matches bpf-linker's LLVM 22.
 pub const EBPF_TOOLCHAIN: &str = "nightly-2026-05-19";
 
-fn main() -> anyhow::Result<()> {
+fn build() -> anyhow::Result<()> {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../spice-ebpf");
     println!(
         "cargo:rerun-if-changed={}",
@@ -24,4 +37,47 @@ fn main() -> anyhow::Result<()> {
         }],
         Toolchain::Custom(EBPF_TOOLCHAIN),
     )
+}
+
+/// Runs `f` with file descriptor 1 pointing at `log`; restores it afterwards.
+fn with_stdout_to(log: &File, f: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
+    std::io::stdout().flush()?;
+    // SAFETY: plain fd duplication; fd 1 is restored before returning.
+    let saved = unsafe { libc::dup(1) };
+    anyhow::ensure!(saved >= 0, "dup(1): {}", std::io::Error::last_os_error());
+    anyhow::ensure!(
+        unsafe { libc::dup2(log.as_raw_fd(), 1) } >= 0,
+        "dup2: {}",
+        std::io::Error::last_os_error()
+    );
+    let result = f();
+    std::io::stdout().flush()?;
+    unsafe {
+        libc::dup2(saved, 1);
+        libc::close(saved);
+    }
+    result
+}
+
+fn main() -> anyhow::Result<()> {
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let log_path = out.join("spice-ebpf-build.log");
+    let log = File::create(&log_path)?;
+    let result = with_stdout_to(&log, build);
+    drop(log);
+    let mut text = String::new();
+    for line in BufReader::new(File::open(&log_path)?).lines() {
+        let line = line?;
+        if line.starts_with("cargo:rerun-if-") {
+            println!("{line}");
+        }
+        text.push_str(line.strip_prefix("cargo:warning=").unwrap_or(&line));
+        text.push('\n');
+    }
+    if let Err(e) = result {
+        eprintln!("{text}");
+        eprintln!("the kernel programs did not build (log: {})", log_path.display());
+        return Err(e);
+    }
+    Ok(())
 }

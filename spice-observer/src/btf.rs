@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
-use btfparse::{Offset, Readable, TypeInformation};
+use btfparse::{Offset, Readable, TypeInformation, TypeVariant};
 use spice_ebpf_common::config::KernelConfig;
 
 /// Where the kernel exposes its own BTF.
@@ -74,6 +74,17 @@ impl KernelBtf {
                 }
             }
         }
+    }
+
+    /// True if the BTF has a typedef named `name`. The kernel defines `btf_trace_<event>` for
+    /// every tracepoint it has (include/trace/bpf_probe.h), and `tp_btf` / `raw_tracepoint`
+    /// programs attach through it: a missing one means the kernel lacks that tracepoint.
+    /// Scans every type (a typedef may share its name with another kind of type).
+    pub fn has_typedef(&self, name: &str) -> bool {
+        self.info
+            .get()
+            .values()
+            .any(|t| matches!(t, TypeVariant::Typedef(td) if td.name().as_deref() == Some(name)))
     }
 
     /// Fills every offset of [`KernelConfig`]; `self_tgid` is set to this process.

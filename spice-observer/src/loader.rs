@@ -5,6 +5,13 @@
 //! `tp_btf/sock_recv_length`, `tp_btf/sched_process_fork`, `tp_btf/sched_process_exit`,
 //! `tp_btf/inet_sock_set_state`, `tp_btf/tcp_destroy_sock`, plus `sock_ops` on the cgroup-v2 root when a cgroup2 mount
 //! exists (then the hook set is reported as `tracepoints+sockops`).
+//!
+//! Before loading each program the kernel is probed for what it needs, independently of the
+//! load: the program type (`aya::sys::is_program_supported`) and, for tracepoints, the
+//! `btf_trace_<event>` typedef in the kernel's BTF. Only a probe that finds the feature
+//! missing gives an error containing [`UNAVAILABLE`] ("… is not available on this kernel");
+//! every other failure (permission, a verifier rejection, an attach error, a probe that could
+//! not decide) is a hard error with the kernel's message, never that phrase.
 
 use std::{fs::File, path::PathBuf};
 
@@ -12,7 +19,10 @@ use anyhow::{Context, Result, anyhow, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
-    programs::{BtfTracePoint, ProgramError, RawTracePoint, SockOps, links::CgroupAttachMode},
+    programs::{
+        BtfTracePoint, ProgramError, ProgramType, RawTracePoint, SockOps, links::CgroupAttachMode,
+    },
+    sys::is_program_supported,
 };
 use log::{debug, warn};
 use spice_ebpf_common::{
@@ -44,18 +54,70 @@ pub struct Capture {
     pub degraded: Vec<String>,
 }
 
-/// Explains a program load failure, keeping the verifier's log (a rejection is a bug here).
-fn load_error(name: &str, e: ProgramError) -> anyhow::Error {
+/// The phrase of every error that means "this kernel lacks a program type or hook the
+/// observer needs" (and of no other error): the test harness turns exactly these into skips.
+pub const UNAVAILABLE: &str = "is not available on this kernel";
+
+/// Turns a probe for a kernel feature into the start-up decision.
+///
+/// `Ok(true)`: present. `Ok(false)`: the kernel lacks `feature`; the error names it, says
+/// what needs it (`needed_by`) and contains [`UNAVAILABLE`]. `Err`: the probe could not
+/// decide (e.g. EPERM): a hard error that does not contain [`UNAVAILABLE`].
+fn require(feature: &str, needed_by: &str, probe: Result<bool>) -> Result<()> {
+    match probe {
+        Ok(true) => Ok(()),
+        Ok(false) => {
+            bail!("{feature} {UNAVAILABLE}; {needed_by} needs it (see README, Kernel requirements)")
+        }
+        Err(e) => Err(e.context(format!(
+            "probing the kernel for {feature} failed (this is not a missing feature)"
+        ))),
+    }
+}
+
+/// Probes for tracepoint `event` (name without group, e.g. `sock_send_length`): the kernel
+/// defines the typedef `btf_trace_<event>` for each tracepoint it has
+/// (include/trace/bpf_probe.h), and `tp_btf` programs attach by it (aya's
+/// `BtfTracePoint::load` looks up the same name). `has_typedef` looks a typedef up in the
+/// kernel's BTF.
+fn require_tracepoint(
+    event: &str,
+    needed_by: &str,
+    has_typedef: &dyn Fn(&str) -> bool,
+) -> Result<()> {
+    require(
+        &format!("tracepoint `{event}`"),
+        needed_by,
+        Ok(has_typedef(&format!("btf_trace_{event}"))),
+    )
+}
+
+/// Probes for a BPF program type (`kind` names it in messages, e.g. `raw_tracepoint`).
+fn require_program_type(kind: &str, ty: ProgramType, needed_by: &str) -> Result<()> {
+    require(
+        &format!("BPF program type `{kind}`"),
+        needed_by,
+        is_program_supported(ty).map_err(anyhow::Error::from),
+    )
+}
+
+/// The kernel refused to load program `name` (for `hook`): its errno and the verifier's log.
+/// A hard error (the kernel has the feature, it probed present): a rejection is a bug here.
+fn refused(name: &str, hook: &str, io_error: &std::io::Error, verifier_log: &str) -> anyhow::Error {
+    anyhow!(
+        "the kernel refused program `{name}` ({hook}): {io_error}\nverifier log:\n{verifier_log}"
+    )
+}
+
+/// Explains a program load failure for `hook`, keeping the verifier's log. Never contains
+/// [`UNAVAILABLE`]: the hook was probed present before loading.
+fn load_error(name: &str, hook: &str, e: ProgramError) -> anyhow::Error {
     match e {
         ProgramError::LoadError {
             io_error,
             verifier_log,
-        } => {
-            anyhow!(
-                "the kernel refused program `{name}`: {io_error}\nverifier log:\n{verifier_log}"
-            )
-        }
-        other => anyhow!("loading program `{name}`: {other}"),
+        } => refused(name, hook, &io_error, &verifier_log.to_string()),
+        other => anyhow!("loading program `{name}` ({hook}): {other}"),
     }
 }
 
@@ -74,9 +136,11 @@ pub fn cgroup2_mount() -> Result<PathBuf> {
 impl Capture {
     /// Loads the programs, sets their kernel offsets from BTF and attaches every hook.
     ///
-    /// Errors: not root / no CAP_BPF, no kernel BTF, a missing tracepoint (named in the error),
-    /// or a verifier rejection (with the verifier log). A missing cgroup2 mount only disables
-    /// sockops (listed in [`Capture::degraded`]).
+    /// Errors: not root / no CAP_BPF, no kernel BTF, a missing program type or tracepoint
+    /// (named in the error, which contains [`UNAVAILABLE`]), a verifier rejection (with the
+    /// verifier log) or an attach failure (with the kernel's errno). A missing cgroup2 mount or
+    /// a kernel without the `sock_ops` program type only disables sockops (listed in
+    /// [`Capture::degraded`]).
     pub fn load() -> Result<Self> {
         // Pre-5.11 kernels charge BPF maps to RLIMIT_MEMLOCK; harmless elsewhere.
         let rlim = libc::rlimit {
@@ -99,45 +163,58 @@ impl Capture {
                     ..
                 }) if io_error.kind() == std::io::ErrorKind::PermissionDenied => {
                     anyhow!(
-                        "creating BPF map `{name}`: permission denied (run spice-observer as root)"
+                        "creating BPF map `{name}`: permission denied (run spice-observer as \
+                         root; it needs CAP_BPF or CAP_SYS_ADMIN)"
                     )
                 }
                 other => anyhow!("loading the eBPF object: {other}"),
             })?;
 
+        const NEEDED_BY: &str = "the `tracepoints` hook set";
+        let has_typedef = |name: &str| kbtf.has_typedef(name);
+
+        require_program_type("raw_tracepoint", ProgramType::RawTracePoint, NEEDED_BY)?;
+        require_tracepoint("sys_enter", NEEDED_BY, &has_typedef)?;
         let prog: &mut RawTracePoint = ebpf
             .program_mut("spice_sys_enter")
             .ok_or_else(|| anyhow!("program spice_sys_enter missing from the object"))?
             .try_into()?;
-        prog.load().map_err(|e| load_error("spice_sys_enter", e))?;
+        prog.load()
+            .map_err(|e| load_error("spice_sys_enter", "raw_tracepoint/sys_enter", e))?;
         prog.attach("sys_enter")
-            .context("attaching raw_tracepoint sys_enter")?;
+            .context("attaching raw_tracepoint/sys_enter")?;
 
+        // No program-type probe for tp_btf: aya's probe for BPF_PROG_TYPE_TRACING attaches an
+        // fentry trampoline, which the kernels this was built on refuse while tp_btf works.
         for (name, tp) in BTF_TRACEPOINTS {
+            require_tracepoint(tp, NEEDED_BY, &has_typedef)?;
             let prog: &mut BtfTracePoint = ebpf
                 .program_mut(name)
                 .ok_or_else(|| anyhow!("program {name} missing from the object"))?
                 .try_into()?;
-            prog.load(tp, &btf).map_err(|e| match e {
-                ProgramError::LoadError { .. } => load_error(name, e),
-                other => anyhow!(
-                    "tracepoint `{tp}` is not available on this kernel ({other}); the `tracepoints` \
-                     hook set needs it (see README, Kernel requirements)"
-                ),
-            })?;
+            prog.load(tp, &btf)
+                .map_err(|e| load_error(name, &format!("tp_btf/{tp}"), e))?;
             prog.attach()
                 .with_context(|| format!("attaching tp_btf/{tp}"))?;
         }
 
         let mut hook_set = String::from("tracepoints");
         let mut degraded = Vec::new();
+        let sockops_supported = is_program_supported(ProgramType::SockOps)
+            .context("probing the kernel for BPF program type `sock_ops` failed")?;
         match cgroup2_mount() {
+            Ok(_) if !sockops_supported => degraded.push(
+                "sockops disabled (the kernel lacks BPF program type `sock_ops`): TCP state is \
+                 read at socket calls and by sock_diag only"
+                    .into(),
+            ),
             Ok(cg) => {
                 let prog: &mut SockOps = ebpf
                     .program_mut("spice_sockops")
                     .ok_or_else(|| anyhow!("program spice_sockops missing from the object"))?
                     .try_into()?;
-                prog.load().map_err(|e| load_error("spice_sockops", e))?;
+                prog.load()
+                    .map_err(|e| load_error("spice_sockops", "sock_ops", e))?;
                 let dir = File::open(&cg).with_context(|| format!("opening {}", cg.display()))?;
                 // AllowMultiple (bpf_link_create with BPF_F_ALLOW_MULTI) is refused on the
                 // kernels this was tested on; the default single mode works.
@@ -228,5 +305,107 @@ impl Capture {
                 .take_map("EVENTS")
                 .ok_or_else(|| anyhow!("map EVENTS already taken"))?,
         )?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+
+    use aya::sys::SyscallError;
+
+    use super::*;
+
+    fn text(e: &anyhow::Error) -> String {
+        format!("{e:#}")
+    }
+
+    /// A tracepoint whose `btf_trace_` typedef the BTF lacks is "not available", named.
+    #[test]
+    fn missing_tracepoint_typedef_is_unavailable() {
+        let asked = std::cell::RefCell::new(Vec::new());
+        let lookup = |name: &str| {
+            asked.borrow_mut().push(name.to_string());
+            false
+        };
+        let e = require_tracepoint("sock_send_length", "the `tracepoints` hook set", &lookup)
+            .unwrap_err();
+        assert_eq!(*asked.borrow(), ["btf_trace_sock_send_length"]);
+        let t = text(&e);
+        assert!(t.contains(UNAVAILABLE), "{t}");
+        assert!(t.contains("tracepoint `sock_send_length`"), "{t}");
+        assert!(t.contains("the `tracepoints` hook set"), "{t}");
+    }
+
+    #[test]
+    fn present_tracepoint_typedef_passes() {
+        require_tracepoint("sys_enter", "x", &|name| name == "btf_trace_sys_enter").unwrap();
+    }
+
+    /// A probe that cannot decide (EPERM from bpf(2)) is a hard error, not "not available".
+    #[test]
+    fn undecided_probe_is_a_hard_error() {
+        let probe = Err(anyhow::Error::from(ProgramError::SyscallError(
+            SyscallError {
+                call: "bpf_prog_load",
+                io_error: io::Error::from_raw_os_error(libc::EPERM),
+            },
+        )));
+        let t = text(&require("BPF program type `sock_ops`", "sockops", probe).unwrap_err());
+        assert!(!t.contains(UNAVAILABLE), "{t}");
+        assert!(t.contains("sock_ops"), "{t}");
+        assert!(t.contains("Operation not permitted"), "{t}");
+    }
+
+    #[test]
+    fn unsupported_program_type_is_unavailable() {
+        let t =
+            text(&require("BPF program type `raw_tracepoint`", "hooks", Ok(false)).unwrap_err());
+        assert!(t.contains(UNAVAILABLE), "{t}");
+        assert!(t.contains("raw_tracepoint"), "{t}");
+    }
+
+    /// Load failures of a probed-present hook (verifier rejection, EPERM, EINVAL) are hard
+    /// errors carrying the kernel's message.
+    #[test]
+    fn load_failures_are_hard_errors() {
+        let t = text(&refused(
+            "spice_sock_send",
+            "tp_btf/sock_send_length",
+            &io::Error::from_raw_os_error(libc::EACCES),
+            "R1 invalid mem access 'scalar'",
+        ));
+        assert!(!t.contains(UNAVAILABLE), "{t}");
+        assert!(t.contains("R1 invalid mem access"), "{t}");
+        assert!(t.contains("tp_btf/sock_send_length"), "{t}");
+        for errno in [libc::EPERM, libc::EINVAL] {
+            let e = ProgramError::SyscallError(SyscallError {
+                call: "bpf_prog_load",
+                io_error: io::Error::from_raw_os_error(errno),
+            });
+            let t = text(&load_error(
+                "spice_sys_enter",
+                "raw_tracepoint/sys_enter",
+                e,
+            ));
+            assert!(!t.contains(UNAVAILABLE), "{t}");
+            assert!(t.contains("raw_tracepoint/sys_enter"), "{t}");
+        }
+    }
+
+    /// This machine's BTF has the typedef of every tracepoint the hook set uses, and not one
+    /// of a tracepoint that does not exist. Skipped (loudly) without kernel BTF.
+    #[test]
+    fn this_kernel_btf_has_the_tracepoint_typedefs() {
+        let path = std::path::Path::new(VMLINUX_BTF);
+        if !path.exists() {
+            eprintln!("SKIP: {VMLINUX_BTF} missing (kernel without CONFIG_DEBUG_INFO_BTF)");
+            return;
+        }
+        let kbtf = KernelBtf::open(path).unwrap();
+        for (_, tp) in BTF_TRACEPOINTS.iter().chain(&[("", "sys_enter")]) {
+            assert!(kbtf.has_typedef(&format!("btf_trace_{tp}")), "{tp}");
+        }
+        assert!(!kbtf.has_typedef("btf_trace_no_such_tracepoint_xyz"));
     }
 }

@@ -20,8 +20,11 @@ use std::{
 };
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use common::{describe, privileged, u};
-use serde_json::{Value, json};
+use common::{
+    check_run, describe_ch, privileged,
+    summary::{PeerSummary, by_type, parse_summary},
+};
+use spice_observer::report::{ChannelReport, Report};
 
 const PEER: &str = env!("CARGO_BIN_EXE_spice-peer");
 /// The peers give up (exit 1) after waiting this long for accept, connect, a read or a write.
@@ -114,22 +117,19 @@ impl Client {
     }
 }
 
-/// Reads a peer's stdout to the end, waits for it, returns its SUMMARY.
-fn summary_of(child: &mut Child, out: &mut dyn Read, what: &str) -> Result<Value> {
+/// Reads a peer's stdout to the end, waits for it, returns its SUMMARY (typed: a field the
+/// peer did not write fails).
+fn summary_of(child: &mut Child, out: &mut dyn Read, what: &str) -> Result<PeerSummary> {
     let mut text = String::new();
     out.read_to_string(&mut text)?;
     let status = child.wait()?;
-    let line = text
-        .lines()
-        .find_map(|l| l.strip_prefix("SUMMARY "))
-        .ok_or_else(|| anyhow!("{what}: no SUMMARY line ({status}) in {text:?}"))?;
-    let v: Value = serde_json::from_str(line).with_context(|| format!("{what}: SUMMARY"))?;
+    let v = parse_summary(&text, what).with_context(|| format!("{what} exited {status}"))?;
     ensure!(
         status.success(),
-        "{what} failed ({status}): error {}",
-        v["error"]
+        "{what} failed ({status}): error {:?}",
+        v.error
     );
-    ensure!(v["error"].is_null(), "{what}: error {}", v["error"]);
+    ensure!(v.error.is_none(), "{what}: error {:?}", v.error);
     Ok(v)
 }
 
@@ -180,8 +180,8 @@ fn spec(
 /// A finished pair: both SUMMARYs and pids.
 struct Done {
     name: &'static str,
-    s: Value,
-    c: Value,
+    s: PeerSummary,
+    c: PeerSummary,
     spid: u32,
     cpid: u32,
     watch_client: bool,
@@ -194,7 +194,7 @@ fn observe(
     test: &str,
     secs: f64,
     specs: Vec<Spec>,
-    check: impl FnOnce(&Value, &[Done]) -> Result<()>,
+    check: impl FnOnce(&Report, &[Done]) -> Result<()>,
 ) -> Result<()> {
     let mut running = Vec::new();
     for sp in &specs {
@@ -239,7 +239,7 @@ fn observe(
         took < Duration::from_secs_f64(secs - 0.5),
         "{test}: the peers took {took:?}, too close to the {secs} s observation"
     );
-    let report = obs.finish()?;
+    let report = obs.finish_report()?;
     check(&report, &done)?;
     check_clean(&report)
 }
@@ -248,15 +248,11 @@ fn observe(
 // Checks
 // ---------------------------------------------------------------------------------------------
 
-/// No information lost anywhere.
-fn check_clean(report: &Value) -> Result<()> {
-    ensure!(
-        u(&report["events_lost"]) == 0,
-        "events_lost {}: {}",
-        report["events_lost"],
-        report["kernel_counters"]
-    );
-    let k = &report["kernel_counters"];
+/// [`check_run`] (hook set, nothing degraded, `events_lost` 0), each kernel loss counter 0,
+/// and some call traced.
+fn check_clean(report: &Report) -> Result<()> {
+    check_run(report)?;
+    let k = &report.kernel_counters;
     for name in [
         "ring_full",
         "socket_map_full",
@@ -265,30 +261,31 @@ fn check_clean(report: &Value) -> Result<()> {
         "loop_limit",
         "untraced_bytes",
     ] {
-        ensure!(u(&k[name]) == 0, "kernel counter {name} = {}: {k}", k[name]);
+        let v = *k
+            .get(name)
+            .with_context(|| format!("kernel counter {name} missing: {k:?}"))?;
+        ensure!(v == 0, "kernel counter {name} = {v}: {k:?}");
     }
-    ensure!(u(&k["calls_traced"]) > 0, "no call traced: {k}");
+    let traced = *k
+        .get("calls_traced")
+        .with_context(|| format!("kernel counter calls_traced missing: {k:?}"))?;
+    ensure!(traced > 0, "no call traced: {k:?}");
     Ok(())
 }
 
 /// The one channel the observer reports for `pid`.
-fn only_channel(report: &Value, pid: u32, what: &str) -> Result<Value> {
-    let all: Vec<&Value> = report["channels"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|c| c["pid"] == pid)
-        .collect();
+fn only_channel<'a>(report: &'a Report, pid: u32, what: &str) -> Result<&'a ChannelReport> {
+    let all: Vec<&ChannelReport> = report.channels.iter().filter(|c| c.pid == pid).collect();
     ensure!(
         all.len() == 1,
         "{what}: {} channels for pid {pid}: {:#?}",
         all.len(),
-        all.iter().map(|c| describe(c)).collect::<Vec<_>>()
+        all.iter().map(|c| describe_ch(c)).collect::<Vec<_>>()
     );
-    Ok(all[0].clone())
+    Ok(all[0])
 }
 
-fn channel_name(t: u64) -> &'static str {
+fn channel_name(t: u8) -> &'static str {
     match t {
         1 => "main",
         2 => "display",
@@ -299,62 +296,66 @@ fn channel_name(t: u64) -> &'static str {
 }
 
 /// The observer's counts for one end equal what that peer's syscalls moved.
-fn check_counts(c: &Value, p: &Value, what: &str) -> Result<()> {
-    let d = format!("{what}: {}", describe(c));
-    let (sent, recv) = (&p["sent"], &p["received"]);
+fn check_counts(c: &ChannelReport, p: &PeerSummary, what: &str) -> Result<()> {
+    let d = format!("{what}: {}", describe_ch(c));
+    let (sent, recv) = (&p.sent, &p.received);
     ensure!(
-        u(&sent["unfinished_messages"]) == 0,
-        "{what}: the peer left messages unfinished: {sent}"
+        sent.unfinished_messages == 0,
+        "{what}: the peer left messages unfinished: {sent:?}"
     );
     for (field, got, want) in [
-        ("messages_sent", &c["messages_sent"], &sent["messages"]),
-        ("bytes_sent", &c["bytes_sent"], &sent["data_bytes"]),
+        ("messages_sent", c.messages_sent, sent.messages),
+        ("bytes_sent", c.bytes_sent, sent.data_bytes),
+        ("messages_received", c.messages_received, recv.messages),
+        ("bytes_received", c.bytes_received, recv.data_bytes),
+    ] {
+        ensure!(
+            got == want,
+            "{field}: observer {got}, peer {want}\n  {d}\n  peer sent {sent:?}\n  peer received {recv:?}"
+        );
+    }
+    for (field, got, want) in [
         (
             "messages_sent_by_type",
-            &c["messages_sent_by_type"],
-            &sent["by_type"],
+            &c.messages_sent_by_type,
+            &sent.by_type,
         ),
-        (
-            "messages_received",
-            &c["messages_received"],
-            &recv["messages"],
-        ),
-        ("bytes_received", &c["bytes_received"], &recv["data_bytes"]),
         (
             "messages_received_by_type",
-            &c["messages_received_by_type"],
-            &recv["by_type"],
+            &c.messages_received_by_type,
+            &recv.by_type,
         ),
     ] {
         ensure!(
             got == want,
-            "{field}: observer {got}, peer {want}\n  {d}\n  peer sent {sent}\n  peer received {recv}"
+            "{field}: observer {got:?}, peer {want:?}\n  {d}\n  peer sent {sent:?}\n  peer received {recv:?}"
         );
     }
-    ensure!(u(&c["records_lost"]) == 0, "records_lost: {d}");
+    ensure!(c.records_lost == 0, "records_lost: {d}");
     Ok(())
 }
 
 /// A framed pair: the server end (and the client end if watched) framed with the negotiated
 /// header, as the right end and channel, with exact counts.
-fn check_pair(report: &Value, x: &Done) -> Result<()> {
-    let header = x.s["header"]
-        .as_str()
-        .ok_or_else(|| anyhow!("{}: no header in server SUMMARY", x.name))?;
+fn check_pair(report: &Report, x: &Done) -> Result<()> {
+    let header =
+        x.s.header
+            .as_deref()
+            .ok_or_else(|| anyhow!("{}: no header in server SUMMARY", x.name))?;
     ensure!(
-        x.s["outcome"] == "ok" && x.c["outcome"] == "ok",
+        x.s.outcome == "ok" && x.c.outcome == "ok",
         "{}: outcomes {} / {}",
         x.name,
-        x.s["outcome"],
-        x.c["outcome"]
+        x.s.outcome,
+        x.c.outcome
     );
     ensure!(
-        x.c["header"] == header,
+        x.c.header.as_deref() == Some(header),
         "{}: peers disagree on the header",
         x.name
     );
     ensure!(
-        x.s["sent"]["by_type"] == x.c["received"]["by_type"],
+        x.s.sent.by_type == x.c.received.by_type,
         "{}: peers disagree",
         x.name
     );
@@ -365,35 +366,35 @@ fn check_pair(report: &Value, x: &Done) -> Result<()> {
     for (pid, p, end) in ends {
         let what = format!("{} {end}", x.name);
         let c = only_channel(report, pid, &what)?;
-        let d = describe(&c);
+        let d = describe_ch(c);
         ensure!(
-            c["framing"] == header,
-            "{what}: framing {} ({}), expected {header}: {d}",
-            c["framing"],
-            c["unparsed_detail"]
+            c.framing == header,
+            "{what}: framing {} ({:?}), expected {header}: {d}",
+            c.framing,
+            c.unparsed_detail
         );
         ensure!(
-            c["unparsed_reason"].is_null(),
-            "{what}: unparsed {}: {d}",
-            c["unparsed_reason"]
+            c.unparsed_reason.is_none(),
+            "{what}: unparsed {:?}: {d}",
+            c.unparsed_reason
         );
-        ensure!(c["end"] == end, "{what}: end {}: {d}", c["end"]);
-        let ty = channel_name(u(&p["channel"]["type"]));
         ensure!(
-            c["channel_type"] == ty && c["channel_id"] == p["channel"]["id"],
-            "{what}: channel {} {}: {d}",
-            c["channel_type"],
-            c["channel_id"]
+            c.end.as_deref() == Some(end),
+            "{what}: end {:?}: {d}",
+            c.end
         );
-        check_counts(&c, p, &what)?;
+        let ty = channel_name(p.channel.ty);
+        ensure!(
+            c.channel_type == ty && c.channel_id == Some(p.channel.id),
+            "{what}: channel {} {:?}: {d}",
+            c.channel_type,
+            c.channel_id
+        );
+        check_counts(c, p, &what)?;
     }
     if !x.watch_client {
         ensure!(
-            report["channels"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .all(|c| c["pid"] != x.cpid),
+            report.channels.iter().all(|c| c.pid != x.cpid),
             "{}: the unwatched client {} appears in the report",
             x.name,
             x.cpid
@@ -402,7 +403,7 @@ fn check_pair(report: &Value, x: &Done) -> Result<()> {
     Ok(())
 }
 
-fn check_pairs(report: &Value, done: &[Done]) -> Result<()> {
+fn check_pairs(report: &Report, done: &[Done]) -> Result<()> {
     for x in done {
         check_pair(report, x)?;
     }
@@ -413,10 +414,6 @@ fn find<'a>(done: &'a [Done], name: &str) -> &'a Done {
     done.iter()
         .find(|x| x.name == name)
         .unwrap_or_else(|| panic!("no pair {name}"))
-}
-
-fn n(v: &Value) -> u64 {
-    v.as_u64().unwrap_or_else(|| panic!("not a number: {v}"))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -528,16 +525,16 @@ fn split_headers_and_small_reads() -> Result<()> {
         check_pairs(report, done)?;
         let x = find(done, "split3-read1");
         ensure!(
-            n(&x.c["received"]["calls"]) > n(&x.c["received"]["bytes"]),
+            x.c.received.calls > x.c.received.bytes,
             "1-byte reads expected"
         );
         ensure!(
-            n(&x.s["sent"]["calls"]) >= 400,
-            "split writes expected: {}",
-            x.s["sent"]
+            x.s.sent.calls >= 400,
+            "split writes expected: {:?}",
+            x.s.sent
         );
         ensure!(
-            find(done, "full-split11-exact4").s["header"] == "full",
+            find(done, "full-split11-exact4").s.header.as_deref() == Some("full"),
             "full headers expected"
         );
         Ok(())
@@ -667,17 +664,17 @@ fn many_messages_per_call() -> Result<()> {
         let x = find(done, "300-empty-write");
         // Link: reply, two cap words, result (4 calls); then 3 calls of 300 messages.
         ensure!(
-            n(&x.s["sent"]["calls"]) == 4 + 3,
-            "batched writes expected: {}",
-            x.s["sent"]
+            x.s.sent.calls == 4 + 3,
+            "batched writes expected: {:?}",
+            x.s.sent
         );
         ensure!(
-            find(done, "300-empty-full-writev").s["header"] == "full",
+            find(done, "300-empty-full-writev").s.header.as_deref() == Some("full"),
             "full headers expected"
         );
         // A receiver got many messages per read.
-        let r = &find(done, "300-empty-iov-split").c["received"];
-        ensure!(n(&r["calls"]) < 100, "large reads expected: {r}");
+        let r = &find(done, "300-empty-iov-split").c.received;
+        ensure!(r.calls < 100, "large reads expected: {r:?}");
         Ok(())
     })
 }
@@ -768,15 +765,15 @@ fn message_over_many_calls() -> Result<()> {
         check_pairs(report, done)?;
         let x = find(done, "200k-in-100");
         ensure!(
-            n(&x.s["sent"]["calls"]) >= 5 * 2000,
-            "chunked writes expected: {}",
-            x.s["sent"]
+            x.s.sent.calls >= 5 * 2000,
+            "chunked writes expected: {:?}",
+            x.s.sent
         );
         let x = find(done, "1-byte-chunks");
         ensure!(
-            n(&x.c["sent"]["calls"]) >= 4 * 2300,
-            "chunked client writes expected: {}",
-            x.c["sent"]
+            x.c.sent.calls >= 4 * 2300,
+            "chunked client writes expected: {:?}",
+            x.c.sent
         );
         Ok(())
     })
@@ -897,7 +894,7 @@ fn header_split_across_iovecs() -> Result<()> {
     observe(T, 3.0, specs, |report, done| {
         check_pairs(report, done)?;
         ensure!(
-            find(done, "full-sendmsg-13").s["header"] == "full",
+            find(done, "full-sendmsg-13").s.header.as_deref() == Some("full"),
             "full headers expected"
         );
         Ok(())
@@ -949,18 +946,18 @@ fn every_send_and_receive_syscall_on_both_ends() -> Result<()> {
     observe(T, 3.0, specs, |report, done| {
         check_pairs(report, done)?;
         for (i, x) in done.iter().enumerate() {
-            let p = &x.s["write_pattern"];
+            let p = &x.s.write_pattern;
             ensure!(
-                p["send_syscall"] == SEND[i] && p["recv_syscall"] == RECV[i],
-                "{}: pattern {p}",
+                p.send_syscall == SEND[i] && p.recv_syscall == RECV[i],
+                "{}: pattern {p:?}",
                 x.name
             );
             // 150 draws with W=3: the client ACKs 50 times, sends 25 own messages and an ACK_SYNC.
             ensure!(
-                x.s["received"]["by_type"] == json!({"1": 1, "2": 50, "101": 25}),
-                "{}: {}",
+                x.s.received.by_type == by_type(&[(1, 1), (2, 50), (101, 25)]),
+                "{}: {:?}",
                 x.name,
-                x.s["received"]
+                x.s.received
             );
         }
         Ok(())
@@ -1043,10 +1040,10 @@ fn full_headers() -> Result<()> {
                 "full"
             };
             ensure!(
-                x.s["header"] == want,
-                "{}: the peers negotiated {} headers, {want} expected",
+                x.s.header.as_deref() == Some(want),
+                "{}: the peers negotiated {:?} headers, {want} expected",
                 x.name,
-                x.s["header"]
+                x.s.header
             );
         }
         Ok(())
@@ -1175,27 +1172,27 @@ fn eagain_starts() -> Result<()> {
             }
             for (pid, p, dir, end) in ends {
                 let c = only_channel(report, pid, x.name)?;
-                let f = &p["framing"][dir];
+                let f = match dir {
+                    "s2c" => &p.framing.s2c,
+                    _ => &p.framing.c2s,
+                };
                 // The framing code, fed this peer's calls (EAGAIN ones by peek), predicts which
                 // message starts are first seen on a rejected call.
                 ensure!(
-                    f["peek_mismatched"] == 0 && f["peeked"] == f["already_reported"],
-                    "{} {end}: peer framing {f}",
+                    f.peek_mismatched == 0 && f.peeked == f.already_reported,
+                    "{} {end}: peer framing {f:?}",
                     x.name
                 );
                 ensure!(
-                    c["messages_sent_eagain_start"] == f["peeked"],
+                    c.messages_sent_eagain_start == f.peeked,
                     "{} {end}: messages_sent_eagain_start {}, the peer's EAGAINs at message starts {} (EAGAINs in all {}): {}",
                     x.name,
-                    c["messages_sent_eagain_start"],
-                    f["peeked"],
-                    p["sent"]["eagain"],
-                    describe(&c)
+                    c.messages_sent_eagain_start,
+                    f.peeked,
+                    p.sent.eagain,
+                    describe_ch(c)
                 );
-                starts.insert(
-                    format!("{} {end}", x.name),
-                    (n(&f["peeked"]), n(&p["sent"]["eagain"])),
-                );
+                starts.insert(format!("{} {end}", x.name), (f.peeked, p.sent.eagain));
             }
         }
         eprintln!("EAGAIN (at message starts, all): {starts:?}");
@@ -1295,99 +1292,92 @@ fn ack_window() -> Result<()> {
     observe(T, 3.0, specs, |report, done| {
         check_pairs(report, done)?;
         for x in done {
-            let a = &x.s["acks"];
-            let w = n(&a["window"]);
+            let a = x.s.server_acks().with_context(|| x.name)?;
+            let w = a.window;
             let c = only_channel(report, x.spid, x.name)?;
-            let d = format!("{}: {} (peer acks {a})", x.name, describe(&c));
+            let d = format!("{}: {} (peer acks {a:?})", x.name, describe_ch(c));
             let stalled = x.name.starts_with("stalled");
-            ensure!(u(&c["set_acks"]) == 1, "set_acks: {d}");
-            ensure!(u(&c["window"]) == w, "window: {d}");
-            ensure!(c["ack_generation"] == a["generation"], "generation: {d}");
-            ensure!(u(&c["acks_ignored"]) == 0, "acks_ignored: {d}");
-            ensure!(
-                u(&c["starts_while_stalled"]) == 0,
-                "starts_while_stalled: {d}"
-            );
-            ensure!(u(&c["urgent_pair_peaks"]) == 0, "urgent_pair_peaks: {d}");
-            ensure!(
-                c["in_flight_limit"].as_i64() == Some(2 * w as i64 + 1),
-                "in_flight_limit: {d}"
-            );
+            let limit = 2 * w as i64 + 1;
+            ensure!(c.set_acks == 1, "set_acks: {d}");
+            ensure!(c.window == Some(w), "window: {d}");
+            ensure!(c.ack_generation == Some(a.generation), "generation: {d}");
+            ensure!(c.acks_ignored == 0, "acks_ignored: {d}");
+            ensure!(c.starts_while_stalled == 0, "starts_while_stalled: {d}");
+            ensure!(c.urgent_pair_peaks == 0, "urgent_pair_peaks: {d}");
+            ensure!(c.in_flight_limit == Some(limit), "in_flight_limit: {d}");
             // The final count is spice-server's: 1 + messages after SET_ACK − W × ACKs.
             ensure!(
-                c["in_flight_now"] == a["final_count"],
-                "in_flight_now {} vs the peer's final count: {d}",
-                c["in_flight_now"]
+                c.in_flight_now == Some(a.final_count),
+                "in_flight_now {:?} vs the peer's final count: {d}",
+                c.in_flight_now
             );
-            let max = c["in_flight_max"].as_i64().unwrap_or(-1);
+            let max = c
+                .in_flight_max
+                .with_context(|| format!("in_flight_max missing: {d}"))?;
             if stalled {
                 ensure!(
-                    a["stalled_timeout"] == true && n(&a["max_count"]) == 2 * w + 1,
-                    "{}: the peer did not stall: {a}",
+                    a.stalled_timeout && a.max_count == limit,
+                    "{}: the peer did not stall: {a:?}",
                     x.name
                 );
                 ensure!(
-                    max == 2 * w as i64 + 1,
-                    "in_flight_max {max}, 2W+1 = {} expected: {d}",
-                    2 * w + 1
+                    max == limit,
+                    "in_flight_max {max}, 2W+1 = {limit} expected: {d}"
                 );
-                ensure!(u(&c["messages_sent"]) == 2 * w + 1, "messages_sent: {d}");
+                ensure!(c.messages_sent == limit as u64, "messages_sent: {d}");
                 ensure!(
-                    u(&c["ack_syncs"]) == 0 && u(&c["acks"]) == 0,
+                    c.ack_syncs == 0 && c.acks == 0,
                     "no ACK_SYNC / ACK expected: {d}"
                 );
-                ensure!(u(&c["stalls"]) == 1, "stalls: {d}");
-                let f = c["stalled_fraction"].as_f64().unwrap_or(0.0);
+                ensure!(c.stalls == 1, "stalls: {d}");
+                let f = c
+                    .stalled_fraction
+                    .with_context(|| format!("stalled_fraction missing: {d}"))?;
                 ensure!(f > 0.5, "stalled_fraction {f} after a 400 ms stall: {d}");
             } else {
+                ensure!(!a.stalled_timeout, "{}: the peer stalled: {a:?}", x.name);
                 ensure!(
-                    a["stalled_timeout"] == false,
-                    "{}: the peer stalled: {a}",
-                    x.name
-                );
-                ensure!(
-                    u(&c["ack_syncs"]) == 1 && c["ack_sync_generation"] == a["generation"],
+                    c.ack_syncs == 1 && c.ack_sync_generation == Some(a.generation),
                     "ack_syncs: {d}"
                 );
+                ensure!(c.acks == a.acks_matched && a.acks_matched > 0, "acks: {d}");
                 ensure!(
-                    c["acks"] == a["acks_matched"] && n(&a["acks_matched"]) > 0,
-                    "acks: {d}"
-                );
-                ensure!(
-                    max >= 1 && max <= n(&a["max_count"]) as i64 && max <= 2 * w as i64 + 1,
+                    max >= 1 && max <= a.max_count && max <= limit,
                     "in_flight_max {max}: {d}"
                 );
             }
         }
         // Cadences: gtk ACKs every W messages after the SET_ACK, html5 counts the SET_ACK too.
         ensure!(
-            find(done, "gtk-w7").s["acks"]["acks_matched"] == 300 / 7,
+            find(done, "gtk-w7").s.server_acks()?.acks_matched == 300 / 7,
             "gtk cadence"
         );
         ensure!(
-            find(done, "html5-w5-gen9").s["acks"]["acks_matched"] == 200 / 5,
+            find(done, "html5-w5-gen9").s.server_acks()?.acks_matched == 200 / 5,
             "html5 cadence"
         );
         // The watched client ends replay the same window from the other side.
         for name in ["gtk-w7", "stalled-w5", "html5-w5-gen9"] {
             let x = find(done, name);
             let c = only_channel(report, x.cpid, name)?;
-            let a = &x.s["acks"];
+            let a = x.s.server_acks()?;
+            let ca =
+                x.c.client_acks()
+                    .with_context(|| format!("{name} client"))?;
             ensure!(
-                u(&c["set_acks"]) == 1 && c["window"] == a["window"],
+                c.set_acks == 1 && c.window == Some(a.window),
                 "{name} client: {}",
-                describe(&c)
+                describe_ch(c)
             );
             ensure!(
-                c["acks"] == x.c["acks"]["acks_sent"],
-                "{name} client acks: {} vs {}",
-                describe(&c),
-                x.c["acks"]
+                c.acks == ca.acks_sent,
+                "{name} client acks: {} vs {ca:?}",
+                describe_ch(c)
             );
             ensure!(
-                c["in_flight_now"] == a["final_count"],
+                c.in_flight_now == Some(a.final_count),
                 "{name} client final count: {}",
-                describe(&c)
+                describe_ch(c)
             );
         }
         Ok(())
@@ -1479,28 +1469,30 @@ fn unreadable_streams_and_refusals() -> Result<()> {
             };
             if x.name == "bad-type" {
                 ensure!(
-                    x.s["received"]["by_type"] == json!({"1": 1, "2": 5}),
-                    "{}: the server read {}",
+                    x.s.received.by_type == by_type(&[(1, 1), (2, 5)]),
+                    "{}: the server read {:?}",
                     x.name,
-                    x.s["received"]
+                    x.s.received
                 );
             }
             for (pid, end) in [(x.spid, "server"), (x.cpid, "client")] {
                 let c = only_channel(report, pid, &format!("{} {end}", x.name))?;
                 let d = format!(
-                    "{} {end}: {} ({} / {})",
+                    "{} {end}: {} ({:?} / {:?})",
                     x.name,
-                    describe(&c),
-                    c["unparsed_reason"],
-                    c["unparsed_detail"]
+                    describe_ch(c),
+                    c.unparsed_reason,
+                    c.unparsed_detail
                 );
                 ensure!(
-                    c["framing"] == "unparsed" && c["unparsed_reason"] == reason,
+                    c.framing == "unparsed" && c.unparsed_reason.as_deref() == Some(reason),
                     "{reason} expected: {d}"
                 );
                 if let Some(want) = detail {
                     ensure!(
-                        c["unparsed_detail"].as_str().unwrap_or("").contains(want),
+                        c.unparsed_detail
+                            .as_deref()
+                            .is_some_and(|t| t.contains(want)),
                         "detail {want:?} expected: {d}"
                     );
                 }
@@ -1510,31 +1502,31 @@ fn unreadable_streams_and_refusals() -> Result<()> {
                     (c2s, s2c)
                 };
                 ensure!(
-                    u(&c["messages_sent"]) == msgs_out && u(&c["messages_received"]) == msgs_in,
+                    c.messages_sent == msgs_out && c.messages_received == msgs_in,
                     "messages sent / received {msgs_out} / {msgs_in} expected: {d}"
                 );
-                ensure!(u(&c["records_lost"]) == 0, "records_lost: {d}");
+                ensure!(c.records_lost == 0, "records_lost: {d}");
             }
         }
         // The peers really went through their scripts.
         ensure!(
-            find(done, "link-error-9").c["link"]["refused"] == 9,
+            find(done, "link-error-9").c.link.refused == Some(9),
             "link-error-9 client"
         );
         ensure!(
-            find(done, "result-7").c["outcome"] == "link_refused",
+            find(done, "result-7").c.outcome == "link_refused",
             "result-7 client"
         );
         ensure!(
-            find(done, "error-after-reply-8").c["link"]["error_after_reply"] == 8,
+            find(done, "error-after-reply-8").c.link.error_after_reply == Some(8),
             "error-after-reply-8 client"
         );
         ensure!(
-            find(done, "sasl").c["received"]["by_type"] == json!({"3": 1, "304": 30}),
+            find(done, "sasl").c.received.by_type == by_type(&[(3, 1), (304, 30)]),
             "sasl data went through"
         );
         ensure!(
-            find(done, "bad-type").c["received"]["by_type"] == json!({"3": 1, "1001": 20}),
+            find(done, "bad-type").c.received.by_type == by_type(&[(3, 1), (1001, 20)]),
             "bad-type data went through"
         );
         Ok(())
@@ -1560,27 +1552,22 @@ fn last_read_that_also_takes_the_fin() -> Result<()> {
         let x = find(done, "data-and-fin");
         // Reads: link reply, then result + 10 messages + FIN, then nothing (EOF).
         ensure!(
-            n(&x.c["received"]["calls"]) <= 4,
-            "{}: the client did not read in a few calls: {}",
+            x.c.received.calls <= 4,
+            "{}: the client did not read in a few calls: {:?}",
             x.name,
-            x.c["received"]
+            x.c.received
         );
         check_pair(report, x)?;
         let x = find(done, "result-7-and-fin");
-        ensure!(
-            x.c["outcome"] == "link_refused",
-            "{}: {}",
-            x.name,
-            x.c["outcome"]
-        );
+        ensure!(x.c.outcome == "link_refused", "{}: {}", x.name, x.c.outcome);
         let c = only_channel(report, x.cpid, "result-7-and-fin client")?;
         ensure!(
-            c["unparsed_reason"] == "link_refused",
-            "{} client: reason {} ({}), link_refused expected: {}",
+            c.unparsed_reason.as_deref() == Some("link_refused"),
+            "{} client: reason {:?} ({:?}), link_refused expected: {}",
             x.name,
-            c["unparsed_reason"],
-            c["unparsed_detail"],
-            describe(&c)
+            c.unparsed_reason,
+            c.unparsed_detail,
+            describe_ch(c)
         );
         Ok(())
     })
@@ -1612,20 +1599,115 @@ fn data_read_after_the_socket_reached_tcp_close() -> Result<()> {
     ];
     observe(T, 3.0, specs, |report, done| {
         for x in done {
-            ensure!(
-                n(&x.s["received"]["messages"]) >= 1,
-                "{}: {}",
-                x.name,
-                x.s["received"]
-            );
+            ensure!(x.s.received.messages >= 1, "{}: {:?}", x.name, x.s.received);
             let c = only_channel(report, x.spid, x.name)?;
-            ensure!(
-                c["closed"] == true,
-                "{}: close not seen: {}",
-                x.name,
-                describe(&c)
-            );
+            ensure!(c.closed, "{}: close not seen: {}", x.name, describe_ch(c));
         }
         check_pairs(report, done)
     })
+}
+
+/// Runs this test binary's `split_headers_and_small_reads` in a child, through `wrap` (e.g.
+/// `setpriv …`), with `CI=true` or without `CI`; returns (exit success, stdout + stderr).
+fn run_child_test(wrap: &[&str], ci: bool) -> Result<(bool, String)> {
+    let me = std::env::current_exe().context("this test binary")?;
+    let mut cmd = match wrap.split_first() {
+        Some((prog, args)) => {
+            let mut c = Command::new(prog);
+            c.args(args).arg(&me);
+            c
+        }
+        None => Command::new(&me),
+    };
+    cmd.args([
+        "--exact",
+        "split_headers_and_small_reads",
+        "--test-threads=1",
+        "--nocapture",
+    ]);
+    // Backtraces off: the messages are what is checked (and read).
+    cmd.env("RUST_BACKTRACE", "0")
+        .env("RUST_LIB_BACKTRACE", "0");
+    if ci {
+        cmd.env("CI", "true");
+    } else {
+        cmd.env_remove("CI");
+    }
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {cmd:?}"))?;
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!(
+        "--- {cmd:?} (CI {}) exited {}:\n{text}\n---",
+        if ci { "true" } else { "unset" },
+        out.status
+    );
+    Ok((out.status.success(), text))
+}
+
+/// No silent passes: a privileged test that cannot run skips loudly, and fails under
+/// `CI=true` naming why (here: not root, the test run as user nobody, or as this non-root
+/// user); a test whose observer cannot load its programs (root without CAP_BPF,
+/// CAP_SYS_ADMIN and CAP_PERFMON) fails with the kernel's refusal, with or without `CI`.
+#[test]
+fn ci_true_turns_a_skip_into_a_failure() -> Result<()> {
+    const CHILD: &str = "split_headers_and_small_reads";
+    let root = unsafe { libc::geteuid() } == 0;
+    let nobody: &[&str] = if root {
+        &[
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--",
+        ]
+    } else {
+        &[]
+    };
+    let (ok, text) = run_child_test(nobody, true)?;
+    ensure!(!ok, "CI=true: a test that cannot run passed:\n{text}");
+    ensure!(
+        text.contains(&format!(
+            "FAIL {CHILD}: CI=true and the test cannot run: needs root"
+        )),
+        "CI=true: the failure does not name the reason:\n{text}"
+    );
+    let (ok, text) = run_child_test(nobody, false)?;
+    ensure!(ok, "without CI the test should skip (pass):\n{text}");
+    ensure!(
+        text.contains(&format!("SKIP {CHILD}: needs root")),
+        "without CI the skip is not loud:\n{text}"
+    );
+    if !root {
+        eprintln!(
+            "ci_true_turns_a_skip_into_a_failure: not root, the capability-dropped load was not tried"
+        );
+        return Ok(());
+    }
+    let no_bpf = [
+        "setpriv",
+        "--inh-caps=-bpf,-sys_admin,-perfmon",
+        "--bounding-set=-bpf,-sys_admin,-perfmon",
+        "--",
+    ];
+    for ci in [false, true] {
+        let (ok, text) = run_child_test(&no_bpf, ci)?;
+        ensure!(
+            !ok,
+            "root without CAP_BPF: the test passed (CI {ci}):\n{text}"
+        );
+        ensure!(
+            text.contains("spice-observer exited before attaching")
+                && text.contains("permission denied")
+                && !text.contains(common::UNAVAILABLE)
+                && !text.contains("SKIP"),
+            "root without CAP_BPF: not failed with the kernel's refusal (CI {ci}):\n{text}"
+        );
+    }
+    Ok(())
 }

@@ -2,12 +2,16 @@
 //! needed) and checks the stdout protocol the kernel-path tests rely on: `listening <port>`
 //! first on the server, one `SUMMARY {json}` line at the end of both, exit status 0, and
 //! matching counts on both sides. The option-by-option coverage lives in the binary's own
-//! unit tests (`cargo test -p spice-observer --bin spice-peer`).
+//! unit tests (`cargo test -p spice-observer --bin spice-peer`). The SUMMARY is read into the
+//! typed [`common::summary::PeerSummary`] the kernel-path tests use, so a field the peer
+//! stops writing fails here first.
+
+mod common;
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
 
-use serde_json::Value;
+use common::summary::{PeerSummary, by_type, parse_summary};
 
 const PEER: &str = env!("CARGO_BIN_EXE_spice-peer");
 
@@ -30,17 +34,12 @@ fn start_server(args: &[&str]) -> (Child, BufReader<std::process::ChildStdout>, 
     (child, out, port)
 }
 
-fn summary_of(stdout: &str) -> Value {
-    let lines: Vec<&str> = stdout
-        .lines()
-        .filter(|l| l.starts_with("SUMMARY "))
-        .collect();
-    assert_eq!(lines.len(), 1, "exactly one SUMMARY line in {stdout:?}");
-    serde_json::from_str(&lines[0]["SUMMARY ".len()..]).unwrap()
+fn summary_of(stdout: &str, what: &str) -> PeerSummary {
+    parse_summary(stdout, what).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// Runs a server and a client process; returns both SUMMARY objects.
-fn run(server: &[&str], client: &[&str]) -> (Value, Value) {
+fn run(server: &[&str], client: &[&str]) -> (PeerSummary, PeerSummary) {
     let (mut s, mut s_out, port) = start_server(server);
     let c = Command::new(PEER)
         .args([
@@ -63,8 +62,8 @@ fn run(server: &[&str], client: &[&str]) -> (Value, Value) {
     );
     assert!(status.success(), "server exit {status}");
     (
-        summary_of(&rest),
-        summary_of(&String::from_utf8(c.stdout).unwrap()),
+        summary_of(&rest, "server"),
+        summary_of(&String::from_utf8(c.stdout).unwrap(), "client"),
     )
 }
 
@@ -92,26 +91,26 @@ fn server_and_client_processes_agree() {
             "sendto",
         ],
     );
-    assert_eq!(s["outcome"], "ok");
-    assert_eq!(s["sent"]["by_type"], c["received"]["by_type"]);
-    assert_eq!(s["sent"]["bytes"], c["received"]["bytes"]);
-    assert_eq!(c["sent"]["by_type"], s["received"]["by_type"]);
-    assert_eq!(s["sent"]["messages"], 101);
-    assert_eq!(
-        s["received"]["by_type"],
-        serde_json::json!({"1": 1, "2": 10, "101": 3})
-    );
+    assert_eq!(s.outcome, "ok");
+    assert_eq!(s.sent.by_type, c.received.by_type);
+    assert_eq!(s.sent.bytes, c.received.bytes);
+    assert_eq!(c.sent.by_type, s.received.by_type);
+    assert_eq!(s.sent.messages, 101);
+    assert_eq!(s.received.by_type, by_type(&[(1, 1), (2, 10), (101, 3)]));
     // The framing code, fed the client's receive calls, finds what the server wrote.
-    assert_eq!(c["framing"]["s2c"]["by_type"], s["sent"]["by_type"]);
-    assert_eq!(s["framing"]["c2s"]["by_type"], c["sent"]["by_type"]);
+    assert_eq!(c.framing.s2c.by_type, s.sent.by_type);
+    assert_eq!(s.framing.c2s.by_type, c.sent.by_type);
 }
 
 #[test]
 fn refused_link_still_exits_zero_with_a_summary() {
     let (s, c) = run(&["--link-error", "9"], &[]);
-    assert_eq!(s["outcome"], "link_refused");
-    assert_eq!(c["link"]["refused"], 9);
-    assert_eq!(c["framing"]["s2c"]["unparsed"]["reason"], "link_refused");
+    assert_eq!(s.outcome, "link_refused");
+    assert_eq!(c.link.refused, Some(9));
+    assert_eq!(
+        c.framing.s2c.unparsed.as_ref().map(|u| u.reason.as_str()),
+        Some("link_refused")
+    );
 }
 
 #[test]

@@ -7,70 +7,80 @@ mod common;
 
 use std::{thread, time::Duration};
 
-use anyhow::{Result, ensure};
-use common::{Client, Rig, by_local, channels, describe, privileged, remote, u};
-use serde_json::Value;
+use anyhow::{Context, Result, anyhow, ensure};
+use common::{
+    Client, Rig, by_local_of, channels_of, check_run, describe_ch, privileged, remote_of,
+};
+use spice_observer::report::{ChannelReport, Report};
 
 /// Checks every display and cursor channel of the processes `pids` (spice-server, or the
 /// relay's children carrying them): framing mini, one SET_ACK with window `w`, one ACK_SYNC
 /// echoing its generation, and one ACK per `w` server messages after the SET_ACK (the session
 /// is idle, so no ACK is owed).
-fn check_windows(report: &Value, pids: &[u32], w: u64) -> Result<()> {
+fn check_windows(report: &Report, pids: &[u32], w: u32) -> Result<()> {
     for ty in ["display", "cursor"] {
-        let chans: Vec<&Value> = pids.iter().flat_map(|&p| channels(report, p, ty)).collect();
+        let chans: Vec<&ChannelReport> = pids
+            .iter()
+            .flat_map(|&p| channels_of(report, p, ty))
+            .collect();
         ensure!(
             !chans.is_empty(),
             "no {ty} channel observed for pids {pids:?}"
         );
         for c in chans {
-            let d = describe(c);
-            ensure!(c["framing"] == "mini", "framing: {d}");
-            ensure!(u(&c["set_acks"]) == 1, "set_acks: {d}");
-            ensure!(u(&c["window"]) == w, "window: {d}");
-            ensure!(u(&c["ack_syncs"]) == 1, "ack_syncs: {d}");
+            let d = describe_ch(c);
+            ensure!(c.framing == "mini", "framing: {d}");
+            ensure!(c.set_acks == 1, "set_acks: {d}");
+            ensure!(c.window == Some(w), "window: {d}");
+            ensure!(c.ack_syncs == 1, "ack_syncs: {d}");
             ensure!(
-                c["ack_sync_generation"] == c["ack_generation"],
-                "ACK_SYNC generation: {d}"
+                c.ack_sync_generation.is_some() && c.ack_sync_generation == c.ack_generation,
+                "ACK_SYNC generation {:?}, SET_ACK generation {:?}: {d}",
+                c.ack_sync_generation,
+                c.ack_generation
             );
-            ensure!(u(&c["acks_ignored"]) == 0, "acks_ignored: {d}");
-            let after = u(&c["server_to_client"]["messages"]) - 1;
+            ensure!(c.acks_ignored == 0, "acks_ignored: {d}");
+            let after = c
+                .server_to_client
+                .messages
+                .checked_sub(1)
+                .with_context(|| format!("no server message (not even SET_ACK): {d}"))?;
             ensure!(
-                u(&c["acks"]) == after / w,
+                c.acks == after / w as u64,
                 "acks {} for {after} messages after SET_ACK, W {w}: {d}",
-                c["acks"]
+                c.acks
             );
-            ensure!(u(&c["starts_while_stalled"]) == 0, "starts above 2W: {d}");
+            ensure!(c.starts_while_stalled == 0, "starts above 2W: {d}");
         }
     }
     Ok(())
 }
 
 /// Children the relay forked during the run (socat: one per connection).
-fn relay_children(report: &Value, relay: u32) -> Vec<u32> {
-    report["forked"]
-        .as_array()
-        .unwrap()
+fn relay_children(report: &Report, relay: u32) -> Vec<u32> {
+    report
+        .forked
         .iter()
-        .filter(|f| f["parent"] == relay)
-        .map(|f| u(&f["child"]) as u32)
+        .filter(|f| f.parent == relay)
+        .map(|f| f.child)
         .collect()
 }
 
 /// For every channel of spice-server (`pid`), finds the socat child's two legs and checks the
 /// counts are equal on all three sockets, both ways. Returns how many channels were checked.
-fn check_relay_counts(report: &Value, pid: u32) -> Result<usize> {
-    let all = report["channels"].as_array().unwrap();
+fn check_relay_counts(report: &Report, pid: u32) -> Result<usize> {
+    let all = &report.channels;
     let mut checked = 0;
     for s in all
         .iter()
-        .filter(|c| c["pid"] == pid && c["end"] == "server")
+        .filter(|c| c.pid == pid && c.end.as_deref() == Some("server"))
     {
-        let leg_to_server = by_local(report, &remote(s))
-            .ok_or_else(|| anyhow::anyhow!("no relay leg for {}", describe(s)))?;
-        let relay_pid = &leg_to_server["pid"];
-        let legs: Vec<&Value> = all
+        let leg_to_server = by_local_of(report, remote_of(s)?)
+            .ok_or_else(|| anyhow!("no relay leg for {}", describe_ch(s)))?;
+        let relay_pid = leg_to_server.pid;
+        let legs: Vec<&ChannelReport> = all
             .iter()
-            .filter(|c| &c["pid"] == relay_pid && c["socket"] != leg_to_server["socket"])
+            .filter(|c| c.pid == relay_pid && c.socket != leg_to_server.socket)
             .collect();
         ensure!(
             legs.len() == 1,
@@ -80,45 +90,48 @@ fn check_relay_counts(report: &Value, pid: u32) -> Result<usize> {
         let to_client = legs[0];
         for (a, b, what) in [
             (
-                &s["messages_sent"],
-                &leg_to_server["messages_received"],
+                s.messages_sent,
+                leg_to_server.messages_received,
                 "server wrote / relay read",
             ),
             (
-                &s["messages_sent"],
-                &to_client["messages_sent"],
+                s.messages_sent,
+                to_client.messages_sent,
                 "server wrote / relay wrote to client",
             ),
             (
-                &s["messages_received"],
-                &leg_to_server["messages_sent"],
+                s.messages_received,
+                leg_to_server.messages_sent,
                 "server read / relay wrote",
             ),
             (
-                &s["messages_received"],
-                &to_client["messages_received"],
+                s.messages_received,
+                to_client.messages_received,
                 "server read / relay read from client",
             ),
             (
-                &s["bytes_sent"],
-                &to_client["bytes_sent"],
+                s.bytes_sent,
+                to_client.bytes_sent,
                 "bytes server wrote / relay wrote to client",
             ),
         ] {
             ensure!(
                 a == b,
                 "{what}: {a} != {b}\n  {}\n  {}\n  {}",
-                describe(s),
-                describe(leg_to_server),
-                describe(to_client)
+                describe_ch(s),
+                describe_ch(leg_to_server),
+                describe_ch(to_client)
             );
         }
         ensure!(
-            leg_to_server["end"] == "client" && to_client["end"] == "server",
-            "relay leg roles"
+            leg_to_server.end.as_deref() == Some("client")
+                && to_client.end.as_deref() == Some("server"),
+            "relay leg roles: {} / {}",
+            describe_ch(leg_to_server),
+            describe_ch(to_client)
         );
         ensure!(
-            to_client["channel_type"] == s["channel_type"],
+            to_client.channel_type == s.channel_type,
             "channel type through the relay"
         );
         checked += 1;
@@ -126,18 +139,15 @@ fn check_relay_counts(report: &Value, pid: u32) -> Result<usize> {
     Ok(checked)
 }
 
-fn check_clean(report: &Value) -> Result<()> {
-    ensure!(
-        u(&report["events_lost"]) == 0,
-        "events lost: {}",
-        report["kernel_counters"]
-    );
-    for c in report["channels"].as_array().unwrap() {
+/// [`check_run`] (hook set, nothing degraded, nothing lost), and no channel unparsed.
+fn check_clean(report: &Report) -> Result<()> {
+    check_run(report)?;
+    for c in &report.channels {
         ensure!(
-            c["framing"] != "unparsed",
-            "unexpected unparsed channel: {} {}",
-            describe(c),
-            c["unparsed_detail"]
+            c.framing != "unparsed",
+            "unexpected unparsed channel: {} {:?}",
+            describe_ch(c),
+            c.unparsed_detail
         );
     }
     Ok(())
@@ -168,7 +178,7 @@ fn xspice_session_through_socat() -> Result<()> {
     let relay = rig.relay("socat", "127.0.0.1", 6941, "127.0.0.1", 5941)?;
     let obs = observe_or_skip!(T, &[xorg, relay], 10.0, rig.state.join("report.json"));
     let _client = Client::start("spice://127.0.0.1:6941", 30, &[], None)?;
-    let report = obs.finish()?;
+    let report = obs.finish_report()?;
     check_clean(&report)?;
     check_windows(&report, &[xorg], 20)?;
     let kids = relay_children(&report, relay);
@@ -182,35 +192,44 @@ fn xspice_session_through_socat() -> Result<()> {
         n >= 4,
         "main, display, inputs and cursor expected, checked {n}"
     );
-    let display = &channels(&report, xorg, "display")[0];
+    let display = channels_of(&report, xorg, "display")[0];
     ensure!(
-        u(&display["server_to_client"]["messages"]) > 1000,
+        display.server_to_client.messages > 1000,
         "too few draws: {}",
-        describe(display)
+        describe_ch(display)
     );
     Ok(())
 }
 
 /// The client stops reading for 6 s while small draws stream: spice-server's count must stop
 /// at exactly 2W+1 (2W+2 only after an urgent pair), and no message may start above 2W.
-fn stalled_max(report: &Value, pid: u32, w: i64) -> Result<()> {
-    let d = channels(report, pid, "display");
-    ensure!(d.len() == 1, "one display channel expected");
+fn stalled_max(report: &Report, pid: u32, w: u32) -> Result<()> {
+    let d = channels_of(report, pid, "display");
+    ensure!(
+        d.len() == 1,
+        "one display channel expected, got {}",
+        d.len()
+    );
     let c = d[0];
-    let desc = describe(c);
-    ensure!(c["window"].as_i64() == Some(w), "W: {desc}");
-    let max = c["in_flight_max"].as_i64().unwrap_or(-1);
-    let urgent = u(&c["urgent_pair_peaks"]);
+    let desc = describe_ch(c);
+    ensure!(c.window == Some(w), "W: {desc}");
+    let w = w as i64;
+    let max = c
+        .in_flight_max
+        .with_context(|| format!("in_flight_max missing: {desc}"))?;
+    let urgent = c.urgent_pair_peaks;
     ensure!(
         max == 2 * w + 1 || (max == 2 * w + 2 && urgent > 0),
         "in-flight max {max} (urgent pair peaks {urgent}): {desc}"
     );
     ensure!(
-        u(&c["starts_while_stalled"]) == 0,
+        c.starts_while_stalled == 0,
         "a message started above 2W: {desc}"
     );
-    ensure!(u(&c["stalls"]) >= 1, "no stall: {desc}");
-    let f = c["stalled_fraction"].as_f64().unwrap_or(0.0);
+    ensure!(c.stalls >= 1, "no stall: {desc}");
+    let f = c
+        .stalled_fraction
+        .with_context(|| format!("stalled_fraction missing: {desc}"))?;
     ensure!(
         f > 0.25,
         "stalled fraction {f} too small for a 6 s pause: {desc}"
@@ -238,7 +257,7 @@ fn stalled_client_peaks_at_2w_plus_1() -> Result<()> {
         &["--pause-at", "3", "--pause-for", "6"],
         None,
     )?;
-    let report = obs.finish()?;
+    let report = obs.finish_report()?;
     check_clean(&report)?;
     stalled_max(&report, xorg, 20)
 }
@@ -264,16 +283,16 @@ fn slow_link_gets_window_40() -> Result<()> {
         &["--pause-at", "4", "--pause-for", "6"],
         Some("rigc"),
     )?;
-    let report = obs.finish()?;
+    let report = obs.finish_report()?;
     check_clean(&report)?;
     for ty in ["display", "cursor"] {
-        for c in channels(&report, xorg, ty) {
+        for c in channels_of(&report, xorg, ty) {
             ensure!(
-                c["window"] == 40,
+                c.window == Some(40),
                 "spice-server judged the 8 Mbit/s link fast: {}",
-                describe(c)
+                describe_ch(c)
             );
-            ensure!(u(&c["set_acks"]) == 1, "{}", describe(c));
+            ensure!(c.set_acks == 1, "{}", describe_ch(c));
         }
     }
     stalled_max(&report, xorg, 40)
@@ -293,7 +312,7 @@ fn qemu_session_through_socat() -> Result<()> {
     let _client = Client::start("spice://127.0.0.1:6946", 40, &[], None)?;
     rig.qemu_wait_done(5946, 60)?;
     thread::sleep(Duration::from_secs(1));
-    let report = obs.finish()?;
+    let report = obs.finish_report()?;
     check_clean(&report)?;
     check_windows(&report, &[qemu], 20)?;
     check_windows(&report, &relay_children(&report, relay), 20)?;
@@ -302,11 +321,11 @@ fn qemu_session_through_socat() -> Result<()> {
         n >= 4,
         "main, display, inputs and cursor expected, checked {n}"
     );
-    let display = &channels(&report, qemu, "display")[0];
+    let display = channels_of(&report, qemu, "display")[0];
     ensure!(
-        u(&display["server_to_client"]["messages"]) > 100,
+        display.server_to_client.messages > 100,
         "too few draws: {}",
-        describe(display)
+        describe_ch(display)
     );
     Ok(())
 }
@@ -330,13 +349,9 @@ fn existing_connections_are_listed_not_framed() -> Result<()> {
     let _client = Client::start("spice://127.0.0.1:6947", 30, &[], None)?;
     thread::sleep(Duration::from_secs(3));
     let obs = observe_or_skip!(T, &[xorg, relay], 2.0, rig.state.join("report.json"));
-    let report = obs.finish()?;
-    ensure!(
-        u(&report["events_lost"]) == 0,
-        "events lost: {}",
-        report["kernel_counters"]
-    );
-    let all = report["channels"].as_array().unwrap();
+    let report = obs.finish_report()?;
+    check_run(&report)?;
+    let all = &report.channels;
     ensure!(
         all.len() == 12,
         "4 channels × (spice-server + 2 relay legs) expected, got {}",
@@ -344,21 +359,17 @@ fn existing_connections_are_listed_not_framed() -> Result<()> {
     );
     for c in all {
         ensure!(
-            c["framing"] == "unparsed" && c["unparsed_reason"] == "attached_mid_stream",
-            "{} {}",
-            describe(c),
-            c["unparsed_reason"]
+            c.framing == "unparsed" && c.unparsed_reason.as_deref() == Some("attached_mid_stream"),
+            "{} {:?}",
+            describe_ch(c),
+            c.unparsed_reason
         );
         ensure!(
-            u(&c["messages_sent"]) == 0 && u(&c["messages_received"]) == 0,
+            c.messages_sent == 0 && c.messages_received == 0,
             "framed mid-stream: {}",
-            describe(c)
+            describe_ch(c)
         );
-        ensure!(
-            c["tcp"]["srtt_us"].as_u64().is_some(),
-            "no TCP state: {}",
-            describe(c)
-        );
+        ensure!(c.tcp.is_some(), "no TCP state: {}", describe_ch(c));
     }
     Ok(())
 }

@@ -27,9 +27,9 @@
 
 use std::collections::HashSet;
 
-use spice_ebpf_common::event::dir;
+use spice_ebpf_common::{event::dir, protocol::channel};
 
-use super::{Model, MsgSpan, SocketModel};
+use super::{DirStats, Model, MsgSpan, SocketModel};
 
 /// Stage names, in chain order (JSON keys of `stages`).
 pub const STAGES: [&str; 8] = [
@@ -257,6 +257,8 @@ pub struct Chain {
     pub delivery_rates: Vec<u64>,
     /// `tcp_info` of the client-facing socket at the first and latest sample.
     pub link_info: Option<(crate::sockdiag::TcpInfo, crate::sockdiag::TcpInfo)>,
+    /// While the client leg is not paired: what is known about each candidate leg.
+    candidates: Vec<Candidate>,
 }
 
 /// One sample of a chain.
@@ -290,6 +292,7 @@ impl Chain {
             samples: Vec::new(),
             delivery_rates: Vec::new(),
             link_info: None,
+            candidates: Vec::new(),
         }
     }
 
@@ -329,37 +332,197 @@ pub fn relay_pids(model: &Model) -> HashSet<u32> {
         .collect()
 }
 
-/// Direction indexes: server→client and client→server of a socket.
-fn s2c(s: &SocketModel) -> Option<usize> {
-    s.s2c()
+/// The kept message with ordinal `index` of a direction: from the recent ring, or from the
+/// first [`super::FINGERPRINT`] messages once the ring has dropped it.
+fn kept(d: &DirStats, index: u64) -> Option<MsgSpan> {
+    d.by_index(index)
+        .or_else(|| d.first.iter().find(|m| m.index == index))
+        .copied()
 }
 
-/// True if the first messages of two directions agree as far as both have them (and at least
-/// one was compared), and returns how many were compared.
-fn fingerprints_agree(a: &[MsgSpan], b: &[MsgSpan]) -> Option<usize> {
-    let n = a.len().min(b.len());
-    if n == 0 {
-        return None;
-    }
-    let same = a[..n]
-        .iter()
-        .zip(&b[..n])
-        .all(|(x, y)| x.at == y.at && x.end == y.end && x.msg_type == y.msg_type);
-    same.then_some(n)
+/// What pairing knows about one candidate client leg of a chain whose client leg is not
+/// paired yet: a server-end socket of the backend's relay process, not paired with another
+/// chain, that carries the same link message as the backend.
+#[derive(Clone, Debug)]
+struct Candidate {
+    cookie: u64,
+    /// Highest message ordinal examined, per direction ([server→client, client→server]).
+    upto: [u64; 2],
+    /// Messages compared and found equal, per direction (ordinals no longer kept on either
+    /// leg are skipped, not counted).
+    agreed: [u64; 2],
+    /// Main channel: the MAIN_INIT session id was seen on both legs and is the same.
+    same_session: bool,
+    /// Why this leg cannot be the chain's (the first disagreement), once found.
+    excluded: Option<String>,
 }
+
+impl Candidate {
+    fn new(cookie: u64) -> Self {
+        Self {
+            cookie,
+            upto: [0, 0],
+            agreed: [0, 0],
+            same_session: false,
+            excluded: None,
+        }
+    }
+
+    /// Things compared and found equal: messages, and the session id.
+    fn evidence(&self) -> u64 {
+        self.agreed[0] + self.agreed[1] + u64::from(self.same_session)
+    }
+
+    /// "the same MAIN_INIT session id and the same first N server→client and M
+    /// client→server messages", or "" when nothing was compared.
+    fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if self.same_session {
+            parts.push("the same MAIN_INIT session id".to_string());
+        }
+        if self.agreed != [0, 0] {
+            parts.push(format!(
+                "the same {} server→client and {} client→server message(s)",
+                self.agreed[0], self.agreed[1]
+            ));
+        }
+        parts.join(" and ")
+    }
+}
+
+/// Compares, from ordinal `*upto + 1`, what a relay read on one leg (`read`) with what it
+/// wrote on the other (`written`). A byte-transparent relay writes message `i` at the same
+/// offset with the same type and size as it read it, and cannot write a message before it
+/// has read it: records of one connection's read precede those of its write in the ring,
+/// since a message is reported once its header has been framed, and the relay can only write
+/// header bytes it has read. Advances `*upto` to the last message both legs have framed
+/// (the rest is still in the relay) and counts the equal ones in `*agreed`; returns the first
+/// disagreement. Each ordinal is examined once, so the cost over a chain's life is the number
+/// of messages compared, not messages × samples.
+fn compare_dir(
+    read: &DirStats,
+    written: &DirStats,
+    upto: &mut u64,
+    agreed: &mut u64,
+) -> Result<(), String> {
+    if written.last_index > read.last_index {
+        return Err(format!(
+            "message {} written before it was read (the other leg has read {})",
+            written.last_index, read.last_index
+        ));
+    }
+    // Ordinals between the first messages and the ring's oldest are kept on neither leg.
+    let first_end = |d: &DirStats| d.first.last().map_or(0, |m| m.index);
+    let ring_start = |d: &DirStats| d.recent.front().map_or(u64::MAX, |m| m.index);
+    let gap_end = ring_start(read)
+        .max(ring_start(written))
+        .min(written.last_index + 1);
+    let gap_start = first_end(read).min(first_end(written));
+    while *upto < written.last_index {
+        let i = *upto + 1;
+        if i > gap_start && i < gap_end {
+            *upto = gap_end - 1;
+            continue;
+        }
+        if let (Some(r), Some(w)) = (kept(read, i), kept(written, i)) {
+            if (r.at, r.end, r.msg_type) != (w.at, w.end, w.msg_type) {
+                return Err(format!(
+                    "message {i} written as type {} at offset {} ({} bytes), read as type {} at offset {} ({} bytes)",
+                    w.msg_type,
+                    w.at,
+                    w.end - w.at,
+                    r.msg_type,
+                    r.at,
+                    r.end - r.at
+                ));
+            }
+            *agreed += 1;
+        }
+        *upto = i;
+    }
+    Ok(())
+}
+
+/// Compares what is new since the last call between a chain's `backend` and one candidate
+/// client leg `leg`: the MAIN_INIT session id (main channel), the server→client messages
+/// (read on the backend, written on the leg) and the client→server messages (read on the
+/// leg, written on the backend). Returns why the leg cannot be the chain's.
+fn examine(
+    backend: &SocketModel,
+    leg: &SocketModel,
+    is_main: bool,
+    k: &mut Candidate,
+) -> Result<(), String> {
+    if is_main {
+        // Both are set from the MAIN_INIT the relay read and wrote (`SocketModel::session_id`).
+        match (backend.session_id, leg.session_id) {
+            (Some(b), Some(c)) if b != c => {
+                return Err(format!(
+                    "MAIN_INIT session id {c:#x}, the backend's is {b:#x}"
+                ));
+            }
+            (Some(_), Some(_)) => k.same_session = true,
+            _ => {}
+        }
+    }
+    if let (Some(bd), Some(cd)) = (backend.s2c(), leg.s2c()) {
+        compare_dir(
+            &backend.dirs[bd],
+            &leg.dirs[cd],
+            &mut k.upto[0],
+            &mut k.agreed[0],
+        )
+        .map_err(|e| format!("server→client {e}"))?;
+    }
+    if let (Some(bd), Some(cd)) = (backend.c2s(), leg.c2s()) {
+        compare_dir(
+            &leg.dirs[cd],
+            &backend.dirs[bd],
+            &mut k.upto[1],
+            &mut k.agreed[1],
+        )
+        .map_err(|e| format!("client→server {e}"))?;
+    }
+    Ok(())
+}
+
+/// The link message fields a relay forwards unchanged: channel type, channel id,
+/// connection_id, common caps, link size.
+fn link_key(s: &SocketModel) -> Option<(u8, u8, u32, u32, u32)> {
+    let l = s.c2s().and_then(|d| s.dirs[d].link)?;
+    Some((
+        l.channel_type,
+        l.channel_id,
+        l.connection_id,
+        l.common_caps,
+        l.link_size,
+    ))
+}
+
+fn sock_name(s: &SocketModel) -> String {
+    match (s.local, s.remote) {
+        (Some(l), Some(r)) => format!("{l}->{r}"),
+        _ => format!("cookie {}", s.cookie),
+    }
+}
+
+/// Prefix of the pairing note kept while a chain waits for its client leg.
+const WAITING: &str = "client leg not paired yet: ";
 
 /// Finds and extends chains: new server sockets get a chain; unpaired chains look for their
 /// relay legs. Call after applying records; cheap when everything is paired.
 pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
     let relays = relay_pids(model);
+    let known: HashSet<u64> = chains.iter().map(|c| c.server).collect();
     for s in model.sockets.values() {
-        if s.is_server_end() == Some(true)
-            && !relays.contains(&s.pid)
-            && !chains.iter().any(|c| c.server == s.cookie)
+        if s.is_server_end() == Some(true) && !relays.contains(&s.pid) && !known.contains(&s.cookie)
         {
             chains.push(Chain::new(s.cookie));
         }
     }
+    // The relays' legs toward clients (server-end sockets of relay processes), listed only
+    // if a chain still looks for its client leg.
+    let mut legs: Option<Vec<&SocketModel>> = None;
     let mut used: HashSet<u64> = chains
         .iter()
         .flat_map(|c| [c.backend, c.client_leg])
@@ -411,81 +574,153 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
             continue;
         };
         if chain.client_leg.is_none() {
-            let b_c2s_link = backend.c2s().and_then(|d| backend.dirs[d].link);
-            let mut best: Option<(&SocketModel, usize)> = None;
-            for c in model.sockets.values() {
-                if c.pid != backend.pid
-                    || c.cookie == backend.cookie
-                    || c.is_server_end() != Some(true)
-                    || used.contains(&c.cookie)
-                {
-                    continue;
-                }
-                // The client's link message, forwarded unchanged.
-                let c_link = c.c2s().and_then(|d| c.dirs[d].link);
-                let link_ok = match (c_link, b_c2s_link) {
-                    (Some(x), Some(y)) => {
-                        (
-                            x.channel_type,
-                            x.channel_id,
-                            x.connection_id,
-                            x.common_caps,
-                            x.link_size,
-                        ) == (
-                            y.channel_type,
-                            y.channel_id,
-                            y.connection_id,
-                            y.common_caps,
-                            y.link_size,
-                        )
-                    }
-                    _ => false,
-                };
-                if !link_ok {
-                    continue;
-                }
-                // The first server→client messages, forwarded unchanged.
-                let compared = match (s2c(c), s2c(backend)) {
-                    (Some(cd), Some(bd)) => {
-                        fingerprints_agree(&c.dirs[cd].first, &backend.dirs[bd].first).unwrap_or(0)
-                    }
-                    _ => 0,
-                };
-                if best.is_none_or(|(_, n)| compared > n) {
-                    best = Some((c, compared));
-                }
-            }
-            if let Some((c, compared)) = best {
-                // With several candidates (one relay process, many connections), wait until the
-                // first messages tell them apart.
-                let candidates = model
+            let legs = legs.get_or_insert_with(|| {
+                model
                     .sockets
                     .values()
-                    .filter(|x| {
-                        x.pid == backend.pid
-                            && x.cookie != backend.cookie
-                            && x.is_server_end() == Some(true)
-                            && !used.contains(&x.cookie)
-                    })
-                    .count();
-                if compared > 0 || candidates == 1 {
-                    chain.client_leg = Some(c.cookie);
-                    used.insert(c.cookie);
-                    chain.pairing.push(format!(
-                        "client leg: relay socket {} carries the same link message{}",
-                        c.local.map(|a| a.to_string()).unwrap_or_default(),
-                        if compared > 0 {
-                            format!(" and the same first {compared} server message(s)")
-                        } else {
-                            String::new()
-                        },
-                    ));
-                }
-            }
+                    .filter(|x| x.is_server_end() == Some(true) && relays.contains(&x.pid))
+                    .collect()
+            });
+            pair_client_leg(model, legs, backend, chain, &mut used);
         }
     }
     for chain in chains.iter_mut() {
         check_transparency(model, chain);
+    }
+}
+
+/// Looks for the client leg of `chain` (whose backend is `backend`) among the relay's legs
+/// `legs` not in `used`. Candidates are the legs of the backend's process that carry the
+/// same link message. A transparent relay forwards every message unchanged, so the chain's
+/// leg agrees with the backend on everything compared ([`examine`]); a candidate that
+/// disagrees once is excluded for good. Pairs when exactly one candidate exists (the leg
+/// that carried the link message is always among them: the relay read it before it wrote it
+/// to the backend), or when exactly one candidate remains consistent and something was
+/// compared on it. Otherwise (a tie: several legs agree on everything so far, e.g. two
+/// sessions' main channels with connection_id 0 and equal first messages) it waits, and
+/// keeps a note of why in `chain.pairing`.
+fn pair_client_leg(
+    model: &Model,
+    legs: &[&SocketModel],
+    backend: &SocketModel,
+    chain: &mut Chain,
+    used: &mut HashSet<u64>,
+) {
+    let Some(b_link) = link_key(backend) else {
+        return;
+    };
+    let cands: Vec<&SocketModel> = legs
+        .iter()
+        .copied()
+        .filter(|c| {
+            c.pid == backend.pid
+                && c.cookie != backend.cookie
+                && !used.contains(&c.cookie)
+                && link_key(c) == Some(b_link)
+        })
+        .collect();
+    chain
+        .candidates
+        .retain(|k| cands.iter().any(|c| c.cookie == k.cookie));
+    let is_main = b_link.0 == channel::MAIN;
+    for c in &cands {
+        let i = match chain.candidates.iter().position(|k| k.cookie == c.cookie) {
+            Some(i) => i,
+            None => {
+                chain.candidates.push(Candidate::new(c.cookie));
+                chain.candidates.len() - 1
+            }
+        };
+        let k = &mut chain.candidates[i];
+        if k.excluded.is_none() {
+            k.excluded = examine(backend, c, is_main, k).err();
+        }
+    }
+    let name = |cookie: u64| {
+        model
+            .sockets
+            .get(&cookie)
+            .map(sock_name)
+            .unwrap_or_else(|| format!("cookie {cookie}"))
+    };
+    let live: Vec<&Candidate> = chain
+        .candidates
+        .iter()
+        .filter(|k| k.excluded.is_none())
+        .collect();
+    let (pick, note) = if let [only] = chain.candidates.as_slice() {
+        let mut why = format!(
+            "client leg: relay socket {} is relay pid {}'s only unpaired leg with the same link message",
+            name(only.cookie),
+            backend.pid
+        );
+        let same = only.describe();
+        if !same.is_empty() {
+            why += &format!(", and carries {same}");
+        }
+        if let Some(e) = &only.excluded {
+            why += &format!("; but its stream differs ({e}): the relay changes it");
+        }
+        (Some(only.cookie), why)
+    } else if let [one] = live.as_slice()
+        && one.evidence() > 0
+    {
+        let others: Vec<String> = chain
+            .candidates
+            .iter()
+            .filter_map(|k| Some(format!("{}: {}", name(k.cookie), k.excluded.as_ref()?)))
+            .collect();
+        (
+            Some(one.cookie),
+            format!(
+                "client leg: relay socket {} carries the same link message and {}; the {} other leg(s) of relay pid {} with that link message differ ({})",
+                name(one.cookie),
+                one.describe(),
+                others.len(),
+                backend.pid,
+                others.join("; ")
+            ),
+        )
+    } else if chain.candidates.is_empty() {
+        (
+            None,
+            format!(
+                "{WAITING}no unpaired leg of relay pid {} carries the same link message",
+                backend.pid
+            ),
+        )
+    } else if live.is_empty() {
+        (
+            None,
+            format!(
+                "{WAITING}all {} legs of relay pid {} with the same link message differ from the backend",
+                chain.candidates.len(),
+                backend.pid
+            ),
+        )
+    } else {
+        let names: Vec<String> = live
+            .iter()
+            .map(|k| format!("{} ({})", name(k.cookie), k.evidence()))
+            .collect();
+        (
+            None,
+            format!(
+                "{WAITING}{} legs of relay pid {} agree with the backend on everything compared so far (things compared in parentheses): {}",
+                live.len(),
+                backend.pid,
+                names.join(", ")
+            ),
+        )
+    };
+    if chain.pairing.last().is_some_and(|p| p.starts_with(WAITING)) {
+        chain.pairing.pop();
+    }
+    chain.pairing.push(note);
+    if let Some(c) = pick {
+        chain.client_leg = Some(c);
+        used.insert(c);
+        chain.candidates = Vec::new();
     }
 }
 
@@ -771,6 +1006,374 @@ mod tests {
         };
         let p = place(&m, &b);
         assert_eq!((p.counts[2], p.counts[3], p.unplaced), (1, 1, 2));
+    }
+
+    // --- pairing: sockets built from kernel records, as the agent builds them ---
+
+    use crate::events::Event;
+    use spice_ebpf_common::{
+        event::{EventHeader, LinkEvent, MessageEvent},
+        framing::Role,
+        protocol::msg_server,
+    };
+
+    const XORG: u32 = 10;
+    const RELAY: u32 = 20;
+
+    fn addr(port: u16) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    fn hdr(cookie: u64, pid: u32, d: u8) -> EventHeader {
+        EventHeader {
+            tgid: pid,
+            cookie,
+            dir: d,
+            ..Default::default()
+        }
+    }
+
+    /// One SPICE channel through the relay: spice-server's socket `s`, the relay's backend
+    /// `b` (same TCP connection) and its client leg `c`. Message records are emitted the way
+    /// a relay produces them: read on one leg, then written on the other.
+    struct Leg {
+        s: u64,
+        b: u64,
+        c: u64,
+        /// Messages framed so far: [spice-server wrote = relay read on b, relay wrote on c].
+        s2c: [u64; 2],
+        /// [client wrote = relay read on c, relay wrote on b].
+        c2s: [u64; 2],
+        /// (offset, size, type) of every server→client and client→server message.
+        s2c_msgs: Vec<(u64, u32, u16, u32)>,
+        c2s_msgs: Vec<(u64, u32, u16)>,
+    }
+
+    fn link(m: &mut Model, cookie: u64, pid: u32, d: u8, role: Role, ty: u8, conn: u32) {
+        m.apply(&Event::Link(LinkEvent {
+            hdr: hdr(cookie, pid, d),
+            role: role as u8,
+            channel_type: ty,
+            channel_id: 0,
+            link_size: 30,
+            connection_id: conn,
+            common_caps: 0xb,
+            ..Default::default()
+        }));
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn message(
+        m: &mut Model,
+        cookie: u64,
+        pid: u32,
+        d: u8,
+        index: u64,
+        at: u64,
+        size: u32,
+        ty: u16,
+        prefix: u32,
+    ) {
+        m.apply(&Event::Message(MessageEvent {
+            hdr: hdr(cookie, pid, d),
+            at,
+            index,
+            size,
+            msg_type: ty,
+            hdr_len: 6,
+            prefix: [prefix, 0],
+            seq: 1000 + at as u32,
+            ..Default::default()
+        }));
+    }
+
+    impl Leg {
+        /// Session `n`'s channel of type `ty`: server port 5960+n, relay frontend 6960+n,
+        /// backend port 40000+10n+ty, client port 50000+10n+ty. Cookies are allocated in
+        /// `s < b < c` order per channel.
+        fn new(m: &mut Model, n: u16, ty: u8, conn: u32) -> Leg {
+            let base = u64::from(n) * 1000 + u64::from(ty) * 10;
+            let (s, b, c) = (base + 1, base + 2, base + 3);
+            let (sp, fp) = (5960 + n, 6960 + n);
+            let (bp, cp) = (
+                40000 + 10 * n + u16::from(ty),
+                50000 + 10 * n + u16::from(ty),
+            );
+            for (cookie, pid, l, r) in [(s, XORG, sp, bp), (b, RELAY, bp, sp), (c, RELAY, fp, cp)] {
+                m.apply(&Event::Socket {
+                    hdr: hdr(cookie, pid, 0),
+                    tid: pid,
+                    local: addr(l),
+                    remote: addr(r),
+                    comm: String::new(),
+                });
+            }
+            // The client's link message: read on c, written on b, read by spice-server.
+            link(m, c, RELAY, dir::RECV, Role::ClientToServer, ty, conn);
+            link(m, b, RELAY, dir::SEND, Role::ClientToServer, ty, conn);
+            link(m, s, XORG, dir::RECV, Role::ClientToServer, ty, conn);
+            link(m, s, XORG, dir::SEND, Role::ServerToClient, ty, conn);
+            link(m, b, RELAY, dir::RECV, Role::ServerToClient, ty, conn);
+            link(m, c, RELAY, dir::SEND, Role::ServerToClient, ty, conn);
+            Leg {
+                s,
+                b,
+                c,
+                s2c: [0, 0],
+                c2s: [0, 0],
+                s2c_msgs: Vec::new(),
+                c2s_msgs: Vec::new(),
+            }
+        }
+
+        /// spice-server writes a message; the relay reads it from the backend.
+        fn server_sends(&mut self, m: &mut Model, size: u32, ty: u16, prefix: u32) {
+            let at = self
+                .s2c_msgs
+                .last()
+                .map_or(0, |&(at, n, ..)| at + 6 + n as u64);
+            self.s2c_msgs.push((at, size, ty, prefix));
+            self.s2c[0] += 1;
+            let i = self.s2c[0];
+            message(m, self.s, XORG, dir::SEND, i, at, size, ty, prefix);
+            message(m, self.b, RELAY, dir::RECV, i, at, size, ty, prefix);
+        }
+
+        /// The relay writes the oldest message it read and has not written toward the client.
+        fn relay_forwards(&mut self, m: &mut Model) {
+            let (at, size, ty, prefix) = self.s2c_msgs[self.s2c[1] as usize];
+            self.s2c[1] += 1;
+            message(
+                m,
+                self.c,
+                RELAY,
+                dir::SEND,
+                self.s2c[1],
+                at,
+                size,
+                ty,
+                prefix,
+            );
+        }
+
+        /// A server message all the way to the client.
+        fn s2c(&mut self, m: &mut Model, size: u32, ty: u16) {
+            self.server_sends(m, size, ty, 0);
+            self.relay_forwards(m);
+        }
+
+        /// A client message all the way to spice-server.
+        fn c2s(&mut self, m: &mut Model, size: u32, ty: u16) {
+            let at = self
+                .c2s_msgs
+                .last()
+                .map_or(0, |&(at, n, _)| at + 6 + n as u64);
+            self.c2s_msgs.push((at, size, ty));
+            self.c2s[0] += 1;
+            let i = self.c2s[0];
+            message(m, self.c, RELAY, dir::RECV, i, at, size, ty, 0);
+            message(m, self.b, RELAY, dir::SEND, i, at, size, ty, 0);
+            message(m, self.s, XORG, dir::RECV, i, at, size, ty, 0);
+        }
+    }
+
+    fn chain_of(chains: &[Chain], server: u64) -> &Chain {
+        chains.iter().find(|c| c.server == server).unwrap()
+    }
+
+    /// Two sessions' main channels (connection_id 0 on both) with the same messages.
+    fn two_mains(m: &mut Model) -> (Leg, Leg) {
+        let a = Leg::new(m, 1, channel::MAIN, 0);
+        let b = Leg::new(m, 2, channel::MAIN, 0);
+        (a, b)
+    }
+
+    #[test]
+    fn single_candidate_pairs_on_the_link_message() {
+        let mut m = Model::default();
+        let a = Leg::new(&mut m, 1, channel::DISPLAY, 0x1234);
+        let mut chains = Vec::new();
+        pair(&m, &mut chains);
+        let c = chain_of(&chains, a.s);
+        assert_eq!((c.backend, c.client_leg), (Some(a.b), Some(a.c)));
+        assert!(
+            c.pairing[1].contains("only unpaired leg"),
+            "{:?}",
+            c.pairing
+        );
+    }
+
+    #[test]
+    fn different_connection_ids_pair_each_session_with_its_own_leg() {
+        let mut m = Model::default();
+        let a = Leg::new(&mut m, 1, channel::DISPLAY, 0x1111);
+        let b = Leg::new(&mut m, 2, channel::DISPLAY, 0x2222);
+        let mut chains = Vec::new();
+        pair(&m, &mut chains);
+        assert_eq!(chain_of(&chains, a.s).client_leg, Some(a.c));
+        assert_eq!(chain_of(&chains, b.s).client_leg, Some(b.c));
+    }
+
+    #[test]
+    fn a_tie_is_never_paired_and_waits() {
+        let mut m = Model::default();
+        let (mut a, mut b) = two_mains(&mut m);
+        let mut chains = Vec::new();
+        pair(&m, &mut chains);
+        for _ in 0..20 {
+            for l in [&mut a, &mut b] {
+                l.s2c(&mut m, 100, 104);
+                l.c2s(&mut m, 4, 3);
+            }
+            pair(&m, &mut chains);
+        }
+        for l in [&a, &b] {
+            let c = chain_of(&chains, l.s);
+            assert_eq!(c.backend, Some(l.b));
+            assert_eq!(c.client_leg, None, "tie paired: {:?}", c.pairing);
+            let note = c.pairing.last().unwrap();
+            assert!(
+                note.starts_with(WAITING) && note.contains("2 legs") && note.contains("(40)"),
+                "{note}"
+            );
+        }
+        // Beyond the first FINGERPRINT messages, from the recent ring: session 2's next
+        // message has another size, so its leg is excluded from session 1's chain.
+        a.s2c(&mut m, 100, 104);
+        b.s2c(&mut m, 120, 104);
+        pair(&m, &mut chains);
+        let ca = chain_of(&chains, a.s);
+        assert_eq!(ca.client_leg, Some(a.c), "{:?}", ca.pairing);
+        let why = ca.pairing.last().unwrap();
+        assert!(
+            why.contains("the same 21 server→client and 20 client→server")
+                && why.contains("message 21 written as type 104 at offset 2120 (126 bytes)"),
+            "{why}"
+        );
+        assert_eq!(chain_of(&chains, b.s).client_leg, Some(b.c));
+        assert!(ca.candidates.is_empty());
+    }
+
+    #[test]
+    fn the_client_to_server_direction_tells_sessions_apart() {
+        let mut m = Model::default();
+        let (mut a, mut b) = two_mains(&mut m);
+        let mut chains = Vec::new();
+        for l in [&mut a, &mut b] {
+            l.s2c(&mut m, 100, 104);
+        }
+        pair(&m, &mut chains);
+        assert!(chains.iter().all(|c| c.client_leg.is_none()));
+        a.c2s(&mut m, 4, 3);
+        b.c2s(&mut m, 8, 3);
+        pair(&m, &mut chains);
+        assert_eq!(chain_of(&chains, a.s).client_leg, Some(a.c));
+        assert_eq!(chain_of(&chains, b.s).client_leg, Some(b.c));
+        assert!(
+            chain_of(&chains, a.s).pairing[1].contains("client→server message 1"),
+            "{:?}",
+            chain_of(&chains, a.s).pairing
+        );
+    }
+
+    #[test]
+    fn main_init_session_ids_tell_sessions_apart() {
+        let mut m = Model::default();
+        let (mut a, mut b) = two_mains(&mut m);
+        let mut chains = Vec::new();
+        a.server_sends(&mut m, 32, msg_server::MAIN_INIT, 0xaaaa);
+        a.relay_forwards(&mut m);
+        b.server_sends(&mut m, 32, msg_server::MAIN_INIT, 0xbbbb);
+        b.relay_forwards(&mut m);
+        pair(&m, &mut chains);
+        let ca = chain_of(&chains, a.s);
+        assert_eq!(ca.client_leg, Some(a.c));
+        assert!(
+            ca.pairing[1].contains("the same MAIN_INIT session id")
+                && ca.pairing[1].contains("MAIN_INIT session id 0xbbbb, the backend's is 0xaaaa"),
+            "{:?}",
+            ca.pairing
+        );
+        assert_eq!(chain_of(&chains, b.s).client_leg, Some(b.c));
+    }
+
+    /// The case the former rule (most agreeing first messages wins) paired wrongly: the relay
+    /// has read a message from session 1's server but not written it yet, while session 2's
+    /// leg already carries it.
+    #[test]
+    fn a_lagging_leg_is_not_outvoted() {
+        let mut m = Model::default();
+        let (mut a, mut b) = two_mains(&mut m);
+        let mut chains = Vec::new();
+        for l in [&mut a, &mut b] {
+            l.s2c(&mut m, 100, 104);
+            l.s2c(&mut m, 50, 105);
+        }
+        a.server_sends(&mut m, 70, 106, 0);
+        b.s2c(&mut m, 70, 106);
+        pair(&m, &mut chains);
+        // Session 1's leg agrees on 2 messages, session 2's on 3: still a tie.
+        assert!(
+            chains.iter().all(|c| c.client_leg.is_none()),
+            "{:?}",
+            chains.iter().map(|c| &c.pairing).collect::<Vec<_>>()
+        );
+        // Session 2's leg now writes a message session 1's backend has not read: not it.
+        b.s2c(&mut m, 70, 106);
+        pair(&m, &mut chains);
+        let ca = chain_of(&chains, a.s);
+        assert_eq!(ca.client_leg, Some(a.c));
+        assert!(
+            ca.pairing[1]
+                .contains("message 4 written before it was read (the other leg has read 3)"),
+            "{:?}",
+            ca.pairing
+        );
+        assert_eq!(chain_of(&chains, b.s).client_leg, Some(b.c));
+    }
+
+    #[test]
+    fn a_consistent_leg_with_nothing_compared_waits() {
+        let mut m = Model::default();
+        let (mut a, mut b) = two_mains(&mut m);
+        let mut chains = Vec::new();
+        // Session 2's leg wrote a message session 1's backend never read (excluded), but
+        // session 1's own leg has nothing compared yet.
+        b.s2c(&mut m, 100, 104);
+        pair(&m, &mut chains);
+        assert_eq!(chain_of(&chains, a.s).client_leg, None);
+        a.s2c(&mut m, 100, 104);
+        pair(&m, &mut chains);
+        assert_eq!(chain_of(&chains, a.s).client_leg, Some(a.c));
+        assert_eq!(chain_of(&chains, b.s).client_leg, Some(b.c));
+    }
+
+    #[test]
+    fn comparison_is_incremental_and_skips_what_is_no_longer_kept() {
+        let mut m = Model::default();
+        let mut a = Leg::new(&mut m, 1, channel::MAIN, 0);
+        let n = super::super::RECENT as u64 + 1000;
+        for _ in 0..n {
+            a.s2c(&mut m, 10, 104);
+        }
+        let s = &m.sockets;
+        let (bd, cd) = (
+            &s[&a.b].dirs[dir::RECV as usize],
+            &s[&a.c].dirs[dir::SEND as usize],
+        );
+        let (mut upto, mut agreed) = (0, 0);
+        compare_dir(bd, cd, &mut upto, &mut agreed).unwrap();
+        assert_eq!(upto, n);
+        assert_eq!(
+            agreed,
+            (super::super::FINGERPRINT + super::super::RECENT) as u64
+        );
+        // Nothing new: nothing compared again.
+        compare_dir(bd, cd, &mut upto, &mut agreed).unwrap();
+        assert_eq!(
+            agreed,
+            (super::super::FINGERPRINT + super::super::RECENT) as u64
+        );
     }
 
     #[test]

@@ -1,10 +1,21 @@
 //! Shared harness of the privileged tests: the project's rig (real spice-server, real spice-gtk
 //! client, real relay, shaped links) and the real `spice-observer` binary.
 //!
-//! Every test first calls [`privileged`]: without root it says so and skips. A kernel without
-//! a needed feature makes the observer fail with a message naming it; [`Observer::start`]
-//! turns that into a loud skip. A verifier rejection is a failure.
+//! Every test first calls [`privileged`]: without root it says so and skips. A kernel that
+//! lacks a needed program type or hook makes the observer fail with a message naming it and
+//! containing [`UNAVAILABLE`]; [`Observer::start`] turns that (and only that) into
+//! [`Started::Unsupported`], which [`observe_or_skip!`] reports as a loud skip. Any other
+//! failure to load or attach (permission, verifier rejection, attach error) fails the test.
+//! With `CI=true` in the environment a test never skips: where it would, it fails naming
+//! the missing feature ([`ci`]).
+//!
+//! Outputs are read into typed structs: the observer's report into
+//! [`spice_observer::report::Report`] ([`parse_report`], [`Observer::finish_report`]), the
+//! scripted peer's SUMMARY into [`summary::PeerSummary`]; both fail on a field the document
+//! lacks. Every privileged test checks its run with [`check_run`].
 #![allow(dead_code)]
+
+pub mod summary;
 
 use std::{
     io::{BufRead, BufReader},
@@ -16,8 +27,27 @@ use std::{
 };
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
+use serde::{Serialize, de::DeserializeOwned};
 use serde_json::Value;
-use spice_observer::report::Report;
+use spice_observer::report::{ChannelReport, Report};
+
+/// The phrase the observer's error contains when (and only when) the kernel lacks a program
+/// type or hook; only that error is a skip.
+pub use spice_observer::loader::UNAVAILABLE;
+
+/// True when `CI` is `true` in the environment: a test that would skip fails instead.
+pub fn ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// Message of a test that cannot run, for a skip or (under [`ci`]) a failure.
+pub fn cannot_run(test: &str, why: &str) -> String {
+    if ci() {
+        format!("FAIL {test}: CI=true and the test cannot run: {why}")
+    } else {
+        format!("SKIP {test}: {why}")
+    }
+}
 
 /// The rig scripts.
 pub fn rig() -> PathBuf {
@@ -25,9 +55,18 @@ pub fn rig() -> PathBuf {
 }
 
 /// True if the test can load BPF programs; otherwise prints why and the test returns.
+///
+/// Panics (the test fails) instead of returning false when `CI=true` ([`ci`]).
 pub fn privileged(test: &str) -> bool {
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIP {test}: needs root to load BPF programs (run `cargo xtask test` as root)");
+        let msg = cannot_run(
+            test,
+            "needs root to load BPF programs (run `cargo xtask test` as root)",
+        );
+        if ci() {
+            panic!("{msg}");
+        }
+        eprintln!("{msg}");
         return false;
     }
     true
@@ -262,7 +301,8 @@ pub struct Observer {
 /// What [`Observer::start`] found.
 pub enum Started {
     Running(Observer),
-    /// The kernel lacks a feature; the message names it.
+    /// The kernel lacks a program type or hook: the observer's error contained [`UNAVAILABLE`]
+    /// and names the feature (the whole stderr of the observer).
     Unsupported(String),
 }
 
@@ -330,9 +370,7 @@ impl Observer {
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     let status = child.wait()?;
                     let text = log.join("\n");
-                    if text.contains("is not available on this kernel")
-                        || text.contains("no cgroup2")
-                    {
+                    if text.contains(UNAVAILABLE) {
                         return Ok(Started::Unsupported(text));
                     }
                     bail!("spice-observer exited before attaching ({status}):\n{text}");
@@ -371,7 +409,8 @@ impl Observer {
     }
 }
 
-/// Starts the observer or, where the kernel lacks a feature, prints a loud skip.
+/// Starts the observer or, where the kernel lacks a feature, prints a loud skip and returns
+/// `Ok(())` from the test; with `CI=true` ([`ci`]) returns an error naming the feature instead.
 #[macro_export]
 macro_rules! observe_or_skip {
     ($test:expr, $pids:expr, $secs:expr, $json:expr) => {
@@ -381,12 +420,20 @@ macro_rules! observe_or_skip {
         match common::Observer::start_with($pids, $secs, $json, $extra)? {
             common::Started::Running(o) => o,
             common::Started::Unsupported(why) => {
-                eprintln!("SKIP {}: kernel feature missing:\n{}", $test, why);
+                let msg = common::cannot_run($test, &format!("kernel feature missing:\n{why}"));
+                if common::ci() {
+                    return Err(::anyhow::anyhow!("{msg}"));
+                }
+                eprintln!("{msg}");
                 return Ok(());
             }
         }
     };
 }
+
+// The serde_json::Value helpers below (channels, by_local, remote, describe, u) remain only
+// until tests/stages.rs reads the typed Report too; u() reads a missing number as u64::MAX,
+// which passes every `>=`: do not use them in new code (use channels_of, describe_ch, …).
 
 /// Channels of the report whose `pid` is `pid` and type is `ty`.
 pub fn channels<'a>(report: &'a Value, pid: u32, ty: &str) -> Vec<&'a Value> {
@@ -443,29 +490,79 @@ pub fn u(v: &Value) -> u64 {
     v.as_u64().unwrap_or(u64::MAX)
 }
 
+/// Channels of the report whose `pid` is `pid` and type is `ty`.
+pub fn channels_of<'a>(report: &'a Report, pid: u32, ty: &str) -> Vec<&'a ChannelReport> {
+    report
+        .channels
+        .iter()
+        .filter(|c| c.pid == pid && c.channel_type == ty)
+        .collect()
+}
+
+/// The channel whose `socket` starts with `local` ("addr:port->").
+pub fn by_local_of<'a>(report: &'a Report, local: &str) -> Option<&'a ChannelReport> {
+    let prefix = format!("{local}->");
+    report
+        .channels
+        .iter()
+        .find(|c| c.socket.starts_with(&prefix))
+}
+
+/// The remote endpoint of a channel's `socket` ("…->addr:port"); errors if it has none.
+pub fn remote_of(c: &ChannelReport) -> Result<&str> {
+    c.socket
+        .split_once("->")
+        .map(|(_, r)| r)
+        .ok_or_else(|| anyhow!("socket {:?} has no remote end", c.socket))
+}
+
+/// Short description of a channel for assertion messages.
+pub fn describe_ch(c: &ChannelReport) -> String {
+    format!(
+        "{} {:?} pid {} {} (end {:?}, framing {}, W {:?}, set_acks {}, ack_syncs {}, acks {}, sent {}, received {}, max {:?})",
+        c.channel_type,
+        c.channel_id,
+        c.pid,
+        c.socket,
+        c.end,
+        c.framing,
+        c.window,
+        c.set_acks,
+        c.ack_syncs,
+        c.acks,
+        c.messages_sent,
+        c.messages_received,
+        c.in_flight_max
+    )
+}
+
 /// Reads a JSON report into [`Report`]. Fails on a field that is missing from the document
 /// (serde alone would read a missing `Option` field as `None`) or of the wrong type.
 pub fn parse_report(raw: &Value) -> Result<Report> {
-    let rep: Report = serde_json::from_value(raw.clone()).context("JSON report")?;
-    missing_keys(&serde_json::to_value(&rep)?, raw, "")?;
-    Ok(rep)
+    parse_typed(raw, "JSON report")
+}
+
+/// Reads `raw` into `T`. Fails on a field of `T` that `raw` lacks (serde alone would read a
+/// missing `Option` field as `None`) or one of the wrong type; `what` names the document.
+pub fn parse_typed<T: DeserializeOwned + Serialize>(raw: &Value, what: &str) -> Result<T> {
+    let typed: T = serde_json::from_value(raw.clone()).with_context(|| what.to_string())?;
+    missing_keys(&serde_json::to_value(&typed)?, raw, "", what)?;
+    Ok(typed)
 }
 
 /// Fails if `typed` (the typed struct written back) has an object key `raw` lacks.
-fn missing_keys(typed: &Value, raw: &Value, path: &str) -> Result<()> {
+fn missing_keys(typed: &Value, raw: &Value, path: &str, what: &str) -> Result<()> {
     match (typed, raw) {
         (Value::Object(t), Value::Object(r)) => {
             for (k, v) in t {
                 let p = format!("{path}.{k}");
-                let rv = r
-                    .get(k)
-                    .ok_or_else(|| anyhow!("JSON report lacks field {p}"))?;
-                missing_keys(v, rv, &p)?;
+                let rv = r.get(k).ok_or_else(|| anyhow!("{what} lacks field {p}"))?;
+                missing_keys(v, rv, &p, what)?;
             }
         }
         (Value::Array(t), Value::Array(r)) => {
             for (i, (tv, rv)) in t.iter().zip(r).enumerate() {
-                missing_keys(tv, rv, &format!("{path}[{i}]"))?;
+                missing_keys(tv, rv, &format!("{path}[{i}]"), what)?;
             }
         }
         _ => {}
