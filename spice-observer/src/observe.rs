@@ -446,9 +446,14 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
             _ = sample.tick() => {
                 // Apply what the kernel has recorded up to now, then sample the queues.
                 sink.drain(ring.get_mut());
-                let taken = sampler::sample(&mut cap, &mut sink.model, &mut chains);
-                if let (Some(w), Some(t)) = (samples_out.as_mut(), taken.as_ref()) {
-                    w.write(&crate::samples::lines(&sink.model, t, started_ns));
+                if let Some(pos) = sampler::read(&mut cap, &mut sink.model, &mut chains) {
+                    // The records of the calls made up to the map reads: the count and the
+                    // messages then match write_seq / copied_seq.
+                    sink.drain(ring.get_mut());
+                    let taken = sampler::place(&sink.model, &mut chains, pos);
+                    if let Some(w) = samples_out.as_mut() {
+                        w.write(&crate::samples::lines(&sink.model, &taken, started_ns));
+                    }
                 }
             }
             _ = tick.tick() => {

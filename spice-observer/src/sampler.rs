@@ -124,10 +124,32 @@ struct Now<'a> {
     diag: &'a DiagSocket,
 }
 
-/// Takes one sample of every chain: pairs new sockets, then places each chain's in-flight
-/// messages and appends a [`ChainSample`] to each. Returns what was taken, or `None` if the
-/// sock_diag dump failed (then no chain gets a sample).
+/// The positions one sample read, before placing: see [`read`].
+#[derive(Debug)]
+pub struct Positions {
+    /// CLOCK_MONOTONIC ns right before the dump and right after the last map read.
+    t_ns: u64,
+    t_end_ns: u64,
+    dump: HashMap<u64, DiagSocket>,
+    snaps: HashMap<u64, TcpSnapshot>,
+}
+
+/// Takes one sample of every chain: [`read`], then [`place`] (without draining the ring in
+/// between: see [`read`] for why the caller should).
 pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> Option<Sample> {
+    let pos = read(cap, model, chains)?;
+    Some(place(model, chains, pos))
+}
+
+/// First half of a sample: pairs new sockets, then reads the positions of every socket: a
+/// sock_diag dump, then the `TCP_STATE` map entries (the chains' sockets first). Returns
+/// `None` if the dump failed (then no chain gets a sample).
+///
+/// Apply the ring's records between `read` and [`place`]: then the model (spice-server's
+/// count, the messages' spans) includes every call made up to the map reads, as
+/// `write_seq`/`copied_seq` do, and no position lies beyond the newest message because a
+/// message was started after the ring was drained.
+pub fn read(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> Option<Positions> {
     chain::pair(model, chains);
     // The chains' sockets: their map entries are read before the dump too, to tell whether the
     // process moved write_seq / copied_seq while the dump ran (then the dump's queues and the
@@ -189,6 +211,24 @@ pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> 
             moved.iter().max().unwrap()
         );
     }
+    Some(Positions {
+        t_ns,
+        t_end_ns,
+        dump,
+        snaps,
+    })
+}
+
+/// Second half of a sample: places each chain's in-flight messages against the positions
+/// [`read`] took and appends a [`ChainSample`] to each chain whose spice-server socket is
+/// open. Returns what was taken.
+pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
+    let Positions {
+        t_ns,
+        t_end_ns,
+        dump,
+        snaps,
+    } = pos;
     let now = |cookie: Option<u64>| -> Option<Now<'_>> {
         let c = cookie?;
         let diag = dump.get(&c)?;
@@ -286,10 +326,10 @@ pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> 
             });
         }
     }
-    Some(Sample {
+    Sample {
         t_ns,
         t_end_ns,
         dump,
         chains: taken,
-    })
+    }
 }

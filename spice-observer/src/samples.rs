@@ -1,8 +1,8 @@
 //! `observe --samples PATH`: the per-sample series, one JSON object per line (JSON Lines).
 //!
-//! One line per sample ([`sampler::sample`], every `--sample-ms`) per display and cursor
-//! channel of spice-server (a chain's head socket; the relay's legs appear inside it, under
-//! `legs`) once its SET_ACK was seen. The line holds what the sample read and what it made of
+//! One line per sample ([`sampler::read`] and [`sampler::place`], every `--sample-ms`) per
+//! display and cursor channel of spice-server (a chain's head socket; the relay's legs appear
+//! inside it, under `legs`) once its SET_ACK was seen. The line holds what the sample read and what it made of
 //! it: spice-server's in-flight count, the stage split, and the raw TCP sequence numbers it
 //! was placed against, so that an independent reader (e.g. of packet captures) can check the
 //! split. [`SampleLine`] is the format; README "Sample series" documents it.

@@ -126,8 +126,8 @@ impl Boundaries {
 /// C `snd_nxt`, C `snd_una`. At any one instant the data path orders them (S written ≥
 /// S `snd_nxt` ≥ S `snd_una`; S `snd_nxt` ≥ B read ≥ C written ≥ C `snd_nxt` ≥ C `snd_una`)
 /// and none lies beyond the end of the newest in-flight message; a position beyond that means
-/// the readings are of different instants (the sock_diag dump, the map reads and the drained
-/// ring records are not one), and it is clamped, never reordered, and counted in
+/// the readings are of different instants (the sock_diag dump and the map reads are not one),
+/// and it is clamped, never reordered, and counted in
 /// [`Placement::clamped`]. Not counted: S `snd_una` below B read (an acknowledgement lagging
 /// behind the data, a delayed ACK: the message stays in `server_unacked`, the first stage whose
 /// position its last byte has not passed) and positions before the oldest in-flight message's
