@@ -95,8 +95,17 @@ pub struct ChainReport {
     /// Samples taken, and those with every socket's TCP position available.
     pub samples: usize,
     pub samples_placed: usize,
-    /// At every placed sample, placed + unplaced messages equal spice-server's count.
-    pub stages_add_up: bool,
+    /// Placed samples where at least one stage boundary was clamped: the positions read
+    /// (sock_diag dump, `TCP_STATE` map) disagreed with the data path's
+    /// order or lay beyond the newest in-flight message's end ([`crate::model::chain::place`]).
+    pub clamped_samples: usize,
+    /// Most boundaries clamped in one sample (0 to 7).
+    pub clamped_max: u32,
+    /// Samples where the agent kept fewer in-flight messages than spice-server's count (the
+    /// rest are unplaced).
+    pub kept_short_samples: usize,
+    /// Most messages unplaced in one placed sample: counted but not placeable (beyond the
+    /// receive queue of a relay that changes the stream, or not kept).
     pub unplaced_max: u32,
     /// Median delivery rate the kernel measured on the client-facing link over the samples
     /// (`tcpi_delivery_rate`), Mbit/s: what the link delivers.
@@ -241,10 +250,24 @@ pub struct ExitReport {
     pub at_s: f64,
 }
 
+/// The clocks at the start of observation, read back to back: lines up CLOCK_MONOTONIC times
+/// (`t_s` of `--samples`, `at_s`, kernel timestamps) with CLOCK_REALTIME ones (packet
+/// captures: dumpcap's timestamps).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClockReport {
+    /// CLOCK_REALTIME, nanoseconds since the Unix epoch.
+    pub realtime_ns: u64,
+    /// CLOCK_MONOTONIC, nanoseconds: the start every `*_s` time of the report and of
+    /// `--samples` counts from.
+    pub monotonic_ns: u64,
+}
+
 /// The whole `--json` document.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Report {
     pub duration_s: f64,
+    /// The start of observation on both clocks.
+    pub clock: ClockReport,
     pub hook_set: String,
     /// Information lost anywhere (ring full, map full, unreadable user memory, untraced bytes,
     /// loop limit): the sum of the kernel's loss counters plus message records missing.
@@ -567,10 +590,17 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
             },
         );
     }
-    let add_up = placed.iter().all(|s| {
-        let p = s.placement.unwrap();
-        (p.placed() + p.unplaced) as i64 == s.in_flight.max(0)
-    });
+    let clamped: Vec<u32> = placed
+        .iter()
+        .map(|s| s.placement.unwrap().clamped)
+        .collect();
+    let clamped_samples = clamped.iter().filter(|&&c| c > 0).count();
+    let clamped_max = clamped.iter().copied().max().unwrap_or(0);
+    let kept_short_samples = chain
+        .samples
+        .iter()
+        .filter(|s| (s.kept as i64) < s.in_flight)
+        .count();
     let (link_srtt, rwnd) = match chain.link_info {
         Some((first, last)) => {
             let busy = last.busy_time_us.saturating_sub(first.busy_time_us);
@@ -650,7 +680,9 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
         placeable_stages: placeable.iter().map(|&i| STAGES[i].into()).collect(),
         samples: chain.samples.len(),
         samples_placed: placed.len(),
-        stages_add_up: add_up,
+        clamped_samples,
+        clamped_max,
+        kept_short_samples,
         unplaced_max: placed
             .iter()
             .map(|s| s.placement.unwrap().unplaced)
@@ -695,6 +727,8 @@ pub struct RunInfo<'a> {
     /// CLOCK_MONOTONIC ns at the start and the end of observation.
     pub started_ns: u64,
     pub end_ns: u64,
+    /// Both clocks at the start (`clock.monotonic_ns` = `started_ns`).
+    pub clock: ClockReport,
     pub hook_set: &'a str,
     pub counters: &'a [u64; counter::COUNT as usize],
     pub degraded: &'a [String],
@@ -709,6 +743,7 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
     let RunInfo {
         started_ns,
         end_ns,
+        clock,
         hook_set,
         counters,
         degraded,
@@ -781,6 +816,7 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         .collect();
     Report {
         duration_s,
+        clock,
         hook_set: hook_set.to_string(),
         events_lost: kernel_lost.max(records_lost),
         kernel_counters,
@@ -1019,10 +1055,18 @@ pub fn render(r: &Report) -> String {
                         ch.placeable_stages.join(", ")
                     );
                 }
-                if !ch.stages_add_up {
+                if ch.clamped_samples > 0 {
                     let _ = writeln!(
                         out,
-                        "    WARNING: at some samples the stages did not add up to the count"
+                        "    positions out of chain order at {} of {} placed samples (up to {} boundaries clamped)",
+                        ch.clamped_samples, ch.samples_placed, ch.clamped_max
+                    );
+                }
+                if ch.kept_short_samples > 0 || ch.unplaced_max > 0 {
+                    let _ = writeln!(
+                        out,
+                        "    unplaced: up to {} message(s) at a sample; fewer kept than counted at {} of {} samples",
+                        ch.unplaced_max, ch.kept_short_samples, ch.samples
                     );
                 }
             }
@@ -1248,6 +1292,10 @@ mod tests {
     fn window_notes_name_generations_and_surplus_acks() {
         let report = |c: ChannelReport| Report {
             duration_s: 1.0,
+            clock: ClockReport {
+                realtime_ns: 0,
+                monotonic_ns: 0,
+            },
             hook_set: "tracepoints+sockops".into(),
             events_lost: 0,
             kernel_counters: BTreeMap::new(),

@@ -109,8 +109,14 @@ fn check_stages(c: &Value) -> Result<()> {
     let ch = &c["chain"];
     let d = describe(c);
     ensure!(
-        ch["stages_add_up"] == true,
-        "stages did not add up to the count: {d}\n{ch}"
+        u(&ch["kept_short_samples"]) == 0,
+        "in-flight messages counted but not kept: {d}\n{ch}"
+    );
+    // Positions out of the data path's order (read at different instants): at most ~2% of
+    // the samples in the runs measured so far.
+    ensure!(
+        u(&ch["clamped_samples"]).saturating_mul(10) <= u(&ch["samples_placed"]),
+        "stage boundaries clamped at more than 10% of the samples: {d}\n{ch}"
     );
     ensure!(
         u(&ch["samples_placed"]) >= 20,
@@ -512,7 +518,7 @@ fn non_transparent_relay_is_detected() -> Result<()> {
         c["stages"]
     );
     ensure!(
-        ch["stages_add_up"] == true && u(&ch["unplaced_max"]) > 0,
+        u(&ch["unplaced_max"]) > 0 && u(&ch["kept_short_samples"]) == 0,
         "unplaced messages not counted: {ch}"
     );
     let cursor = &channels(&report, xorg, "cursor")[0];
