@@ -1,12 +1,18 @@
 //! Target discovery: which processes on this host are SPICE servers or configured relays,
 //! and which of them started or exited since the previous scan.
 //!
-//! [`Discovery::scan`] lists `/proc` and reads every process's `/proc/PID/stat` (one small
-//! read each: state, parent, flags, `comm` and start time). A process it has not seen before
-//! — a new pid, or a known pid whose start time or `comm` changed (pid reuse; `execve()`,
-//! which keeps the pid and start time but sets a new `comm`) — is classified once, from
-//! `/proc/PID/cmdline` and, for Xorg only, `/proc/PID/maps`; the result is cached under
-//! (pid, start time, comm) and never re-read. Zombies and kernel threads are never targets.
+//! [`Discovery::scan`] lists `/proc` (one `getdents` pass gives every pid and the inode
+//! number of its `/proc/PID` directory) and reads `/proc/PID/stat` (state, parent, flags,
+//! `comm`, start time) only for processes it must look at: new pids, pids whose directory
+//! inode changed (a new process under a reused pid), processes younger than [`EXEC_WINDOW`]
+//! (a forked child looks like its parent until it calls `execve()`, which keeps pid and start
+//! time but sets a new `comm`), current targets (to see them exit or turn zombie), and every
+//! process once per [`FULL_RECHECK`] (an `execve()` by an older process). A process whose
+//! (pid, start time, `comm`) it has not classified yet is classified once, from
+//! `/proc/PID/cmdline` and, for Xorg only, `/proc/PID/maps`; those are never re-read for
+//! the same (pid, start time, `comm`). Zombies and kernel threads are never targets.
+//! Reading a small `/proc` file costs 10–20 µs on the test host, so this is what keeps a scan
+//! cheap: see "Cost" below.
 //!
 //! How each kind is recognised (the rules, in order; a process is at most one target):
 //!
@@ -29,11 +35,12 @@
 //!   interpreter (`python`, `python3`, `python3.11`, `pypy3`, …) the script or `-m` module
 //!   named on its command line, each also without a `.py` suffix ([`relay_name_matches`]).
 //!   A `port` rule matches the process holding a `LISTEN` TCP socket on that port, any
-//!   address, IPv4 or IPv6: `/proc/net/tcp{,6}` give the socket's inode, the owner is the
+//!   address, IPv4 or IPv6: a sock_diag dump gives the socket's inode, the owner is the
 //!   process with a `/proc/PID/fd/N -> socket:[INODE]` link ([`crate::sockdiag::socket_inodes`]).
-//!   Only sockets of the scanning process's network namespace are seen. A relay whose parent
-//!   is a relay of the same rule (socat forks one child per connection) is not a separate
-//!   target: whoever watches a relay watches its descendants ([`crate::sockdiag::descendants`]).
+//!   Only sockets of the scanning process's network namespace are seen. A relay that
+//!   descends from another relay (socat forks one child per connection; haproxy's master
+//!   starts workers) is not a separate target, whatever rule it matches: whoever watches a
+//!   relay watches its descendants ([`crate::sockdiag::descendants`]).
 //!
 //! Names ([`Target::name`]), usable as a Prometheus label value (at most [`NAME_MAX`]
 //! characters, no whitespace or control characters, see [`label_value`]):
@@ -45,10 +52,13 @@
 //! * Relays: the rule's label ([`crate::config::RelayRule::label`]: `socat`, `port-6900`). Not
 //!   unique: two socat relays share it; the pid tells them apart.
 //!
-//! Cost: the steady-state scan reads one `stat` file per process; only port rules add work
-//! per scan (reading `/proc/net/tcp` and `tcp6`, plus a walk of every process's `fd`
-//! directory when a listening socket on a watched port has an owner not known yet). Measured
-//! by the `discovery_scan_cost` test in `tests/discovery.rs`.
+//! Cost: a steady-state scan is one `/proc` listing plus a `stat` read per target and per
+//! young process. Port rules add a sock_diag dump of the TCP sockets
+//! ([`crate::sockdiag::dump_tcp`], or the caller's, [`Discovery::scan_with_sockets`]), plus a
+//! walk of every process's `fd` directory when a listening socket on a watched port has an
+//! owner not known yet. Not `/proc/net/tcp{,6}`: reading both costs ~13 ms on the test host
+//! even with 60 sockets (the kernel walks its whole established hash for it), the dump
+//! ~1.5 ms. Measured by the `discovery_scan_cost` test in `tests/discovery.rs`.
 //!
 //! Not done here (the daemon's job, not written yet): attaching the observer to the targets,
 //! following relays' children, network namespaces other than the scanning process's, and
@@ -61,11 +71,13 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, ErrorKind, Read};
+use std::os::unix::fs::DirEntryExt as _;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
 use crate::config::{DiscoveryConfig, RelayRule};
+use crate::sockdiag;
 
 /// Which SPICE server program a [`TargetKind::SpiceServer`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
@@ -150,9 +162,12 @@ pub fn diff(prev: &[Target], now: &[Target]) -> Diff {
 /// What one scan cost and saw.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ScanStats {
-    /// Live processes listed in `/proc` (zombies and kernel threads included; threads are
-    /// not listed by `/proc`).
+    /// Processes listed in `/proc` (zombies and kernel threads included; threads are not
+    /// listed by `/proc`).
     pub processes: usize,
+    /// `/proc/PID/stat` files read: new, young, target and changed processes, or all at a
+    /// full re-check.
+    pub stat_reads: usize,
     /// Processes classified this scan (new pid, or a known pid with a new start time or
     /// `comm`): their `cmdline` was read.
     pub classified: usize,
@@ -180,12 +195,26 @@ pub struct Scan {
     pub stats: ScanStats,
 }
 
-/// How long an Xorg that does not map spice-server yet keeps being re-checked, counted from
-/// the scan that first saw it: Xorg loads its video driver during start-up, after `execve()`.
+/// How long after its start an Xorg that does not map spice-server yet keeps being
+/// re-checked: Xorg loads its video driver during start-up, after `execve()`.
 pub const XORG_SETTLE: Duration = Duration::from_secs(30);
+
+/// Processes younger than this have their `stat` re-read at every scan, so that an
+/// `execve()` soon after `fork()` (libvirt starting QEMU, a wrapper script `exec`ing it) is
+/// seen: a forked child looks like its parent until it execs.
+pub const EXEC_WINDOW: Duration = Duration::from_secs(10);
+
+/// How often every process's `stat` is re-read, to see an `execve()` by an older process.
+pub const FULL_RECHECK: Duration = Duration::from_secs(30);
+
+/// `TCP_LISTEN` (`include/net/tcp_states.h`).
+const TCP_LISTEN: u8 = 10;
 
 /// Maximum length of a [`Target::name`], in characters.
 pub const NAME_MAX: usize = 64;
+
+/// How far up the parent chain a relay's relay ancestor is looked for.
+const MAX_DEPTH: usize = 64;
 
 /// `PF_KTHREAD` in `/proc/PID/stat` field 9 (`flags`): a kernel thread
 /// (`include/linux/sched.h`).
@@ -462,11 +491,12 @@ enum Class {
 
 #[derive(Debug)]
 struct Known {
+    /// `d_ino` of `/proc/PID` when its `stat` was last read.
+    ino: u64,
     start_time: u64,
     comm: String,
     ppid: u32,
     class: Class,
-    first_seen: Instant,
     kthread: bool,
     /// The scan that last saw it.
     seen: u64,
@@ -490,6 +520,10 @@ pub struct Discovery {
     listeners: HashMap<u64, Listener>,
     targets: Vec<Target>,
     generation: u64,
+    /// When every process's `stat` was last re-read.
+    last_full: Option<Instant>,
+    /// `sysconf(_SC_CLK_TCK)`: the unit of `/proc/PID/stat` times.
+    ticks_per_s: u64,
     buf: Vec<u8>,
     path: String,
 }
@@ -505,6 +539,12 @@ impl Discovery {
             listeners: HashMap::new(),
             targets: Vec::new(),
             generation: 0,
+            last_full: None,
+            // SAFETY: sysconf has no preconditions.
+            ticks_per_s: u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) })
+                .ok()
+                .filter(|&t| t > 0)
+                .unwrap_or(100),
             buf: Vec::with_capacity(1024),
             path: String::with_capacity(32),
         }
@@ -516,16 +556,42 @@ impl Discovery {
     }
 
     /// Scans `/proc` once: the current targets, and the [`Diff`] against the previous scan.
+    /// With port rules, takes a sock_diag dump of the TCP sockets ([`sockdiag::dump_tcp`]) to
+    /// find the listening ones; [`Self::scan_with_sockets`] reuses a dump the caller has.
     ///
-    /// Errors: `/proc` cannot be listed, or (with port rules) `/proc/net/tcp` or
-    /// `/proc/net/tcp6` cannot be read. A process that exits during the scan is skipped; one
-    /// whose files cannot be read is counted in [`ScanStats::unreadable`].
+    /// Errors: `/proc` cannot be listed, or (with port rules) the sock_diag dump fails. A
+    /// process that exits during the scan is skipped; one whose files cannot be read is
+    /// counted in [`ScanStats::unreadable`].
     pub fn scan(&mut self) -> anyhow::Result<Scan> {
+        self.scan_with_sockets(None)
+    }
+
+    /// [`Self::scan`], with the TCP sockets of a recent [`sockdiag::dump_tcp`] of this network
+    /// namespace (the daemon's sampler takes one every sample) instead of a dump of its own.
+    /// Only the `LISTEN` sockets (state 10) of the dump are used, and only with port rules.
+    pub fn scan_with_sockets(
+        &mut self,
+        sockets: Option<&[sockdiag::DiagSocket]>,
+    ) -> anyhow::Result<Scan> {
         let t0 = Instant::now();
         self.generation += 1;
         let generation = self.generation;
-        let now = Instant::now();
         let mut stats = ScanStats::default();
+        let full = self
+            .last_full
+            .is_none_or(|t| t0.duration_since(t) >= FULL_RECHECK);
+        if full {
+            self.last_full = Some(t0);
+        }
+        // Boot-relative now, in the unit of start times, to tell young processes (all are
+        // young if /proc/uptime cannot be read).
+        let now_ticks = std::fs::read_to_string("/proc/uptime")
+            .ok()
+            .and_then(|u| u.split_ascii_whitespace().next()?.parse::<f64>().ok())
+            .map_or(u64::MAX, |secs| (secs * self.ticks_per_s as f64) as u64);
+        let ticks = |d: Duration| d.as_secs() * self.ticks_per_s;
+        let (exec_window, xorg_settle) = (ticks(EXEC_WINDOW), ticks(XORG_SETTLE));
+        let younger = |start: u64, window: u64| now_ticks.saturating_sub(start) < window;
 
         let dir = std::fs::read_dir("/proc").context("cannot list /proc")?;
         for entry in dir {
@@ -537,13 +603,27 @@ impl Discovery {
             else {
                 continue;
             };
+            stats.processes += 1;
+            // The inode number of /proc/PID, from getdents: proc_pid_readdir() instantiates
+            // the directory's inode (proc_pid_make_inode(), i_ino from get_next_ino()), so a
+            // new process under a reused pid has a new one.
+            let ino = entry.ino();
+            if let Some(k) = self.known.get_mut(&pid)
+                && !full
+                && k.ino == ino
+                && k.class == Class::Other
+                && !younger(k.start_time, exec_window)
+            {
+                k.seen = generation;
+                continue;
+            }
+            stats.stat_reads += 1;
             if !self.read_proc_file(pid, "stat") {
                 continue; // exited
             }
             let Some(stat) = parse_stat(&self.buf) else {
                 continue;
             };
-            stats.processes += 1;
             if stat.state == b'Z' || stat.state == b'X' {
                 continue; // exited, not reaped yet: not a target, forgotten below
             }
@@ -553,6 +633,7 @@ impl Discovery {
                 && k.start_time == start_time
                 && k.comm == comm
             {
+                k.ino = ino;
                 k.ppid = ppid;
                 k.seen = generation;
                 continue;
@@ -571,11 +652,11 @@ impl Discovery {
             self.known.insert(
                 pid,
                 Known {
+                    ino,
                     start_time,
                     comm,
                     ppid,
                     class,
-                    first_seen: now,
                     kthread,
                     seen: generation,
                 },
@@ -583,26 +664,27 @@ impl Discovery {
         }
         self.known.retain(|_, k| k.seen == generation);
 
-        // Young Xorg that did not map spice-server yet: look again.
-        let pending: Vec<u32> = self
+        // Xorg that did not map spice-server yet: look again while it is young, then give up.
+        let pending: Vec<(u32, bool)> = self
             .known
             .iter()
-            .filter(|(_, k)| {
-                matches!(k.class, Class::XorgCandidate(_))
-                    && now.duration_since(k.first_seen) < XORG_SETTLE
-            })
-            .map(|(&pid, _)| pid)
+            .filter(|(_, k)| matches!(k.class, Class::XorgCandidate(_)))
+            .map(|(&pid, k)| (pid, younger(k.start_time, xorg_settle)))
             .collect();
-        for pid in pending {
-            if self.maps_have_spice(pid, &mut stats) == Some(true)
-                && let Some(k) = self.known.get_mut(&pid)
+        for (pid, young) in pending {
+            let spice = young && self.maps_have_spice(pid, &mut stats) == Some(true);
+            if let Some(k) = self.known.get_mut(&pid)
                 && let Class::XorgCandidate(name) = &k.class
             {
-                k.class = Class::Server(ServerKind::Xspice, name.clone());
+                if spice {
+                    k.class = Class::Server(ServerKind::Xspice, name.clone());
+                } else if !young {
+                    k.class = Class::Other;
+                }
             }
         }
 
-        let port_relays = self.port_relays(&mut stats)?;
+        let port_relays = self.port_relays(sockets, &mut stats)?;
         let targets = self.collect_targets(&port_relays);
         let diff = diff(&self.targets, &targets);
         self.targets = targets.clone();
@@ -691,9 +773,13 @@ impl Discovery {
     }
 
     /// The processes that own a listening socket on a port of a `port` rule: pid → rule
-    /// index. Reads `/proc/net/tcp{,6}` only when there are port rules, and walks the fds of
+    /// index. Looks at the TCP sockets only when there are port rules, and walks the fds of
     /// every process only when a watched listening socket's owners are not known.
-    fn port_relays(&mut self, stats: &mut ScanStats) -> anyhow::Result<HashMap<u32, usize>> {
+    fn port_relays(
+        &mut self,
+        sockets: Option<&[sockdiag::DiagSocket]>,
+        stats: &mut ScanStats,
+    ) -> anyhow::Result<HashMap<u32, usize>> {
         let ports: HashMap<u16, usize> = self
             .rules
             .iter()
@@ -704,24 +790,21 @@ impl Discovery {
         if ports.is_empty() {
             return Ok(HashMap::new());
         }
+        let own;
+        let sockets = match sockets {
+            Some(s) => s,
+            None => {
+                own = sockdiag::dump_tcp().context("listening sockets for the port rules")?;
+                &own[..]
+            }
+        };
         let mut listening: HashMap<u64, usize> = HashMap::new();
-        let tables = [
-            ("/proc/net/tcp", procfs::net::tcp()),
-            ("/proc/net/tcp6", procfs::net::tcp6()),
-        ];
-        for (path, table) in tables {
-            let table = match table {
-                Ok(t) => t,
-                // A kernel without IPv6 has no tcp6.
-                Err(procfs::ProcError::NotFound(_)) if path.ends_with('6') => continue,
-                Err(e) => return Err(e).with_context(|| format!("cannot read {path}")),
-            };
-            for entry in table {
-                if entry.state == procfs::net::TcpState::Listen
-                    && let Some(&rule) = ports.get(&entry.local_address.port())
-                {
-                    listening.insert(entry.inode, rule);
-                }
+        for socket in sockets {
+            if socket.state == TCP_LISTEN
+                && socket.inode != 0
+                && let Some(&rule) = ports.get(&socket.local.port())
+            {
+                listening.insert(socket.inode, rule);
             }
         }
         self.listeners
@@ -747,7 +830,7 @@ impl Discovery {
                 if k.kthread {
                     continue;
                 }
-                match crate::sockdiag::socket_inodes(pid) {
+                match sockdiag::socket_inodes(pid) {
                     Ok(inodes) => {
                         for inode in inodes.intersection(&stale) {
                             if let Some(l) = self.listeners.get_mut(inode) {
@@ -779,8 +862,8 @@ impl Discovery {
         Ok(relays)
     }
 
-    /// The targets from the classified processes and the port relays, by pid; relays whose
-    /// parent is a relay of the same rule are left out.
+    /// The targets from the classified processes and the port relays, by pid; relays that
+    /// descend from a relay are left out.
     fn collect_targets(&self, port_relays: &HashMap<u32, usize>) -> Vec<Target> {
         let relay_rule = |pid: u32, k: &Known| {
             let named = match k.class {
@@ -801,13 +884,16 @@ impl Discovery {
                     Class::XorgCandidate(_) => return None,
                     Class::Other | Class::NamedRelay(_) => {
                         let rule = relay_rule(pid, k)?;
-                        // A child of a relay of the same rule is part of that relay.
-                        if self
-                            .known
-                            .get(&k.ppid)
-                            .is_some_and(|p| relay_rule(k.ppid, p) == Some(rule))
-                        {
-                            return None;
+                        // A descendant of a relay is part of that relay.
+                        let mut ancestor = k.ppid;
+                        for _ in 0..MAX_DEPTH {
+                            let Some(a) = self.known.get(&ancestor) else {
+                                break;
+                            };
+                            if relay_rule(ancestor, a).is_some() {
+                                return None;
+                            }
+                            ancestor = a.ppid;
                         }
                         let label = self.rules[rule].label();
                         (
