@@ -312,7 +312,7 @@ pub fn qemu_has_spice(argv: &[String]) -> bool {
 /// Splits a QEMU option value (`QemuOpts` syntax: `a=b,c=d`, `,,` is a literal comma) into
 /// (key, value) pairs; a first element without `=` is the value of `implied` (QEMU's
 /// `implied_opt_name`), a later one is a flag (`key` → value "on").
-fn qemu_opts<'a>(value: &str, implied: &'a str) -> Vec<(String, String)> {
+fn qemu_opts(value: &str, implied: &str) -> Vec<(String, String)> {
     let mut parts = Vec::new();
     let mut cur = String::new();
     let mut chars = value.chars().peekable();
@@ -588,7 +588,7 @@ impl Discovery {
         let now_ticks = std::fs::read_to_string("/proc/uptime")
             .ok()
             .and_then(|u| u.split_ascii_whitespace().next()?.parse::<f64>().ok())
-            .map_or(u64::MAX, |secs| (secs * self.ticks_per_s as f64) as u64);
+            .map_or(0, |secs| (secs * self.ticks_per_s as f64) as u64);
         let ticks = |d: Duration| d.as_secs() * self.ticks_per_s;
         let (exec_window, xorg_settle) = (ticks(EXEC_WINDOW), ticks(XORG_SETTLE));
         let younger = |start: u64, window: u64| now_ticks.saturating_sub(start) < window;
@@ -608,11 +608,12 @@ impl Discovery {
             // the directory's inode (proc_pid_make_inode(), i_ino from get_next_ino()), so a
             // new process under a reused pid has a new one.
             let ino = entry.ino();
+            // Skipped: an old process, seen before under this inode, not a target.
             if let Some(k) = self.known.get_mut(&pid)
                 && !full
                 && k.ino == ino
-                && k.class == Class::Other
                 && !younger(k.start_time, exec_window)
+                && self.targets.binary_search_by_key(&pid, |t| t.pid).is_err()
             {
                 k.seen = generation;
                 continue;
@@ -1188,17 +1189,18 @@ mod tests {
         let a = target(10, 100, "a");
         let b = target(20, 200, "b");
         let c = target(30, 300, "c");
-        let d = diff(&[a.clone(), b.clone()], &[b.clone(), c.clone()]);
-        assert_eq!(d.started, [c.clone()]);
-        assert_eq!(d.exited, [a.clone()]);
-        assert!(diff(&[a.clone()], &[a.clone()]).is_empty());
+        let d = diff(&[a.clone(), b.clone()], &[b, c.clone()]);
+        assert_eq!(d.started, [c]);
+        assert_eq!(d.exited, std::slice::from_ref(&a));
+        let one = std::slice::from_ref(&a);
+        assert!(diff(one, one).is_empty());
         // pid reuse: same pid, new start time
         let a2 = target(10, 150, "a");
-        let d = diff(&[a.clone()], &[a2.clone()]);
+        let d = diff(one, std::slice::from_ref(&a2));
         assert_eq!((d.started, d.exited), (vec![a2], vec![a.clone()]));
         // same process, new name: exited and started
         let a3 = target(10, 100, "renamed");
-        let d = diff(&[a.clone()], &[a3.clone()]);
+        let d = diff(one, std::slice::from_ref(&a3));
         assert_eq!((d.started, d.exited), (vec![a3], vec![a.clone()]));
         // comm alone changing is not a change of target
         let mut a4 = a.clone();
