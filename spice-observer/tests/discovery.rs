@@ -9,7 +9,8 @@
 //! flock /tmp/spice-observer-priv.lock cargo test -p spice-observer --test discovery -- --nocapture
 //! ```
 //!
-//! Without root it skips, loudly; under `CI=true` it fails instead.
+//! Without root it skips, loudly; under `CI=true` it fails instead. It loads no BPF program
+//! and runs no observer, so there is no report for `common::check_run`.
 
 mod common;
 
@@ -29,17 +30,18 @@ use spice_observer::host::discovery::{
 };
 use spice_observer::sockdiag;
 
-/// True if the test may run; without root: a skip message, or a panic under `CI`.
+/// True if the test may run (root); otherwise prints why and the test returns, or under
+/// `CI=true` fails ([`common::cannot_run`]).
 fn root_or_skip(test: &str) -> bool {
     if unsafe { libc::geteuid() } == 0 {
         return true;
     }
-    let ci = std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "0" && v != "false");
-    assert!(
-        !ci,
-        "{test}: needs root, and CI is set: not skipping silently"
+    let msg = common::cannot_run(
+        test,
+        "needs root (it starts Xorg and reads other users' /proc/PID/maps and fd)",
     );
-    eprintln!("SKIP {test}: needs root (Xorg, other users' /proc/PID/maps and fd)");
+    assert!(!common::ci(), "{msg}");
+    eprintln!("{msg}");
     false
 }
 
