@@ -1,16 +1,19 @@
 //! Host target discovery ([`spice_observer::host::discovery`]) against real processes: a real
-//! Xspice (rig/start-xspice.sh), real socat relays (rig/relay.sh), and stand-ins for QEMU; and
-//! the cost of a scan on a host with ~1000 processes.
+//! Xspice (rig/start-xspice.sh), real socat relays (rig/relay.sh), stand-ins for QEMU
+//! (`discovery_real_processes`), a real paused QEMU (`discovery_real_qemu`); and the cost of a
+//! scan on a host with ~1000 processes (`discovery_scan_cost`, prints the numbers).
 //!
-//! `discovery_real_processes` starts Xorg and binds fixed ports: run it under the machine-wide
-//! lock, as root (it reads other users' `/proc/PID/maps` and `/proc/PID/fd`):
+//! The first two start Xorg / QEMU and bind fixed ports (5970, 6970, 6971, 5996; display :70):
+//! run them under the machine-wide lock, as root (they read other users' `/proc/PID/maps` and
+//! `/proc/PID/fd`):
 //!
 //! ```text
-//! flock /tmp/spice-observer-priv.lock cargo test -p spice-observer --test discovery -- --nocapture
+//! flock /tmp/spice-observer-priv.lock cargo test -p spice-observer --test discovery -- --test-threads=1 --nocapture
 //! ```
 //!
-//! Without root it skips, loudly; under `CI=true` it fails instead. It loads no BPF program
-//! and runs no observer, so there is no report for `common::check_run`.
+//! Without root (or without a prepared QEMU) they skip, loudly; under `CI=true` they fail
+//! instead. They load no BPF program and run no observer, so there is no report for
+//! `common::check_run`.
 
 mod common;
 
@@ -65,8 +68,8 @@ impl Drop for Children {
 /// `-name`). This stands in for QEMU because discovery reads nothing but `/proc/PID/stat`
 /// (comm `python3` here, `qemu-system-x86` for a real QEMU; the match is on `comm` or
 /// `argv[0]`) and `/proc/PID/cmdline`, which is exactly what QEMU's would be; it never talks
-/// to the process. Booting a real QEMU (rig/start-qemu.sh, ~5 s of TCG on this host) would
-/// test QEMU's argument handling, not discovery.
+/// to the process. Starting, exiting and exec'ing several of them is instant, which the
+/// timing checks need; `discovery_real_qemu` checks one real QEMU.
 fn fake_qemu(args: &[&str]) -> Result<Child> {
     Command::new("/usr/bin/python3")
         .arg0("qemu-system-x86_64")
@@ -84,6 +87,9 @@ fn find(scan: &Scan, pid: u32) -> Vec<&Target> {
 fn pids(targets: &[Target]) -> HashSet<u32> {
     targets.iter().map(|t| t.pid).collect()
 }
+
+/// `TCP_LISTEN` (`include/net/tcp_states.h`), as in [`sockdiag::DiagSocket::state`].
+const TCP_LISTEN: u8 = 10;
 
 fn relay(rule: &str) -> TargetKind {
     TargetKind::Relay {
@@ -438,5 +444,112 @@ fn discovery_scan_cost() -> Result<()> {
     }
     drop(sleepers);
     eprint!("{out}");
+    Ok(())
+}
+
+/// A real QEMU with SPICE (the rig's QEMU 7.2, `rig/start-qemu.sh prepare`), started paused
+/// (`-S`: no guest code runs, so it costs no CPU and needs no kernel image) with the
+/// spice-server listening: discovery names it from its real command line and `comm`.
+#[test]
+fn discovery_real_qemu() -> Result<()> {
+    if !root_or_skip("discovery_real_qemu") {
+        return Ok(());
+    }
+    if let Err(e) = sh(Command::new(rig().join("start-qemu.sh")).arg("check")) {
+        let msg = common::cannot_run(
+            "discovery_real_qemu",
+            &format!("QEMU is not prepared (rig/start-qemu.sh prepare): {e:#}"),
+        );
+        assert!(!common::ci(), "{msg}");
+        eprintln!("{msg}");
+        return Ok(());
+    }
+    // Where rig/start-qemu.sh finds QEMU, its modules and firmware (qemu_bin, qemu_env).
+    let cache = std::env::var("RIG_QEMU_CACHE").unwrap_or_else(|_| "/var/tmp/rig-qemu".into());
+    let system = std::path::Path::new("/usr/bin/qemu-system-x86_64");
+    let mut cmd = if system.exists() {
+        Command::new(system)
+    } else {
+        let mut c = Command::new(format!("{cache}/qemu/usr/bin/qemu-system-x86_64"));
+        c.env(
+            "QEMU_MODULE_DIR",
+            format!("{cache}/qemu/usr/lib/x86_64-linux-gnu/qemu"),
+        )
+        .args(["-L", "/usr/share/seabios", "-L", "/usr/share/qemu"]);
+        c
+    };
+    const PORT: u16 = 5996;
+    cmd.args([
+        "-name",
+        "guest=realvm,debug-threads=on",
+        "-uuid",
+        "5f0e2a8c-1d3b-4c6e-8a9f-0b1c2d3e4f50",
+        "-machine",
+        "pc",
+        "-accel",
+        "tcg",
+        "-m",
+        "64",
+        "-smp",
+        "1",
+        "-S",
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-vga",
+        "qxl",
+        "-monitor",
+        "none",
+        "-spice",
+    ])
+    .arg(format!("port={PORT},addr=127.0.0.1,disable-ticketing=on"))
+    .stdin(Stdio::null())
+    .stdout(Stdio::null());
+    let mut children = Children(vec![cmd.spawn().context("starting qemu")?]);
+    let qemu = children.0[0].id();
+
+    // spice-server is up once QEMU listens on the port (sock_diag, pid checked by inode).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let listening: HashSet<u64> = sockdiag::dump_tcp()?
+            .into_iter()
+            .filter(|s| s.state == TCP_LISTEN && s.local.port() == PORT)
+            .map(|s| s.inode)
+            .collect();
+        if !listening.is_empty() && !listening.is_disjoint(&sockdiag::socket_inodes(qemu)?) {
+            break;
+        }
+        ensure!(
+            children.0[0].try_wait()?.is_none(),
+            "qemu exited before listening"
+        );
+        ensure!(
+            Instant::now() < deadline,
+            "qemu {qemu} does not listen on {PORT}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let mut discovery = Discovery::new(&DiscoveryConfig::default());
+    let scan = discovery.scan()?;
+    let found = find(&scan, qemu);
+    eprintln!("real qemu: {found:?}");
+    ensure!(
+        found.len() == 1
+            && found[0].kind == TargetKind::SpiceServer(ServerKind::Qemu)
+            && found[0].name == "realvm"
+            && found[0].comm == "qemu-system-x86",
+        "real qemu {qemu}: {found:?}"
+    );
+    ensure!(scan.diff.started.iter().any(|t| t.pid == qemu));
+
+    drop(children);
+    let after = discovery.scan()?;
+    ensure!(
+        after.diff.exited.iter().any(|t| t.pid == qemu) && find(&after, qemu).is_empty(),
+        "qemu {qemu} exited: {:?}",
+        after.diff
+    );
     Ok(())
 }

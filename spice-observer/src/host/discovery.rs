@@ -509,10 +509,12 @@ struct Known {
     seen: u64,
 }
 
-/// The owners of one listening socket on a watched port, as (pid, start time).
-#[derive(Debug, Default)]
+/// The owners of one listening socket on a watched port, as (pid, start time), found by the
+/// fd walk at `walked`.
+#[derive(Debug)]
 struct Listener {
     owners: Vec<(u32, u64)>,
+    walked: Instant,
 }
 
 /// Finds targets by polling `/proc`; keeps the classification of every process it has seen
@@ -820,11 +822,19 @@ impl Discovery {
         let alive = |known: &HashMap<u32, Known>, &(pid, start): &(u32, u64)| {
             known.get(&pid).is_some_and(|k| k.start_time == start)
         };
+        // Walk again for a new socket, for one whose known owner exited (a child may hold
+        // it), and for one without a visible owner (another user's process without root),
+        // but for that one only once per FULL_RECHECK.
+        let now = Instant::now();
         let stale: HashSet<u64> = listening
             .keys()
             .filter(|inode| {
                 self.listeners.get(inode).is_none_or(|l| {
-                    l.owners.is_empty() || !l.owners.iter().all(|o| alive(&self.known, o))
+                    if l.owners.is_empty() {
+                        now.duration_since(l.walked) >= FULL_RECHECK
+                    } else {
+                        !l.owners.iter().all(|o| alive(&self.known, o))
+                    }
                 })
             })
             .copied()
@@ -832,7 +842,13 @@ impl Discovery {
         if !stale.is_empty() {
             stats.fd_walks += 1;
             for inode in &stale {
-                self.listeners.insert(*inode, Listener::default());
+                self.listeners.insert(
+                    *inode,
+                    Listener {
+                        owners: Vec::new(),
+                        walked: now,
+                    },
+                );
             }
             for (&pid, k) in &self.known {
                 if k.kthread {
@@ -1278,6 +1294,29 @@ mod tests {
             exited[0].kind,
             TargetKind::Relay {
                 rule: format!("port-{port}")
+            }
+        );
+
+        // An IPv6 listener is found by its port too.
+        let Ok(listener6) = std::net::TcpListener::bind("[::1]:0") else {
+            eprintln!("no IPv6 loopback: IPv6 port rule not checked");
+            return;
+        };
+        let port6 = listener6.local_addr().unwrap().port();
+        let mut d6 = Discovery::new(&DiscoveryConfig {
+            relays: vec![RelayRule {
+                name: None,
+                port: Some(port6),
+            }],
+            ..DiscoveryConfig::default()
+        });
+        let scan6 = d6.scan().unwrap();
+        let mine6: Vec<&Target> = scan6.targets.iter().filter(|t| t.pid == me).collect();
+        assert_eq!(mine6.len(), 1, "{:?}", scan6.targets);
+        assert_eq!(
+            mine6[0].kind,
+            TargetKind::Relay {
+                rule: format!("port-{port6}")
             }
         );
     }
