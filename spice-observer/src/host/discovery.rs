@@ -60,10 +60,11 @@
 //! with 60 TCP sockets, the dump of the same sockets ~1.5 ms (debug build).
 //!
 //! Measured by the `discovery_scan_cost` test in `tests/discovery.rs` (release build, 2-core
-//! VM, ~1000 processes, most older than [`EXEC_WINDOW`]): steady-state scan 0.7 ms without
-//! relay rules; 2.9 ms with a name and a port rule and 800 TCP sockets open (the sock_diag
-//! dump is most of it; [`Discovery::scan_with_sockets`] saves it). The first scan, which
-//! classifies every process, ~25 ms. A [`FULL_RECHECK`] scan, once per 30 s, reads every
+//! VM shared with other builds, ~1000 processes, most older than [`EXEC_WINDOW`]):
+//! steady-state scan 0.7–0.9 ms without relay rules; 2.9–4.3 ms with a name and a port rule
+//! and 800 TCP sockets open (the sock_diag dump is most of it;
+//! [`Discovery::scan_with_sockets`] saves it). The first scan, which classifies every
+//! process, 22–25 ms. A [`FULL_RECHECK`] scan, once per 30 s, reads every
 //! `stat` file: 11–14 ms for 1000 (timed with a stand-alone readdir + read loop, not by the
 //! test).
 //!
