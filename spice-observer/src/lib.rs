@@ -9,7 +9,9 @@
 //! [`report`] / [`plot`] / [`samples`] (output). [`observe`] arranges them for one observation.
 
 pub mod btf;
+pub mod config;
 pub mod events;
+pub mod host;
 pub mod loader;
 pub mod model;
 pub mod observe;
