@@ -47,6 +47,11 @@ enum Command {
         /// 2W+1 line, and the link throughput under it, into an SVG file.
         #[arg(long, value_name = "PATH.svg")]
         plot: Option<PathBuf>,
+        /// Write the per-sample series to PATH as JSON Lines (`-` = stdout; the table then goes
+        /// to stderr): one line per sample per display and cursor channel of spice-server, with
+        /// the in-flight count, the stage split and the raw TCP positions it used.
+        #[arg(long, value_name = "PATH|-")]
+        samples: Option<PathBuf>,
     },
 }
 
@@ -62,6 +67,7 @@ fn main() -> Result<()> {
             no_progress,
             dump_events,
             plot,
+            samples,
         } => {
             if !(duration >= 0.0 && duration.is_finite()) {
                 anyhow::bail!("--duration must be a number of seconds ≥ 0");
@@ -74,6 +80,7 @@ fn main() -> Result<()> {
                 progress: !no_progress,
                 dump_events,
                 plot,
+                samples,
             };
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

@@ -41,6 +41,9 @@ pub struct ObserveOptions {
     pub dump_events: Option<PathBuf>,
     /// Write the stage plot (SVG) here.
     pub plot: Option<PathBuf>,
+    /// Write the per-sample series (JSON Lines, [`crate::samples::SampleLine`]) here
+    /// (`-` = stdout).
+    pub samples: Option<PathBuf>,
 }
 
 /// The plotted series of every display channel chain with samples.
@@ -116,7 +119,7 @@ fn plot_series(
                     _ => String::new(),
                 }
             ),
-            limit: (s.window.threshold() + 1) as u32,
+            limit: s.window.limit(),
             t_s,
             stages,
             relay_visible: relay,
@@ -126,14 +129,24 @@ fn plot_series(
     out
 }
 
-/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
-pub fn monotonic_ns() -> u64 {
+fn clock_ns(clock: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    unsafe { libc::clock_gettime(clock, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
+pub fn monotonic_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC)
+}
+
+/// CLOCK_REALTIME in nanoseconds since the Unix epoch (the clock of packet capture
+/// timestamps, e.g. dumpcap's).
+pub fn realtime_ns() -> u64 {
+    clock_ns(libc::CLOCK_REALTIME)
 }
 
 const TCP_LISTEN: u8 = 10;
@@ -278,7 +291,7 @@ fn progress_line(model: &Model, started_ns: u64, lost: u64) -> String {
             && s.is_server_end() == Some(true)
             && !relays.contains(&s.pid)
         {
-            display.push(format!("{}/{}", s.window.count, s.window.threshold() + 1));
+            display.push(format!("{}/{}", s.window.count, s.window.limit()));
         }
     }
     format!(
@@ -353,6 +366,15 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     if let Some(p) = &opts.plot {
         check_writable(p, "plot")?;
     }
+    let stdout_json = opts.json.as_ref().is_some_and(|p| p.as_os_str() == "-");
+    let stdout_samples = opts.samples.as_ref().is_some_and(|p| p.as_os_str() == "-");
+    if stdout_json && stdout_samples {
+        bail!("--json - and --samples - would both write to stdout: give one of them a file path");
+    }
+    let mut samples_out = match &opts.samples {
+        Some(p) => Some(crate::samples::SampleWriter::create(p)?),
+        None => None,
+    };
     let mut cap = Capture::load()?;
     // The roots and the children they already have (a socat listener's live connections).
     let mut watched = roots.clone();
@@ -370,7 +392,12 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     // SAFETY: the ring owns its map fd, which stays open and unchanged for the AsyncFd's life.
     let mut ring = unsafe { AsyncFd::register_with_interest(cap.take_ring()?, Interest::READABLE) }
         .map_err(|e| anyhow::anyhow!("polling the event ring: {}", e.into_parts().1))?;
+    // Both clocks back to back, so that sample times can be lined up with packet timestamps.
     let started_ns = monotonic_ns();
+    let clock = report::ClockReport {
+        realtime_ns: realtime_ns(),
+        monotonic_ns: started_ns,
+    };
     eprintln!(
         "spice-observer: watching {} (hook set {}; {ports} listening port(s) enrolled, {} connection(s) already open); {}",
         pid_reports
@@ -419,10 +446,21 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
             _ = sample.tick() => {
                 // Apply what the kernel has recorded up to now, then sample the queues.
                 sink.drain(ring.get_mut());
-                sampler::sample(&mut cap, &mut sink.model, &mut chains, monotonic_ns());
+                if let Some(pos) = sampler::read(&mut cap, &mut sink.model, &mut chains) {
+                    // The records of the calls made up to the map reads: the count and the
+                    // messages then match write_seq / copied_seq.
+                    sink.drain(ring.get_mut());
+                    let taken = sampler::place(&sink.model, &mut chains, pos);
+                    if let Some(w) = samples_out.as_mut() {
+                        w.write(&crate::samples::lines(&sink.model, &taken, started_ns));
+                    }
+                }
             }
             _ = tick.tick() => {
                 ticks += 1;
+                if let Some(w) = samples_out.as_mut() {
+                    w.flush();
+                }
                 if roots.iter().all(|&p| sockdiag::comm(p).is_none()) {
                     eprintln!("\nspice-observer: every watched process has exited");
                     if opts.duration.is_none() {
@@ -449,6 +487,8 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         eprintln!();
     }
     sink.drain(ring.get_mut());
+    // The series is complete: flush it before the report (its error is reported at the end).
+    let samples_result = samples_out.map(|w| w.finish());
     let Sink {
         mut model,
         decode_errors,
@@ -470,6 +510,7 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         report::RunInfo {
             started_ns,
             end_ns,
+            clock,
             hook_set: &cap.hook_set,
             counters: &counters,
             degraded: &cap.degraded,
@@ -486,17 +527,21 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     }
     // Table and JSON first: a failing plot must not lose them.
     let table = report::render(&rep);
+    // stdout carries at most one machine-readable stream; the table then goes to stderr.
+    if stdout_json || stdout_samples {
+        eprint!("{table}");
+    } else {
+        print!("{table}");
+    }
     match &opts.json {
         Some(p) if p.as_os_str() == "-" => {
-            eprint!("{table}");
             println!("{}", serde_json::to_string_pretty(&rep)?);
         }
         Some(p) => {
-            print!("{table}");
             std::fs::write(p, serde_json::to_string_pretty(&rep)?)
                 .with_context(|| format!("writing {}", p.display()))?;
         }
-        None => print!("{table}"),
+        None => {}
     }
     if let Some(path) = &opts.plot {
         let series = plot_series(&model, &chains, started_ns);
@@ -509,5 +554,6 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
             crate::plot::write_svg(path, &series)?;
         }
     }
+    samples_result.transpose()?;
     Ok(())
 }

@@ -95,8 +95,17 @@ pub struct ChainReport {
     /// Samples taken, and those with every socket's TCP position available.
     pub samples: usize,
     pub samples_placed: usize,
-    /// At every placed sample, placed + unplaced messages equal spice-server's count.
-    pub stages_add_up: bool,
+    /// Placed samples where at least one stage boundary was clamped: the positions read
+    /// (sock_diag dump, `TCP_STATE` map) disagreed with the data path's
+    /// order or lay beyond the newest in-flight message's end ([`crate::model::chain::place`]).
+    pub clamped_samples: usize,
+    /// Most boundaries clamped in one sample (0 to 7).
+    pub clamped_max: u32,
+    /// Samples where the agent kept fewer in-flight messages than spice-server's count (the
+    /// rest are unplaced).
+    pub kept_short_samples: usize,
+    /// Most messages unplaced in one placed sample: counted but not placeable (beyond the
+    /// receive queue of a relay that changes the stream, or not kept).
     pub unplaced_max: u32,
     /// Median delivery rate the kernel measured on the client-facing link over the samples
     /// (`tcpi_delivery_rate`), Mbit/s: what the link delivers.
@@ -140,16 +149,27 @@ pub struct ChannelReport {
     pub unparsed_reason: Option<String>,
     /// Human-readable detail of `unparsed_reason`.
     pub unparsed_detail: Option<String>,
-    /// W from SET_ACK (display and cursor only), messages.
+    /// W from the last SET_ACK (display and cursor only), messages.
     pub window: Option<u32>,
-    /// Generation from SET_ACK.
+    /// Generation from the last SET_ACK.
     pub ack_generation: Option<u32>,
     /// Generation from the last ACK_SYNC.
     pub ack_sync_generation: Option<u32>,
     pub set_acks: u64,
+    /// Generations this connection had: each SET_ACK opens one (spice-server resets its count
+    /// there, docs/spice-protocol.md §3.5). The window statistics below (`in_flight_p50`,
+    /// `in_flight_max`, `stalled_fraction`, `stalls`) are the last generation's. spice-server
+    /// 0.14 and 0.15 send one SET_ACK per connection, so this is 1 there.
+    pub generations: u64,
     pub ack_syncs: u64,
+    /// ACKs that matched the generation (each subtracted W), all generations.
     pub acks: u64,
+    /// ACKs dropped: no ACK_SYNC before them, or a different generation.
     pub acks_ignored: u64,
+    /// Matched ACKs that found fewer than W messages in flight. spice-server's unsigned count
+    /// wraps around on such an ACK and the connection waits for an ACK for good (§3.5); the
+    /// in-flight count shows 0 then, never a negative value. 0 with well-behaved clients.
+    pub ack_surplus: u64,
     /// Messages the watched process wrote on this socket, and their bytes (headers included).
     pub messages_sent: u64,
     pub bytes_sent: u64,
@@ -166,15 +186,18 @@ pub struct ChannelReport {
     pub messages_sent_eagain_start: u64,
     /// Server → client flow (whichever way it goes relative to the watched process).
     pub server_to_client: FlowReport,
-    /// spice-server's in-flight count (its `messages_window`): now, time-weighted median and
-    /// maximum since SET_ACK, in messages; `in_flight_limit` = 2W+1.
+    /// spice-server's in-flight count (its `messages_window`): now, and the time-weighted
+    /// median and maximum since the last SET_ACK, in messages; `in_flight_limit` = 2W+1. Never
+    /// negative (the model keeps it as a `u32`; see `ack_surplus`); `i64` in this struct only so
+    /// that code comparing it with signed counts (e.g. a peer's) needs no casts.
     pub in_flight_now: Option<i64>,
     pub in_flight_p50: Option<i64>,
     pub in_flight_max: Option<i64>,
     pub in_flight_limit: Option<i64>,
-    /// Fraction of time since SET_ACK with the count above 2W (0..1).
+    /// Fraction of time since the last SET_ACK that spice-server waited for an ACK (its count
+    /// above 2W) (0..1).
     pub stalled_fraction: Option<f64>,
-    /// Times the count went above 2W.
+    /// Times spice-server began waiting for an ACK since the last SET_ACK.
     pub stalls: u64,
     /// Message starts above 2W not explained by an urgent pair (always 0 for spice-server).
     pub starts_while_stalled: u64,
@@ -227,10 +250,24 @@ pub struct ExitReport {
     pub at_s: f64,
 }
 
+/// The clocks at the start of observation, read back to back: lines up CLOCK_MONOTONIC times
+/// (`t_s` of `--samples`, `at_s`, kernel timestamps) with CLOCK_REALTIME ones (packet
+/// captures: dumpcap's timestamps).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClockReport {
+    /// CLOCK_REALTIME, nanoseconds since the Unix epoch.
+    pub realtime_ns: u64,
+    /// CLOCK_MONOTONIC, nanoseconds: the start every `*_s` time of the report and of
+    /// `--samples` counts from.
+    pub monotonic_ns: u64,
+}
+
 /// The whole `--json` document.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Report {
     pub duration_s: f64,
+    /// The start of observation on both clocks.
+    pub clock: ClockReport,
     pub hook_set: String,
     /// Information lost anywhere (ring full, map full, unreadable user memory, untraced bytes,
     /// loop limit): the sum of the kernel's loss counters plus message records missing.
@@ -368,7 +405,7 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
         )
     } else if c.stages.is_some()
         && stage_bytes("server_notsent") >= (256 * 1024).max(total_bytes / 2)
-        && p50 < 2 * w as i64
+        && p50 < 2 * i64::from(w)
     {
         format!(
             "send-buffer bound: {} KiB of the {} KiB in flight wait unsent in qemu's socket while the count stays at p50 {p50} of {limit}",
@@ -465,9 +502,11 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         ack_generation: active.then_some(w.generation),
         ack_sync_generation: w.client_generation,
         set_acks: w.set_acks,
+        generations: w.generations(),
         ack_syncs: w.ack_syncs,
         acks: w.acks,
         acks_ignored: w.acks_ignored,
+        ack_surplus: w.ack_surplus,
         messages_sent: send.messages,
         bytes_sent: send.bytes,
         messages_received: recv.messages,
@@ -478,10 +517,10 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         bytes_received_by_type: bytes_by_type(recv),
         messages_sent_eagain_start: send.eagain_starts,
         server_to_client: flow,
-        in_flight_now: active.then_some(w.count),
-        in_flight_p50: active.then(|| w.quantile(0.5)),
-        in_flight_max: active.then_some(w.max),
-        in_flight_limit: active.then(|| w.threshold() + 1),
+        in_flight_now: active.then_some(i64::from(w.count)),
+        in_flight_p50: active.then(|| i64::from(w.quantile(0.5))),
+        in_flight_max: active.then_some(i64::from(w.max)),
+        in_flight_limit: active.then(|| i64::from(w.limit())),
         stalled_fraction: active.then(|| w.stalled_fraction()),
         stalls: w.stalls,
         starts_while_stalled: w.starts_while_stalled,
@@ -522,8 +561,8 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
     let backend = sock(chain.backend);
     let client_leg = sock(chain.client_leg);
     if let Some(b) = backend.filter(|b| b.window.active()) {
-        c.in_flight_relay_p50 = Some(b.window.quantile(0.5));
-        c.in_flight_relay_max = Some(b.window.max);
+        c.in_flight_relay_p50 = Some(i64::from(b.window.quantile(0.5)));
+        c.in_flight_relay_max = Some(i64::from(b.window.max));
     }
     let placeable = chain.placeable_stages();
     let placed: Vec<&ChainSample> = chain
@@ -551,10 +590,17 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
             },
         );
     }
-    let add_up = placed.iter().all(|s| {
-        let p = s.placement.unwrap();
-        (p.placed() + p.unplaced) as i64 == s.in_flight.max(0)
-    });
+    let clamped: Vec<u32> = placed
+        .iter()
+        .map(|s| s.placement.unwrap().clamped)
+        .collect();
+    let clamped_samples = clamped.iter().filter(|&&c| c > 0).count();
+    let clamped_max = clamped.iter().copied().max().unwrap_or(0);
+    let kept_short_samples = chain
+        .samples
+        .iter()
+        .filter(|s| (s.kept as i64) < s.in_flight)
+        .count();
     let (link_srtt, rwnd) = match chain.link_info {
         Some((first, last)) => {
             let busy = last.busy_time_us.saturating_sub(first.busy_time_us);
@@ -634,7 +680,9 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
         placeable_stages: placeable.iter().map(|&i| STAGES[i].into()).collect(),
         samples: chain.samples.len(),
         samples_placed: placed.len(),
-        stages_add_up: add_up,
+        clamped_samples,
+        clamped_max,
+        kept_short_samples,
         unplaced_max: placed
             .iter()
             .map(|s| s.placement.unwrap().unplaced)
@@ -679,6 +727,8 @@ pub struct RunInfo<'a> {
     /// CLOCK_MONOTONIC ns at the start and the end of observation.
     pub started_ns: u64,
     pub end_ns: u64,
+    /// Both clocks at the start (`clock.monotonic_ns` = `started_ns`).
+    pub clock: ClockReport,
     pub hook_set: &'a str,
     pub counters: &'a [u64; counter::COUNT as usize],
     pub degraded: &'a [String],
@@ -693,6 +743,7 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
     let RunInfo {
         started_ns,
         end_ns,
+        clock,
         hook_set,
         counters,
         degraded,
@@ -765,6 +816,7 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         .collect();
     Report {
         duration_s,
+        clock,
         hook_set: hook_set.to_string(),
         events_lost: kernel_lost.max(records_lost),
         kernel_counters,
@@ -867,6 +919,41 @@ pub fn render(r: &Report) -> String {
             opt(c.tcp.as_ref().map(|t| t.total_retrans)),
         );
     }
+    // Window facts the columns cannot show: several generations, surplus ACKs, and starts
+    // spice-server would not make.
+    for c in r.channels.iter().filter(|c| c.window.is_some()) {
+        let mut notes = Vec::new();
+        if c.generations > 1 {
+            notes.push(format!(
+                "{} generations (SET_ACKs); the window columns are generation {}'s",
+                c.generations,
+                opt(c.ack_generation)
+            ));
+        }
+        if c.ack_surplus > 0 {
+            notes.push(format!(
+                "{} surplus ACK(s): spice-server's unsigned count wrapped and it waits for an ACK for good (in flight shown as 0)",
+                c.ack_surplus
+            ));
+        }
+        // (Display channels get this warning with their verdict.)
+        if c.starts_while_stalled > 0 && c.verdict.is_none() {
+            notes.push(format!(
+                "{} message start(s) while waiting for an ACK: not spice-server's behaviour, or events were missed",
+                c.starts_while_stalled
+            ));
+        }
+        if !notes.is_empty() {
+            let _ = writeln!(
+                out,
+                "  window of {} {} ({}): {}",
+                c.channel_type,
+                opt(c.channel_id),
+                c.socket,
+                notes.join("; ")
+            );
+        }
+    }
     let chained: Vec<&ChannelReport> = r
         .channels
         .iter()
@@ -968,10 +1055,18 @@ pub fn render(r: &Report) -> String {
                         ch.placeable_stages.join(", ")
                     );
                 }
-                if !ch.stages_add_up {
+                if ch.clamped_samples > 0 {
                     let _ = writeln!(
                         out,
-                        "    WARNING: at some samples the stages did not add up to the count"
+                        "    positions out of chain order at {} of {} placed samples (up to {} boundaries clamped)",
+                        ch.clamped_samples, ch.samples_placed, ch.clamped_max
+                    );
+                }
+                if ch.kept_short_samples > 0 || ch.unplaced_max > 0 {
+                    let _ = writeln!(
+                        out,
+                        "    unplaced: up to {} message(s) at a sample; fewer kept than counted at {} of {} samples",
+                        ch.unplaced_max, ch.kept_short_samples, ch.samples
                     );
                 }
             }
@@ -1068,9 +1163,11 @@ mod tests {
             ack_generation: Some(1),
             ack_sync_generation: Some(1),
             set_acks: 1,
+            generations: 1,
             ack_syncs: 1,
             acks: 10,
             acks_ignored: 0,
+            ack_surplus: 0,
             messages_sent: 0,
             bytes_sent: 0,
             messages_received: 0,
@@ -1189,5 +1286,41 @@ mod tests {
         let mut c = display(0.0, 1, 10.0, 1.0);
         c.window = None;
         assert!(starts(&c, "no SET_ACK"));
+    }
+
+    #[test]
+    fn window_notes_name_generations_and_surplus_acks() {
+        let report = |c: ChannelReport| Report {
+            duration_s: 1.0,
+            clock: ClockReport {
+                realtime_ns: 0,
+                monotonic_ns: 0,
+            },
+            hook_set: "tracepoints+sockops".into(),
+            events_lost: 0,
+            kernel_counters: BTreeMap::new(),
+            degraded: Vec::new(),
+            pids: Vec::new(),
+            forked: Vec::new(),
+            exited: Vec::new(),
+            channels: vec![c],
+        };
+        let plain = render(&report(display(0.0, 1, 10.0, 1.0)));
+        assert!(!plain.contains("window of display 0"), "{plain}");
+        let mut c = display(0.9, 0, 10.0, 1.0);
+        c.generations = 2;
+        c.ack_generation = Some(2);
+        c.ack_surplus = 1;
+        c.in_flight_now = Some(0);
+        let text = render(&report(c));
+        assert!(
+            text.contains("2 generations (SET_ACKs); the window columns are generation 2's"),
+            "{text}"
+        );
+        assert!(text.contains("1 surplus ACK(s)"), "{text}");
+        // The JSON carries both counters.
+        let v = serde_json::to_value(display(0.0, 1, 10.0, 1.0)).unwrap();
+        assert_eq!(v["ack_surplus"], 0);
+        assert_eq!(v["generations"], 1);
     }
 }

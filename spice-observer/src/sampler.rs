@@ -15,9 +15,10 @@ use spice_ebpf_common::event::TcpSnapshot;
 use crate::{
     loader::Capture,
     model::{
-        DirStats, Model, SocketModel,
+        DirStats, Model, MsgSpan, SocketModel,
         chain::{self, Boundaries, Chain, ChainSample, RECV, RecvPos, SEND, SendPos},
     },
+    observe::monotonic_ns,
     sockdiag::{self, DiagSocket},
 };
 
@@ -30,41 +31,139 @@ pub fn stream_pos(dir: &DirStats, seq: u32) -> Option<u64> {
     Some((anchor as i64 + delta).max(0) as u64)
 }
 
-fn send_pos(s: &SocketModel, snap: &TcpSnapshot, d: &DiagSocket) -> Option<SendPos> {
-    let written = stream_pos(&s.dirs[SEND], snap.write_seq)?;
-    let notsent = d.info.as_ref()?.notsent_bytes as u64;
+/// The raw 32-bit TCP sequence numbers of one socket at one sample, as the sample used them.
+///
+/// `write_seq` and `copied_seq` are the kernel hooks' `TCP_STATE` map entry (read right after
+/// the dump); the other three combine them with the sock_diag dump's queues
+/// (`net/ipv4/tcp_diag.c` `tcp_diag_get_info`, `tcp_get_info`):
+/// `snd_nxt` = write_seq − `tcpi_notsent_bytes`, `snd_una` = write_seq − `idiag_wqueue`,
+/// `rcv_nxt` = copied_seq + `idiag_rqueue` (all mod 2³²).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LegSeqs {
+    /// Socket cookie.
+    pub cookie: u64,
+    pub write_seq: u32,
+    pub snd_nxt: u32,
+    pub snd_una: u32,
+    pub rcv_nxt: u32,
+    pub copied_seq: u32,
+}
+
+impl LegSeqs {
+    /// From a map snapshot and the dump's entry of the same socket; `None` without the dump's
+    /// `tcp_info` (no notsent).
+    pub fn new(cookie: u64, snap: &TcpSnapshot, d: &DiagSocket) -> Option<Self> {
+        let notsent = d.info.as_ref()?.notsent_bytes;
+        Some(Self {
+            cookie,
+            write_seq: snap.write_seq,
+            snd_nxt: snap.write_seq.wrapping_sub(notsent),
+            snd_una: snap.write_seq.wrapping_sub(d.send_queue),
+            rcv_nxt: snap.copied_seq.wrapping_add(d.recv_queue),
+            copied_seq: snap.copied_seq,
+        })
+    }
+}
+
+fn send_pos(s: &SocketModel, l: &LegSeqs) -> Option<SendPos> {
+    let d = &s.dirs[SEND];
     Some(SendPos {
-        written,
-        snd_nxt: written.saturating_sub(notsent),
-        snd_una: written.saturating_sub(d.send_queue as u64),
+        written: stream_pos(d, l.write_seq)?,
+        snd_nxt: stream_pos(d, l.snd_nxt)?,
+        snd_una: stream_pos(d, l.snd_una)?,
     })
 }
 
-fn recv_pos(s: &SocketModel, snap: &TcpSnapshot, d: &DiagSocket) -> Option<RecvPos> {
-    let copied = stream_pos(&s.dirs[RECV], snap.copied_seq)?;
+fn recv_pos(s: &SocketModel, l: &LegSeqs) -> Option<RecvPos> {
+    let d = &s.dirs[RECV];
     Some(RecvPos {
-        rcv_nxt: copied + d.recv_queue as u64,
-        copied,
+        rcv_nxt: stream_pos(d, l.rcv_nxt)?,
+        copied: stream_pos(d, l.copied_seq)?,
     })
+}
+
+/// What one sample took of one chain, beyond the [`ChainSample`] kept for the report: the raw
+/// positions (for the `--samples` series).
+#[derive(Clone, Debug)]
+pub struct ChainTake {
+    /// spice-server's socket (the chain's head), cookie.
+    pub server: u64,
+    /// The sample as appended to the chain.
+    pub sample: ChainSample,
+    /// The stages the placement filled ([`STAGES`](chain::STAGES) indexes), empty when
+    /// nothing was placed.
+    pub stages: &'static [usize],
+    /// Raw positions of spice-server's socket, the relay's leg toward it and the relay's leg
+    /// toward the client; `None` where there is no such leg or its positions were not read.
+    pub server_leg: Option<LegSeqs>,
+    pub backend_leg: Option<LegSeqs>,
+    pub client_leg: Option<LegSeqs>,
+    /// TCP sequence number of the last byte of the newest and of the oldest kept in-flight
+    /// message, on spice-server's sending direction (`seq_base` + end offset − 1).
+    pub newest_last_byte_seq: Option<u32>,
+    pub oldest_last_byte_seq: Option<u32>,
+}
+
+/// One sample of every chain.
+#[derive(Debug)]
+pub struct Sample {
+    /// CLOCK_MONOTONIC ns right before the sock_diag dump.
+    pub t_ns: u64,
+    /// CLOCK_MONOTONIC ns right after the last `TCP_STATE` map read.
+    pub t_end_ns: u64,
+    /// The dump by cookie, for other uses (TCP state of unchained sockets).
+    pub dump: HashMap<u64, DiagSocket>,
+    /// One entry per chain sampled (open spice-server socket), in `chains` order.
+    pub chains: Vec<ChainTake>,
 }
 
 /// Everything one sample needs about one socket.
 struct Now<'a> {
     model: &'a SocketModel,
-    snap: TcpSnapshot,
+    leg: Option<LegSeqs>,
     diag: &'a DiagSocket,
 }
 
-/// Takes one sample of every chain: pairs new sockets, then places each chain's in-flight
-/// messages. `now_ns` is CLOCK_MONOTONIC. Returns the sock_diag dump for other uses (TCP
-/// state of unchained sockets), or `None` if the dump failed.
-pub fn sample(
-    cap: &mut Capture,
-    model: &mut Model,
-    chains: &mut Vec<Chain>,
-    now_ns: u64,
-) -> Option<HashMap<u64, DiagSocket>> {
+/// The positions one sample read, before placing: see [`read`].
+#[derive(Debug)]
+pub struct Positions {
+    /// CLOCK_MONOTONIC ns right before the dump and right after the last map read.
+    t_ns: u64,
+    t_end_ns: u64,
+    dump: HashMap<u64, DiagSocket>,
+    snaps: HashMap<u64, TcpSnapshot>,
+}
+
+/// Takes one sample of every chain: [`read`], then [`place`] (without draining the ring in
+/// between: see [`read`] for why the caller should).
+pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> Option<Sample> {
+    let pos = read(cap, model, chains)?;
+    Some(place(model, chains, pos))
+}
+
+/// First half of a sample: pairs new sockets, then reads the positions of every socket: a
+/// sock_diag dump, then the `TCP_STATE` map entries (the chains' sockets first). Returns
+/// `None` if the dump failed (then no chain gets a sample).
+///
+/// Apply the ring's records between `read` and [`place`]: then the model (spice-server's
+/// count, the messages' spans) includes every call made up to the map reads, as
+/// `write_seq`/`copied_seq` do, and no position lies beyond the newest message because a
+/// message was started after the ring was drained.
+pub fn read(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> Option<Positions> {
     chain::pair(model, chains);
+    // The chains' sockets: their map entries are read before the dump too, to tell whether the
+    // process moved write_seq / copied_seq while the dump ran (then the dump's queues and the
+    // map's positions are of different instants).
+    let chained: Vec<u64> = chains
+        .iter()
+        .flat_map(|c| [Some(c.server), c.backend, c.client_leg])
+        .flatten()
+        .collect();
+    let before: HashMap<u64, TcpSnapshot> = chained
+        .iter()
+        .filter_map(|&c| Some((c, cap.tcp_state(c)?)))
+        .collect();
+    let t_ns = monotonic_ns();
     let dump: HashMap<u64, DiagSocket> = match sockdiag::dump_tcp() {
         Ok(v) => v.into_iter().map(|d| (d.cookie, d)).collect(),
         Err(e) => {
@@ -72,28 +171,75 @@ pub fn sample(
             return None;
         }
     };
-    // Kernel-hook snapshots right after the dump (write_seq / copied_seq anchor the queues).
-    let cookies: Vec<u64> = model
-        .sockets
-        .iter()
-        .filter(|(_, s)| s.closed_ns.is_none())
-        .map(|(c, _)| *c)
-        .collect();
+    // Kernel-hook snapshots right after the dump (write_seq / copied_seq anchor the queues),
+    // the chains' sockets first.
+    let mut cookies = chained.clone();
+    cookies.extend(
+        model
+            .sockets
+            .iter()
+            .filter(|(c, s)| s.closed_ns.is_none() && !chained.contains(c))
+            .map(|(c, _)| *c),
+    );
     let mut snaps = HashMap::new();
     for c in cookies {
-        if let Some(snap) = cap.tcp_state(c) {
+        if model.sockets.get(&c).is_some_and(|s| s.closed_ns.is_none())
+            && let Some(snap) = cap.tcp_state(c)
+        {
             model.tcp_sample(c, snap);
             snaps.insert(c, snap);
         }
     }
+    let t_end_ns = monotonic_ns();
+    let moved: Vec<u32> = before
+        .iter()
+        .filter_map(|(c, b)| {
+            let a = snaps.get(c)?;
+            Some(
+                (a.write_seq.wrapping_sub(b.write_seq))
+                    .max(a.copied_seq.wrapping_sub(b.copied_seq)),
+            )
+        })
+        .filter(|&d| d != 0)
+        .collect();
+    if !moved.is_empty() {
+        log::debug!(
+            "sample: {} of {} chain socket(s) moved write_seq/copied_seq during the {} µs dump and map reads (up to {} bytes)",
+            moved.len(),
+            before.len(),
+            (t_end_ns - t_ns) / 1000,
+            moved.iter().max().unwrap()
+        );
+    }
+    Some(Positions {
+        t_ns,
+        t_end_ns,
+        dump,
+        snaps,
+    })
+}
+
+/// Second half of a sample: places each chain's in-flight messages against the positions
+/// [`read`] took and appends a [`ChainSample`] to each chain whose spice-server socket is
+/// open. Returns what was taken.
+pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
+    let Positions {
+        t_ns,
+        t_end_ns,
+        dump,
+        snaps,
+    } = pos;
     let now = |cookie: Option<u64>| -> Option<Now<'_>> {
         let c = cookie?;
+        let diag = dump.get(&c)?;
+        let snap = snaps.get(&c)?;
         Some(Now {
             model: model.sockets.get(&c)?,
-            snap: *snaps.get(&c)?,
-            diag: dump.get(&c)?,
+            leg: LegSeqs::new(c, snap, diag),
+            diag,
         })
     };
+    let mut taken = Vec::new();
     for chain in chains.iter_mut() {
         let Some(server) = model.sockets.get(&chain.server) else {
             continue;
@@ -106,9 +252,12 @@ pub fn sample(
         let s = now(Some(chain.server));
         let b = now(chain.backend);
         let c = now(chain.client_leg);
-        let server_pos = s.as_ref().and_then(|n| send_pos(n.model, &n.snap, n.diag));
-        let backend_pos = b.as_ref().and_then(|n| recv_pos(n.model, &n.snap, n.diag));
-        let client_pos = c.as_ref().and_then(|n| send_pos(n.model, &n.snap, n.diag));
+        let pos = |n: &Option<Now<'_>>, f: fn(&SocketModel, &LegSeqs) -> Option<SendPos>| {
+            n.as_ref().and_then(|n| f(n.model, n.leg.as_ref()?))
+        };
+        let server_pos = pos(&s, send_pos);
+        let client_pos = pos(&c, send_pos);
+        let backend_pos = b.as_ref().and_then(|n| recv_pos(n.model, n.leg.as_ref()?));
         let bounds = match (server_pos, chain.backend.is_some(), backend_pos, client_pos) {
             (Some(server), false, _, _) => Some(Boundaries::Direct { server }),
             (Some(server), true, Some(backend), Some(client)) if chain.is_transparent() => {
@@ -123,27 +272,44 @@ pub fn sample(
             }
             _ => None,
         };
+        // Messages counted but not kept cannot be placed: unplaced, never hidden.
         let placement = bounds.map(|b| {
             let mut p = chain::place(&inflight, &b);
-            p.unplaced += (count.max(0) as usize).saturating_sub(inflight.len()) as u32;
+            p.unplaced += (count as usize).saturating_sub(inflight.len()) as u32;
             p
         });
         let relay_visible = chain
             .backend
             .and_then(|b| model.sockets.get(&b))
             .filter(|b| b.window.active())
-            .map(|b| b.window.count);
+            .map(|b| i64::from(b.window.count));
         let delivered = match (chain.backend.is_some(), client_pos, server_pos) {
             (true, Some(c), _) => Some(c.snd_una),
             (false, _, Some(s)) => Some(s.snd_una),
             _ => None,
         };
-        chain.samples.push(ChainSample {
-            t_ns: now_ns,
-            in_flight: count,
+        let sample = ChainSample {
+            t_ns,
+            in_flight: i64::from(count),
             relay_visible,
             placement,
             delivered,
+            kept: inflight.len() as u64,
+        };
+        chain.samples.push(sample);
+        let last_byte_seq = |m: Option<&MsgSpan>| {
+            let base = server.s2c().and_then(|d| server.dirs[d].seq_base)?;
+            Some(base.wrapping_add(m?.end as u32).wrapping_sub(1))
+        };
+        taken.push(ChainTake {
+            server: chain.server,
+            sample,
+            stages: bounds.as_ref().map_or(&[], |b| b.stages()),
+            server_leg: s.as_ref().and_then(|n| n.leg),
+            backend_leg: b.as_ref().and_then(|n| n.leg),
+            client_leg: c.as_ref().and_then(|n| n.leg),
+            newest_last_byte_seq: last_byte_seq(inflight.last()),
+            oldest_last_byte_seq: last_byte_seq(inflight.first()),
         });
         let link = if chain.backend.is_some() {
             c.as_ref()
@@ -160,5 +326,10 @@ pub fn sample(
             });
         }
     }
-    Some(dump)
+    Sample {
+        t_ns,
+        t_end_ns,
+        dump,
+        chains: taken,
+    }
 }

@@ -10,9 +10,11 @@
 //!   `listening <port>` (flushed) once bound, runs the link phase, streams `--messages` messages
 //!   (after an optional SET_ACK, obeying spice-server's ACK gate), reads the client's messages
 //!   concurrently, closes its write side when done and waits for the client to close.
+//!   `--second-set-ack-after N` sends a second SET_ACK (a new generation) after N of them.
 //! * `spice-peer client --connect 127.0.0.1:PORT [options]` links, answers SET_ACK with
 //!   ACK_SYNC and sends an ACK every W messages (spice-gtk cadence by default), optionally
-//!   sends its own messages, and reads until the server closes.
+//!   sends its own messages, and reads until the server closes. `--surplus-ack-after N` sends
+//!   one ACK more than the cadence asks for.
 //!
 //! Both print one final line `SUMMARY {json}` on stdout. Every count in it comes from what
 //! the syscalls actually returned: bytes are summed from return values, a sent message counts
@@ -221,6 +223,23 @@ struct ServerArgs {
     /// Send SET_ACK but ignore ACKs (no gate).
     #[arg(long)]
     ignore_acks: bool,
+    /// Send a second SET_ACK after this many streamed messages (needs --set-ack): a new
+    /// generation, as send_set_ack would start it (count reset to 1, §3.5).
+    #[arg(long)]
+    second_set_ack_after: Option<u64>,
+    /// Generation of the second SET_ACK (default --generation + 1).
+    #[arg(long)]
+    second_generation: Option<u32>,
+    /// Window of the second SET_ACK (default: the first one's).
+    #[arg(long)]
+    second_window: Option<u32>,
+    /// Sleep this long before the second SET_ACK (lets the ACKs in flight arrive first).
+    #[arg(long, default_value_t = 0)]
+    second_set_ack_delay_ms: u64,
+    /// Sleep this long before each streamed message is started, i.e. before it is counted and
+    /// written (a slowly drawing guest). Unlike --pause-ms, nothing is counted during the sleep.
+    #[arg(long, default_value_t = 0)]
+    interval_ms: u64,
     /// Stop streaming (and finish normally) after waiting this long for an ACK.
     #[arg(long, default_value_t = 5000)]
     stall_timeout_ms: u64,
@@ -279,6 +298,10 @@ struct ClientArgs {
     /// Sleep this long before each ACK.
     #[arg(long, default_value_t = 0)]
     ack_delay_ms: u64,
+    /// Once, after this many messages following the last SET_ACK, send one ACK more than the
+    /// cadence asks for (a surplus ACK when fewer than W messages are in flight, §3.5).
+    #[arg(long)]
+    surplus_ack_after: Option<u64>,
     /// Client messages to send after the link (from a second thread, while reading).
     #[arg(long, default_value_t = 0)]
     messages: u64,
@@ -1333,6 +1356,14 @@ struct AckState {
     /// spice-server's messages_window: 1 after SET_ACK, +1 per message start, −W per ACK.
     count: i64,
     max_count: i64,
+    /// The same count as spice-server keeps it, a `uint32_t` (wraps below 0); the gate reads
+    /// this one, like `waiting_for_ack()`.
+    mw: u32,
+    /// Highest count since the last SET_ACK.
+    max_count_generation: i64,
+    set_acks: u64,
+    /// Matched ACKs that found fewer than W messages counted (mw wrapped).
+    ack_surplus: u64,
     client_generation: Option<u32>,
     ack_syncs: u64,
     acks: u64,
@@ -1350,6 +1381,10 @@ struct ClientAcks {
     counter: u32,
     ack_syncs_sent: u64,
     acks_sent: u64,
+    /// Messages received since the last SET_ACK.
+    since_set_ack: u64,
+    /// Extra ACKs sent by --surplus-ack-after (also counted in acks_sent).
+    surplus_acks_sent: u64,
 }
 
 /// The finished run: the SUMMARY object and whether the script completed.
@@ -1490,6 +1525,8 @@ fn run_server(a: &ServerArgs, on_listen: &mut dyn FnMut(u16)) -> Report {
             json!({
                 "flow_control": s.flow, "window": s.window, "generation": s.generation,
                 "final_count": s.count, "max_count": s.max_count,
+                "messages_window": s.mw, "max_count_generation": s.max_count_generation,
+                "set_acks": s.set_acks, "ack_surplus": s.ack_surplus,
                 "client_generation": s.client_generation, "ack_syncs": s.ack_syncs,
                 "acks": s.acks, "acks_matched": s.acks_matched, "gate_waits": s.waits,
                 "stalled_timeout": s.stalled_timeout,
@@ -1762,7 +1799,11 @@ fn server_reader(
                 s.acks += 1;
                 if s.client_generation == Some(s.generation) && s.window > 0 {
                     s.acks_matched += 1;
+                    if s.count < s.window as i64 {
+                        s.ack_surplus += 1;
+                    }
                     s.count -= s.window as i64;
+                    s.mw = s.mw.wrapping_sub(s.window);
                     cv.notify_all();
                 }
             }
@@ -1805,11 +1846,20 @@ fn server_writer(
         list.push((msg_server::MAIN_INIT, wire::main_init_body(sid).to_vec()));
     }
     let extra = list.len() as u64;
-    let total = extra + a.messages;
+    // The second SET_ACK, if any, goes out after that many streamed messages.
+    let second_at = a.second_set_ack_after.map(|n| extra + n.min(a.messages));
+    let second = (
+        a.second_generation.unwrap_or(a.generation.wrapping_add(1)),
+        a.second_window.unwrap_or(window),
+    );
+    let second_body = wire::set_ack_body(second.0, second.1);
+    let total = extra + a.messages + second_at.is_some() as u64;
     let get = |i: u64| -> (u16, &[u8]) {
         if i < extra {
             let (t, b) = &list[i as usize];
             (*t, b.as_slice())
+        } else if Some(i) == second_at {
+            (msg_server::SET_ACK, second_body.as_slice())
         } else {
             (a.msg_type, body.as_slice())
         }
@@ -1820,36 +1870,63 @@ fn server_writer(
         let mut batch: Vec<(u16, &[u8])> = Vec::new();
         while batch.len() < c.batch && i < total {
             let (t, b) = get(i);
+            let is_second = Some(i) == second_at;
+            if is_second {
+                if !batch.is_empty() {
+                    break; // the second SET_ACK starts a write call of its own
+                }
+                thread::sleep(Duration::from_millis(a.second_set_ack_delay_ms));
+            } else if i >= extra && a.interval_ms > 0 {
+                if !batch.is_empty() {
+                    break; // each message goes out when its interval has passed
+                }
+                thread::sleep(Duration::from_millis(a.interval_ms));
+            }
             {
                 let (lock, cv) = &**acks;
                 let mut s = lock.lock().unwrap();
                 if a.set_ack && i == 0 {
                     // send_set_ack: mw = 0, then begin_send_message counts the SET_ACK itself.
                     s.count = 1;
+                    s.mw = 1;
+                    s.set_acks = 1;
+                    s.max_count_generation = 0;
                 } else if s.flow {
-                    if s.count > 2 * s.window as i64 {
+                    if s.mw > s.window.wrapping_mul(2) {
                         if !batch.is_empty() {
                             break; // send what the gate allowed so far
                         }
                         s.waits += 1;
                         let deadline = Instant::now() + stall;
-                        while s.count > 2 * s.window as i64 && !s.reader_done {
+                        while s.mw > s.window.wrapping_mul(2) && !s.reader_done {
                             let left = deadline.saturating_duration_since(Instant::now());
                             if left.is_zero() {
                                 break;
                             }
                             s = cv.wait_timeout(s, left).unwrap().0;
                         }
-                        if s.count > 2 * s.window as i64 {
+                        if s.mw > s.window.wrapping_mul(2) {
                             s.stalled_timeout = !s.reader_done;
                             break 'outer;
                         }
                     }
                     s.count += 1;
+                    s.mw = s.mw.wrapping_add(1);
                 } else if s.window > 0 {
                     s.count += 1;
+                    s.mw = s.mw.wrapping_add(1);
+                }
+                if is_second {
+                    // A new generation: send_set_ack resets the count, the SET_ACK counts.
+                    s.generation = second.0;
+                    s.window = second.1;
+                    s.count = 1;
+                    s.mw = 1;
+                    s.set_acks += 1;
+                    s.max_count_generation = 0;
                 }
                 s.max_count = s.max_count.max(s.count);
+                s.max_count_generation = s.max_count_generation.max(s.count);
             }
             batch.push((t, b));
             i += 1;
@@ -1914,6 +1991,7 @@ fn run_client(a: &ClientArgs) -> Report {
         "cadence": format!("{:?}", a.ack_cadence).to_lowercase(),
         "window": acks.window, "generation": acks.generation,
         "ack_syncs_sent": acks.ack_syncs_sent, "acks_sent": acks.acks_sent,
+        "surplus_acks_sent": acks.surplus_acks_sent,
     });
     let tx = tx.lock().unwrap();
     summary(
@@ -2189,6 +2267,7 @@ fn client_reader(
             acks.generation = m.word(0);
             acks.window = m.word(1);
             acks.counter = acks.window;
+            acks.since_set_ack = 0;
             if !a.no_acks && acks.window > 0 {
                 acks.ack_syncs_sent += 1;
                 let body = wire::ack_sync_body(acks.generation);
@@ -2202,6 +2281,13 @@ fn client_reader(
             acks.counter -= 1;
             if acks.counter == 0 {
                 acks.counter = acks.window;
+                send_ack(acks)?;
+            }
+        }
+        if !is_set_ack && acks.window > 0 {
+            acks.since_set_ack += 1;
+            if a.surplus_ack_after == Some(acks.since_set_ack) && acks.surplus_acks_sent == 0 {
+                acks.surplus_acks_sent += 1;
                 send_ack(acks)?;
             }
         }
@@ -2220,8 +2306,15 @@ fn validate(cli: &Cli) -> Result<(), String> {
             if a.window.is_some() && !a.set_ack {
                 return Err("--window needs --set-ack".into());
             }
-            if a.window == Some(0) {
-                return Err("--window must be at least 1".into());
+            if a.window == Some(0) || a.second_window == Some(0) {
+                return Err("--window and --second-window must be at least 1".into());
+            }
+            if !a.set_ack
+                && (a.second_set_ack_after.is_some()
+                    || a.second_generation.is_some()
+                    || a.second_window.is_some())
+            {
+                return Err("--second-set-ack-after and its options need --set-ack".into());
             }
             Ok(())
         }
@@ -2362,6 +2455,73 @@ mod tests {
         assert_eq!(c["framing"]["c2s"]["prefixes"][0], json!([1, 1, 0]));
         assert_eq!(c["link"]["server_common_caps"], json!([0x0B]));
         assert_eq!(n(&c["sent"]["link_bytes"]), 16 + 22 + 4 + 128);
+    }
+
+    #[test]
+    fn second_set_ack_opens_a_generation() {
+        let (s, c) = pair(
+            &[
+                "--messages",
+                "20",
+                "--set-ack",
+                "--window",
+                "4",
+                "--second-set-ack-after",
+                "8",
+                "--second-generation",
+                "7",
+                "--second-window",
+                "2",
+                "--second-set-ack-delay-ms",
+                "50",
+            ],
+            &[],
+        );
+        check_consistent(&s, &c);
+        assert_eq!(s["sent"]["by_type"], json!({"3": 2, "304": 20}));
+        let a = &s["acks"];
+        assert_eq!(
+            (a["set_acks"].clone(), a["generation"].clone()),
+            (json!(2), json!(7))
+        );
+        assert_eq!(
+            (a["window"].clone(), a["ack_syncs"].clone()),
+            (json!(2), json!(2))
+        );
+        // Generation 7: SET_ACK + 12 messages, the client ACKs every 2: count 1 + 12 - 12.
+        assert_eq!(a["acks_matched"], 2 + 6);
+        assert_eq!(a["final_count"], 1);
+        assert!(n(&a["max_count_generation"]) <= 5, "gate: 2W+1 of W=2: {a}");
+        assert_eq!(c["framing"]["s2c"]["prefixes"][0], json!([3, 1, 4]));
+        assert_eq!(c["acks"]["generation"], 7);
+    }
+
+    #[test]
+    fn surplus_ack_wraps_the_unsigned_count_and_stalls() {
+        let (s, c) = pair(
+            &[
+                "--messages",
+                "10",
+                "--set-ack",
+                "--window",
+                "8",
+                "--interval-ms",
+                "30",
+                "--stall-timeout-ms",
+                "200",
+            ],
+            &["--surplus-ack-after", "2"],
+        );
+        assert!(s["error"].is_null() && c["error"].is_null(), "{s:#}\n{c:#}");
+        let a = &s["acks"];
+        // SET_ACK + 2 messages counted, then the ACK: 3 - 8 wraps messages_window.
+        assert_eq!(a["ack_surplus"], 1);
+        assert_eq!(a["final_count"], -5);
+        assert_eq!(a["messages_window"], 3u32.wrapping_sub(8));
+        assert_eq!(a["stalled_timeout"], true);
+        assert_eq!(s["sent"]["by_type"], json!({"3": 1, "304": 2}));
+        assert_eq!(c["acks"]["surplus_acks_sent"], 1);
+        assert_eq!(c["acks"]["acks_sent"], 1);
     }
 
     #[test]

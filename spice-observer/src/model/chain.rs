@@ -24,6 +24,17 @@
 //! Without a relay the stages are `server_writing`, `server_notsent`, `server_unacked` and
 //! `client_owes_ack`. Behind a relay that is not byte-transparent only the server-side stages
 //! and `proxy_recv_queue` can be placed; the rest are counted as unplaced.
+//!
+//! Which messages are in flight ([`inflight`]): the newest `count` server → client messages of
+//! spice-server's socket, `count` being the replayed in-flight count of `model/window.rs`
+//! (SET_ACK included, since the SET_ACK counts itself: `docs/spice-protocol.md` §3.2). So the
+//! SET_ACK message itself is in the set, as its oldest member, from the moment it starts until
+//! the first matching ACK subtracts W, which drops the oldest W: the SET_ACK and the W − 1
+//! messages after it. From then on the set still holds one message more than the client has
+//! left unacknowledged by its own counting: with spice-gtk's cadence (an ACK after every W
+//! messages following the SET_ACK, §3.8) that is the message whose arrival triggered the last
+//! ACK, typically placed in `client_owes_ack`. A second SET_ACK restarts the set at that SET_ACK
+//! (count 1); after a surplus ACK the count, and so the set, is empty (§3.5).
 
 use std::collections::HashSet;
 
@@ -92,6 +103,10 @@ pub struct Placement {
     /// Messages that could not be placed (behind a relay that changes the stream, or more
     /// in flight than messages kept).
     pub unplaced: u32,
+    /// Stage thresholds whose position [`place`] had to clamp because it disagreed with the
+    /// data path's order or lay beyond the newest in-flight message's end (positions read at
+    /// different instants). A lagging acknowledgement is not counted.
+    pub clamped: u32,
 }
 
 impl Placement {
@@ -101,10 +116,33 @@ impl Placement {
     }
 }
 
+impl Boundaries {
+    /// Indexes into [`STAGES`] that a placement against these boundaries fills: every stage
+    /// through a byte-transparent relay, the server side and `proxy_recv_queue` behind an
+    /// opaque one (the rest is unplaced), [`NO_RELAY_STAGES`] without a relay.
+    pub fn stages(&self) -> &'static [usize] {
+        match self {
+            Boundaries::Direct { .. } => &NO_RELAY_STAGES,
+            Boundaries::Relay { .. } => &[0, 1, 2, 3, 4, 5, 6, 7],
+            Boundaries::OpaqueRelay { .. } => &[0, 1, 2, 3],
+        }
+    }
+}
+
 /// Places `inflight` (the messages spice-server counts as in flight, oldest first) against the
 /// stage boundaries `b`. Every message lands in exactly one stage or in `unplaced`, so the
-/// counts always add up to `inflight.len()`. Boundaries that disagree with the chain order
-/// (samples of different sockets are a few microseconds apart) are clamped, never reordered.
+/// counts add up to `inflight.len()` by construction (that sum is no check of anything).
+///
+/// The thresholds, in chain order: S written, S `snd_nxt`, S `snd_una`, B read, C written,
+/// C `snd_nxt`, C `snd_una`. At any one instant the data path orders them (S written ≥
+/// S `snd_nxt` ≥ S `snd_una`; S `snd_nxt` ≥ B read ≥ C written ≥ C `snd_nxt` ≥ C `snd_una`)
+/// and none lies beyond the end of the newest in-flight message; a position beyond that means
+/// the readings are of different instants (the sock_diag dump and the map reads are not one),
+/// and it is clamped, never reordered, and counted in
+/// [`Placement::clamped`]. Not counted: S `snd_una` below B read (an acknowledgement lagging
+/// behind the data, a delayed ACK: the message stays in `server_unacked`, the first stage whose
+/// position its last byte has not passed) and positions before the oldest in-flight message's
+/// start (bytes not counted in flight, e.g. the link phase; they move no message).
 pub fn place(inflight: &[MsgSpan], b: &Boundaries) -> Placement {
     let mut p = Placement::default();
     let (Some(first), Some(last)) = (inflight.first(), inflight.last()) else {
@@ -147,8 +185,28 @@ pub fn place(inflight: &[MsgSpan], b: &Boundaries) -> Placement {
             4
         }
     };
-    // Clamp into a non-increasing sequence within [oldest start, newest end].
+    // 1. Disagreements, clamped and counted: a position beyond its predecessor on the data
+    // path (S written ≥ S snd_nxt ≥ S snd_una, S snd_nxt ≥ B read ≥ C written ≥ C snd_nxt ≥
+    // C snd_una) or beyond the newest in-flight message's end cannot be at one instant with
+    // the others and with the count.
     let (lo, hi) = (first.at, last.end);
+    for i in 0..n {
+        let upper = match (i, th[i].1) {
+            (0, _) => hi,
+            // B read follows what S sent, not what S saw acknowledged.
+            (_, 3) => th[1].0,
+            _ => th[i - 1].0,
+        };
+        if th[i].0 > upper {
+            p.clamped += 1;
+            th[i].0 = upper;
+        }
+    }
+    // 2. The first-stage rule: an acknowledgement may lag behind the data (the relay has read
+    // bytes S has not seen acknowledged yet: a delayed ACK), and such a message stays in the
+    // earlier stage. A position before the oldest message's start (bytes not counted in
+    // flight: the link phase, messages that left the count) moves no message. Neither is a
+    // disagreement; neither is counted.
     let mut prev = hi;
     for t in th[..n].iter_mut() {
         t.0 = t.0.clamp(lo, prev);
@@ -226,6 +284,9 @@ pub struct ChainSample {
     /// Where the in-flight messages are; `None` when the sockets' TCP positions were not
     /// available (e.g. a socket in another network namespace).
     pub placement: Option<Placement>,
+    /// How many of the `in_flight` messages the agent still kept to place ([`inflight`]):
+    /// fewer than `in_flight` means the rest are in `unplaced`.
+    pub kept: u64,
     /// Stream offset of the last byte TCP-acknowledged on the client-facing link.
     pub delivered: Option<u64>,
 }
@@ -857,6 +918,87 @@ mod tests {
         assert_eq!(p.placed(), 4);
         assert_eq!(p.counts[2], 3, "beyond snd_una 10: three messages unacked");
         assert_eq!(p.bytes.iter().sum::<u64>(), 40);
+        // B read 30 and the client leg above S snd_una 10 is a lagging ACK, not a
+        // disagreement: nothing counted.
+        assert_eq!(p.clamped, 0);
+    }
+
+    #[test]
+    fn consistent_boundaries_are_not_counted_as_clamped() {
+        let m = msgs(&[10; 10], 100);
+        let server = SendPos {
+            written: 200,
+            snd_nxt: 200,
+            snd_una: 100,
+        };
+        // Thresholds equal to the range's ends and to each other are in order: not clamped.
+        let p = place(&m, &Boundaries::Direct { server });
+        assert_eq!((p.clamped, p.counts[2]), (0, 10));
+    }
+
+    #[test]
+    fn clamp_counts_each_threshold_out_of_data_path_order() {
+        // Messages 100..200.
+        let m = msgs(&[10; 10], 100);
+        // write_seq beyond the newest message's end (a message started after the ring was
+        // drained): counted. snd_una before the oldest message's start (older bytes not yet
+        // acknowledged) moves no message: not counted.
+        let server = SendPos {
+            written: 230,
+            snd_nxt: 150,
+            snd_una: 40,
+        };
+        let p = place(&m, &Boundaries::Direct { server });
+        assert_eq!(p.clamped, 1);
+        assert_eq!(p.counts, [0, 5, 5, 0, 0, 0, 0, 0]);
+        assert_eq!(p.bytes[..3], [0, 50, 50]);
+        // snd_nxt above written: snd_nxt is clamped down to written, and snd_una (in order
+        // with the clamped value) is not.
+        let server = SendPos {
+            written: 150,
+            snd_nxt: 170,
+            snd_una: 120,
+        };
+        let p = place(&m, &Boundaries::Direct { server });
+        assert_eq!(p.clamped, 1);
+        assert_eq!(p.counts, [5, 0, 3, 0, 0, 0, 0, 2]);
+        // Through a relay: the relay read past spice-server's snd_una (the ACK on its way: not
+        // counted) and the client leg wrote past what the relay read (counted).
+        let b = Boundaries::Relay {
+            server: SendPos {
+                written: 200,
+                snd_nxt: 200,
+                snd_una: 160,
+            },
+            backend: RecvPos {
+                rcv_nxt: 200,
+                copied: 180,
+            },
+            client: SendPos {
+                written: 190,
+                snd_nxt: 150,
+                snd_una: 120,
+            },
+        };
+        let p = place(&m, &b);
+        assert_eq!(p.clamped, 1);
+        assert_eq!(p.counts, [0, 0, 4, 0, 0, 1, 3, 2]);
+        // The relay read more than spice-server had sent (a read after the dump): counted, and
+        // the client leg, in order with the clamped read, is not.
+        let b = Boundaries::OpaqueRelay {
+            server: SendPos {
+                written: 200,
+                snd_nxt: 170,
+                snd_una: 150,
+            },
+            backend: RecvPos {
+                rcv_nxt: 190,
+                copied: 190,
+            },
+        };
+        let p = place(&m, &b);
+        assert_eq!(p.clamped, 1);
+        assert_eq!((p.counts[1], p.counts[2], p.unplaced), (3, 2, 5));
     }
 
     #[test]

@@ -109,7 +109,8 @@ pub struct SocketModel {
     /// Indexed by [`dir::SEND`] / [`dir::RECV`].
     pub dirs: [DirStats; 2],
     /// spice-server's ACK window, replayed on this socket's server → client messages and
-    /// client → server ACK_SYNC / ACK. Active only on display and cursor channels.
+    /// client → server ACK_SYNC / ACK, with this socket's channel type (urgent pairs exist on
+    /// display only). Active only once a SET_ACK was seen: display and cursor channels.
     pub window: AckWindow,
     /// Main INIT session id (main channel), or the link message's connection_id (others).
     pub session_id: Option<u32>,
@@ -224,9 +225,10 @@ impl SocketModel {
         }
         match ds.role {
             Role::ServerToClient => {
+                let channel_type = self.channel().map(|c| c.0);
                 self.window
-                    .server_message(m.hdr.ts_ns, m.msg_type, m.prefix);
-                let is_main = self.channel().map(|c| c.0) == Some(channel::MAIN);
+                    .server_message(m.hdr.ts_ns, channel_type, m.msg_type, m.prefix);
+                let is_main = channel_type == Some(channel::MAIN);
                 if is_main && m.msg_type == msg_server::MAIN_INIT && m.size >= 4 {
                     self.session_id = Some(m.prefix[0]);
                 }
@@ -384,5 +386,101 @@ impl Model {
                 s.window.finish(now_ns);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spice_ebpf_common::event::dir;
+
+    /// One server-end socket (the watched process is spice-server: it reads the link message)
+    /// of channel `channel_type`, fed SET_ACK(1, W=2), ACK_SYNC(1), then `types` as server
+    /// messages.
+    fn server_socket(channel_type: u8, types: &[u16]) -> SocketModel {
+        let mut m = Model::default();
+        let hdr = |d: u8, ts: u64| EventHeader {
+            dir: d,
+            ts_ns: ts,
+            cookie: 7,
+            tgid: 1,
+            ..Default::default()
+        };
+        m.apply(&Event::Link(LinkEvent {
+            hdr: hdr(dir::RECV, 1),
+            role: Role::ClientToServer as u8,
+            channel_type,
+            ..Default::default()
+        }));
+        m.apply(&Event::Link(LinkEvent {
+            hdr: hdr(dir::SEND, 2),
+            role: Role::ServerToClient as u8,
+            ..Default::default()
+        }));
+        let msg = |d: u8, ts: u64, index: u64, msg_type: u16, prefix: [u32; 2]| {
+            Event::Message(MessageEvent {
+                hdr: hdr(d, ts),
+                index,
+                msg_type,
+                hdr_len: 6,
+                prefix,
+                ..Default::default()
+            })
+        };
+        m.apply(&msg(dir::SEND, 10, 1, msg_server::SET_ACK, [1, 2]));
+        m.apply(&msg(dir::RECV, 11, 1, msg_client::ACK_SYNC, [1, 0]));
+        for (i, &t) in types.iter().enumerate() {
+            m.apply(&msg(dir::SEND, 20 + i as u64, 2 + i as u64, t, [0, 0]));
+        }
+        m.sockets.remove(&7).unwrap()
+    }
+
+    #[test]
+    fn urgent_exemption_follows_the_link_messages_channel_type() {
+        // W = 2: three draws reach 4 = 2W, a 105 reaches 5 = 2W+1, then one more start.
+        let types = [302, 302, 302, 105, 302];
+        let d = server_socket(channel::DISPLAY, &types);
+        assert_eq!(d.window.count, 6);
+        assert_eq!(
+            (d.window.urgent_pair_peaks, d.window.starts_while_stalled),
+            (1, 0)
+        );
+        // On cursor the same 105 is CURSOR_HIDE: the start after it is not excused.
+        let c = server_socket(channel::CURSOR, &types);
+        assert_eq!(c.window.count, 6);
+        assert_eq!(
+            (c.window.urgent_pair_peaks, c.window.starts_while_stalled),
+            (0, 1)
+        );
+    }
+
+    #[test]
+    fn inflight_set_holds_the_set_ack_until_the_first_ack() {
+        // What chain::inflight() places (README "Stages"): the newest `count` messages.
+        let mut s = server_socket(channel::DISPLAY, &[302, 302, 302]);
+        let types = |s: &SocketModel| -> Vec<(u64, u16)> {
+            chain::inflight(s)
+                .iter()
+                .map(|m| (m.index, m.msg_type))
+                .collect()
+        };
+        assert_eq!(
+            types(&s),
+            [(1, msg_server::SET_ACK), (2, 302), (3, 302), (4, 302)]
+        );
+        // The first ACK (W = 2) covers the oldest two: the SET_ACK and the first draw.
+        s.message(&MessageEvent {
+            hdr: EventHeader {
+                dir: dir::RECV,
+                ts_ns: 100,
+                cookie: 7,
+                ..Default::default()
+            },
+            index: 2,
+            msg_type: msg_client::ACK,
+            hdr_len: 6,
+            ..Default::default()
+        });
+        assert_eq!(types(&s), [(3, 302), (4, 302)]);
     }
 }

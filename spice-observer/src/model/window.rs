@@ -3,7 +3,8 @@
 //! The rules are spice-server's own (`server/red-channel-client.cpp`; explained with sources in
 //! `docs/spice-protocol.md` §3):
 //! * SET_ACK (server → client, type 3) carries (generation, window W) and sets the count to 1:
-//!   the SET_ACK counts itself (`send_set_ack` then `begin_send_message`).
+//!   the SET_ACK counts itself (`send_set_ack` zeroes `messages_window`, then
+//!   `begin_send_message` adds 1).
 //! * Every later server → client message adds 1 when it starts (`begin_send_message`), before
 //!   its first write, even if that write fails with EAGAIN.
 //! * ACK_SYNC (client → server, type 1) records the client's generation.
@@ -11,15 +12,35 @@
 //!   other ACKs are dropped silently.
 //! * The server starts no new message while the count is above 2W (`waiting_for_ack`), so the
 //!   count peaks at 2W+1, or 2W+2 when an urgent pair (INVAL_LIST or LIST, then the message it
-//!   guards, `dcc-send.cpp` `send_free_list`; display connections only, §3.3) straddles the
-//!   threshold.
+//!   guards, `dcc-send.cpp` `send_free_list`) straddles the threshold. Urgent pairs exist on
+//!   display connections only (§3.3): on cursor, type 105 is CURSOR_HIDE and LIST is never sent,
+//!   so the exemption is keyed on the channel type.
 //!
-//! The count is "in flight" in spice-server's sense: messages started and not yet covered by
-//! an ACK. Time-weighted statistics are kept from the SET_ACK on.
+//! Two counts are kept, because spice-server's `messages_window` is a `uint32_t` (§3.5):
+//! * [`AckWindow::messages_window`] is spice-server's value exactly, with its unsigned
+//!   wrap-around. It decides whether the server is waiting for an ACK, as in
+//!   `waiting_for_ack()`.
+//! * [`AckWindow::count`] is the in-flight count reported: messages started and not yet covered
+//!   by an ACK, never below 0. The two are equal unless a surplus ACK arrived (one that found
+//!   fewer than W messages in flight): spice-server's unsigned subtraction then wraps
+//!   `messages_window` to about 2³², which keeps it waiting for good, while nothing is in
+//!   flight. The replay counts such ACKs in [`AckWindow::ack_surplus`], sets the count to 0 and
+//!   keeps `messages_window` wrapped, so the stall spice-server is in shows as stalled time.
+//!
+//! Every SET_ACK opens a new generation (spice-server resets `messages_window` in
+//! `send_set_ack`). The time-weighted statistics (histogram, maximum, stalled time, stalls) are
+//! those of the current generation; [`AckWindow::generations`] says how many there were. The
+//! state is bounded: the histogram holds at most [`HISTOGRAM_MAX`] + 1 values, whatever the run
+//! length.
 
 use std::collections::BTreeMap;
 
-use spice_ebpf_common::protocol::msg_server;
+use spice_ebpf_common::protocol::{channel, msg_server};
+
+/// Highest count the time histogram keeps apart; longer stays above it are added to this value.
+/// spice-server's count never exceeds 2W+2 (82 with W = 40, `WIDE_CLIENT_ACK_WINDOW`), so only
+/// a peer that ignores the window reaches it.
+pub const HISTOGRAM_MAX: u32 = 4096;
 
 /// Replayed window state and statistics of one display or cursor connection.
 #[derive(Clone, Debug, Default)]
@@ -30,30 +51,44 @@ pub struct AckWindow {
     pub generation: u32,
     /// Generation from the last ACK_SYNC, if any.
     pub client_generation: Option<u32>,
-    /// spice-server's `messages_window` now, in messages.
-    pub count: i64,
+    /// In flight: messages started since the last SET_ACK (the SET_ACK included) and not yet
+    /// covered by a matching ACK, never below 0. Equals [`Self::messages_window`] unless a
+    /// surplus ACK arrived in this generation.
+    pub count: u32,
+    /// spice-server's `messages_window` exactly (a `uint32_t`: increments and subtractions
+    /// wrap around as in C). Decides [`Self::stalled`].
+    pub messages_window: u32,
+    /// SET_ACKs seen (each opens a generation).
     pub set_acks: u64,
     pub ack_syncs: u64,
-    /// ACKs that matched the generation (each subtracted W).
+    /// ACKs that matched the generation (each subtracted W), all generations.
     pub acks: u64,
     /// ACKs dropped because no ACK_SYNC or a different generation preceded them.
     pub acks_ignored: u64,
+    /// Matched ACKs that found fewer than W messages in flight (the count would have gone below
+    /// 0). On the first of them spice-server's unsigned `messages_window` wraps around and the
+    /// connection waits for an ACK for good. A well-behaved client never sends one.
+    pub ack_surplus: u64,
     /// Server → client messages counted after the first SET_ACK (SET_ACKs not included).
     pub messages_after_set_ack: u64,
-    /// Highest count reached.
-    pub max: i64,
-    /// Message starts while the count was above 2W that an urgent pair does not explain:
-    /// spice-server never does this, so a non-zero value means the replay is wrong.
+    /// Message starts while spice-server was waiting for an ACK that an urgent pair does not
+    /// explain: spice-server never does this, so a non-zero value means the replay is wrong
+    /// (or the server is not spice-server). All generations.
     pub starts_while_stalled: u64,
-    /// Starts at count 2W+1 right after an urgent INVAL_LIST / LIST (allowed: peak 2W+2).
+    /// Starts at 2W+1 right after an urgent INVAL_LIST / LIST on a display connection
+    /// (allowed: peak 2W+2). All generations.
     pub urgent_pair_peaks: u64,
-    /// Transitions from count ≤ 2W to count > 2W.
+    /// Highest in-flight count reached in the current generation.
+    pub max: u32,
+    /// Transitions from not waiting to waiting for an ACK (`messages_window` going above 2W)
+    /// in the current generation.
     pub stalls: u64,
-    /// Nanoseconds spent at each count value since the first SET_ACK.
-    time_at: BTreeMap<i64, u64>,
-    /// Nanoseconds with count > 2W.
+    /// Nanoseconds spent at each in-flight count (clamped to [`HISTOGRAM_MAX`]) in the current
+    /// generation.
+    time_at: BTreeMap<u32, u64>,
+    /// Nanoseconds spent waiting for an ACK in the current generation.
     stalled_ns: u64,
-    /// Timestamp of the first SET_ACK and of the last change.
+    /// Timestamp of the current generation's SET_ACK, and of the last event.
     since_ns: Option<u64>,
     last_ns: u64,
     /// Type of the previous server → client message.
@@ -66,16 +101,37 @@ impl AckWindow {
         self.since_ns.is_some()
     }
 
-    /// The stall threshold 2W: the server sends only while count ≤ 2W.
-    pub fn threshold(&self) -> i64 {
-        2 * self.window as i64
+    /// SET_ACKs seen, i.e. generations this connection had (the statistics are the last
+    /// one's). spice-server 0.14 and 0.15 send one SET_ACK per connection (§3.5).
+    pub fn generations(&self) -> u64 {
+        self.set_acks
+    }
+
+    /// The stall threshold 2W, computed as spice-server does (`client_window * 2` in
+    /// `uint32_t`): the server starts a message only while `messages_window` ≤ 2W.
+    pub fn threshold(&self) -> u32 {
+        self.window.wrapping_mul(2)
+    }
+
+    /// The most messages a gated start can leave in flight, 2W+1 (`in_flight_limit`).
+    pub fn limit(&self) -> u32 {
+        self.threshold().saturating_add(1)
+    }
+
+    /// Whether spice-server is waiting for an ACK: `waiting_for_ack()`, i.e.
+    /// `messages_window > client_window * 2` in unsigned 32-bit arithmetic.
+    pub fn stalled(&self) -> bool {
+        self.messages_window > self.threshold()
     }
 
     fn advance(&mut self, now_ns: u64) {
         if self.since_ns.is_some() && now_ns > self.last_ns {
             let dt = now_ns - self.last_ns;
-            *self.time_at.entry(self.count).or_default() += dt;
-            if self.count > self.threshold() {
+            *self
+                .time_at
+                .entry(self.count.min(HISTOGRAM_MAX))
+                .or_default() += dt;
+            if self.stalled() {
                 self.stalled_ns += dt;
             }
         }
@@ -84,46 +140,63 @@ impl AckWindow {
         }
     }
 
-    fn set(&mut self, count: i64) {
-        let was_stalled = self.count > self.threshold();
+    /// Sets both counts (`count` = in flight, `mw` = spice-server's) and the maxima.
+    fn set(&mut self, count: u32, mw: u32) {
+        let was_stalled = self.stalled();
         self.count = count;
-        if self.count > self.max {
-            self.max = self.count;
-        }
-        if !was_stalled && self.count > self.threshold() {
+        self.messages_window = mw;
+        self.max = self.max.max(count);
+        if !was_stalled && self.stalled() {
             self.stalls += 1;
         }
     }
 
-    /// A server → client message of type `msg_type` started at `now_ns`. For SET_ACK,
-    /// `prefix` holds (generation, window).
-    pub fn server_message(&mut self, now_ns: u64, msg_type: u16, prefix: [u32; 2]) {
+    /// A server → client message of type `msg_type` started at `now_ns` on a connection of
+    /// channel type `channel_type` (from the client's link message; `None` if not known). For
+    /// SET_ACK, `prefix` holds (generation, window).
+    pub fn server_message(
+        &mut self,
+        now_ns: u64,
+        channel_type: Option<u8>,
+        msg_type: u16,
+        prefix: [u32; 2],
+    ) {
         self.advance(now_ns);
+        if self.active() && self.stalled() {
+            // Only the second message of an urgent pair starts without passing the gate: it is
+            // begun from `msg_sent`, right after the urgent INVAL_LIST or LIST (display only).
+            let urgent = channel_type == Some(channel::DISPLAY)
+                && matches!(
+                    self.last_type,
+                    msg_server::DISPLAY_INVAL_LIST | msg_server::LIST
+                );
+            if urgent && self.messages_window == self.threshold() + 1 {
+                self.urgent_pair_peaks += 1;
+            } else {
+                self.starts_while_stalled += 1;
+            }
+        }
         if msg_type == msg_server::SET_ACK {
             self.set_acks += 1;
             self.generation = prefix[0];
             self.window = prefix[1];
-            if self.since_ns.is_none() {
-                self.since_ns = Some(now_ns);
-                self.last_ns = now_ns;
-            }
-            // send_set_ack zeroes the count, then the SET_ACK itself counts.
+            // A new generation: its statistics start here.
+            self.since_ns = Some(now_ns);
+            self.last_ns = now_ns;
+            self.time_at.clear();
+            self.stalled_ns = 0;
+            self.stalls = 0;
+            self.max = 0;
+            // send_set_ack zeroes messages_window, then the SET_ACK itself counts.
             self.count = 0;
-            self.set(1);
+            self.messages_window = 0;
+            self.set(1, 1);
         } else if self.active() {
             self.messages_after_set_ack += 1;
-            if self.count > self.threshold() {
-                let urgent = matches!(
-                    self.last_type,
-                    msg_server::DISPLAY_INVAL_LIST | msg_server::LIST
-                );
-                if urgent && self.count == self.threshold() + 1 {
-                    self.urgent_pair_peaks += 1;
-                } else {
-                    self.starts_while_stalled += 1;
-                }
-            }
-            self.set(self.count + 1);
+            self.set(
+                self.count.saturating_add(1),
+                self.messages_window.wrapping_add(1),
+            );
         }
         self.last_type = msg_type;
     }
@@ -140,7 +213,13 @@ impl AckWindow {
         self.advance(now_ns);
         if self.active() && self.client_generation == Some(self.generation) {
             self.acks += 1;
-            self.set(self.count - self.window as i64);
+            if self.count < self.window {
+                self.ack_surplus += 1;
+            }
+            self.set(
+                self.count.saturating_sub(self.window),
+                self.messages_window.wrapping_sub(self.window),
+            );
         } else {
             self.acks_ignored += 1;
         }
@@ -151,12 +230,14 @@ impl AckWindow {
         self.advance(now_ns);
     }
 
-    /// Nanoseconds observed since the first SET_ACK (up to the last event or `finish`).
+    /// Nanoseconds observed since the current generation's SET_ACK (up to the last event or
+    /// `finish`).
     pub fn observed_ns(&self) -> u64 {
         self.since_ns.map_or(0, |s| self.last_ns.saturating_sub(s))
     }
 
-    /// Fraction of observed time with count > 2W (0 when nothing was observed).
+    /// Fraction of the current generation's observed time spent waiting for an ACK (0 when
+    /// nothing was observed).
     pub fn stalled_fraction(&self) -> f64 {
         let total = self.observed_ns();
         if total == 0 {
@@ -166,8 +247,10 @@ impl AckWindow {
         }
     }
 
-    /// Time-weighted quantile `q` (0..=1) of the count; the current count if no time passed.
-    pub fn quantile(&self, q: f64) -> i64 {
+    /// Time-weighted quantile `q` (0..=1) of the in-flight count in the current generation
+    /// (values above [`HISTOGRAM_MAX`] read as [`HISTOGRAM_MAX`]); the current count if no time
+    /// passed.
+    pub fn quantile(&self, q: f64) -> u32 {
         let total: u64 = self.time_at.values().sum();
         if total == 0 {
             return self.count;
@@ -182,18 +265,28 @@ impl AckWindow {
         }
         self.count
     }
+
+    /// Distinct in-flight values in the current generation's histogram (at most
+    /// [`HISTOGRAM_MAX`] + 1).
+    pub fn histogram_len(&self) -> usize {
+        self.time_at.len()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use spice_ebpf_common::protocol::msg_server::{DISPLAY_INVAL_LIST, SET_ACK};
+    use spice_ebpf_common::protocol::msg_server::{DISPLAY_INVAL_LIST, LIST, SET_ACK};
 
     const DRAW: u16 = 302;
+    /// Cursor HIDE (S→C 105 on cursor, docs/spice-protocol.md §2.5).
+    const CURSOR_HIDE: u16 = 105;
+    const D: Option<u8> = Some(channel::DISPLAY);
+    const C: Option<u8> = Some(channel::CURSOR);
 
     fn started(w: u32) -> AckWindow {
         let mut a = AckWindow::default();
-        a.server_message(0, SET_ACK, [1, w]);
+        a.server_message(0, D, SET_ACK, [1, w]);
         a.ack_sync(1, 1);
         a
     }
@@ -201,36 +294,44 @@ mod tests {
     #[test]
     fn set_ack_counts_itself_and_acks_subtract_window() {
         let mut a = started(20);
-        assert_eq!(a.count, 1);
+        assert_eq!((a.count, a.messages_window), (1, 1));
         for i in 0..20 {
-            a.server_message(10 + i, DRAW, [0, 0]);
+            a.server_message(10 + i, D, DRAW, [0, 0]);
         }
         assert_eq!(a.count, 21);
         a.ack(100);
-        assert_eq!((a.count, a.acks, a.acks_ignored), (1, 1, 0));
+        assert_eq!(
+            (a.count, a.acks, a.acks_ignored, a.ack_surplus),
+            (1, 1, 0, 0)
+        );
         assert_eq!(a.messages_after_set_ack, 20);
+        assert_eq!(a.messages_window, 1);
     }
 
     #[test]
     fn ack_before_ack_sync_or_wrong_generation_is_ignored() {
         let mut a = AckWindow::default();
-        a.server_message(0, SET_ACK, [2, 20]);
+        a.server_message(0, D, SET_ACK, [2, 20]);
         a.ack(1);
         a.ack_sync(2, 1);
         a.ack(3);
         assert_eq!((a.acks, a.acks_ignored, a.count), (0, 2, 1));
-        a.ack_sync(4, 2);
-        a.ack(5);
-        assert_eq!((a.acks, a.count), (1, -19));
+        for i in 0..25 {
+            a.server_message(4 + i, D, DRAW, [0, 0]);
+        }
+        a.ack_sync(40, 2);
+        a.ack(41);
+        assert_eq!((a.acks, a.count, a.ack_surplus), (1, 6, 0));
     }
 
     #[test]
     fn stall_at_2w_plus_1_and_time_fractions() {
         let mut a = started(20);
         for i in 0..40u64 {
-            a.server_message(2 + i, DRAW, [0, 0]);
+            a.server_message(2 + i, D, DRAW, [0, 0]);
         }
         assert_eq!(a.count, 41);
+        assert!(a.stalled());
         assert_eq!(a.stalls, 1);
         a.finish(1042);
         // The 40th draw (count 41) starts at t=41: stalled 1001 ns of 1042.
@@ -238,29 +339,162 @@ mod tests {
         assert_eq!(a.quantile(0.5), 41);
         assert_eq!(a.max, 41);
         assert_eq!(a.starts_while_stalled, 0);
-        a.server_message(2000, DRAW, [0, 0]);
+        a.server_message(2000, D, DRAW, [0, 0]);
         assert_eq!(a.starts_while_stalled, 1);
     }
 
     #[test]
-    fn urgent_pair_may_reach_2w_plus_2() {
-        let mut a = started(20);
-        for i in 0..39u64 {
-            a.server_message(2 + i, DRAW, [0, 0]);
+    fn urgent_pair_may_reach_2w_plus_2_on_display() {
+        for urgent in [DISPLAY_INVAL_LIST, LIST] {
+            let mut a = started(20);
+            for i in 0..39u64 {
+                a.server_message(2 + i, D, DRAW, [0, 0]);
+            }
+            a.server_message(50, D, urgent, [0, 0]);
+            assert_eq!(a.count, 41);
+            a.server_message(51, D, DRAW, [0, 0]);
+            assert_eq!(
+                (a.count, a.max, a.urgent_pair_peaks, a.starts_while_stalled),
+                (42, 42, 1, 0)
+            );
+            // A third start is beyond anything spice-server does.
+            a.server_message(52, D, DRAW, [0, 0]);
+            assert_eq!((a.urgent_pair_peaks, a.starts_while_stalled), (1, 1));
         }
-        a.server_message(50, DISPLAY_INVAL_LIST, [0, 0]);
-        assert_eq!(a.count, 41);
-        a.server_message(51, DRAW, [0, 0]);
+    }
+
+    #[test]
+    fn no_urgent_pair_on_cursor() {
+        // On cursor, 105 is CURSOR_HIDE and 8 would be an ordinary LIST: neither excuses a
+        // start at 2W+1 (docs/spice-protocol.md §3.3).
+        for t in [CURSOR_HIDE, LIST] {
+            let mut a = AckWindow::default();
+            a.server_message(0, C, SET_ACK, [1, 2]);
+            a.ack_sync(1, 1);
+            for i in 0..3u64 {
+                a.server_message(2 + i, C, DRAW, [0, 0]);
+            }
+            a.server_message(10, C, t, [0, 0]);
+            assert_eq!(a.count, 5);
+            a.server_message(11, C, DRAW, [0, 0]);
+            assert_eq!(
+                (a.count, a.urgent_pair_peaks, a.starts_while_stalled),
+                (6, 0, 1)
+            );
+        }
+        // An unknown channel type gets no exemption either.
+        let mut a = AckWindow::default();
+        a.server_message(0, None, SET_ACK, [1, 1]);
+        a.server_message(1, None, DRAW, [0, 0]);
+        a.server_message(2, None, DISPLAY_INVAL_LIST, [0, 0]);
+        a.server_message(3, None, DRAW, [0, 0]);
+        assert_eq!((a.urgent_pair_peaks, a.starts_while_stalled), (0, 1));
+    }
+
+    #[test]
+    fn surplus_ack_wraps_messages_window_but_never_the_count() {
+        let mut a = started(20);
+        for i in 0..5u64 {
+            a.server_message(2 + i, D, DRAW, [0, 0]);
+        }
+        assert_eq!(a.count, 6);
+        a.ack(100);
+        // spice-server: messages_window (uint32_t) = 6 - 20 wraps; waiting_for_ack() is then
+        // true for good. In flight: nothing.
+        assert_eq!(a.ack_surplus, 1);
+        assert_eq!(a.count, 0);
+        assert_eq!(a.messages_window, 6u32.wrapping_sub(20));
+        assert!(a.stalled());
+        assert_eq!(a.stalls, 1);
+        a.finish(200);
+        assert!((a.stalled_fraction() - 100.0 / 200.0).abs() < 1e-9);
+        assert_eq!(a.quantile(0.5), 0);
+        // A second matched ACK: spice-server subtracts again (no new wrap); still nothing in
+        // flight, and still a surplus.
+        a.ack(300);
+        assert_eq!((a.ack_surplus, a.count, a.acks), (2, 0, 2));
+        assert_eq!(a.messages_window, 6u32.wrapping_sub(40));
+        // A start now is one spice-server would not make.
+        a.server_message(400, D, DRAW, [0, 0]);
+        assert_eq!((a.count, a.starts_while_stalled), (1, 1));
+        // The next SET_ACK resets both counts.
+        a.server_message(500, D, SET_ACK, [2, 20]);
+        assert_eq!((a.count, a.messages_window, a.ack_surplus), (1, 1, 2));
+        assert!(!a.stalled());
+    }
+
+    #[test]
+    fn html5_cadence_reaches_zero_without_surplus() {
+        // spice-html5 ACKs after W-1 messages following the SET_ACK (§3.8): mw = W - W = 0.
+        let mut a = started(5);
+        for i in 0..4u64 {
+            a.server_message(2 + i, D, DRAW, [0, 0]);
+        }
+        a.ack(10);
+        assert_eq!((a.count, a.messages_window, a.ack_surplus), (0, 0, 0));
+    }
+
+    #[test]
+    fn second_set_ack_starts_a_new_generation() {
+        let mut a = started(10);
+        // Generation 1: up to 21 (2W+1), 10 ns there.
+        for i in 0..20u64 {
+            a.server_message(2 + i, D, DRAW, [0, 0]);
+        }
+        assert_eq!((a.max, a.stalls), (21, 1));
+        a.ack(31); // 11
+        a.server_message(100, D, SET_ACK, [2, 3]);
+        assert_eq!(a.generations(), 2);
         assert_eq!(
-            (a.count, a.max, a.urgent_pair_peaks, a.starts_while_stalled),
-            (42, 42, 1, 0)
+            (a.generation, a.window, a.count, a.max, a.stalls),
+            (2, 3, 1, 1, 0)
         );
+        assert_eq!(a.observed_ns(), 0);
+        // The client's ACK for generation 1 arrives late: ignored.
+        a.ack(101);
+        assert_eq!((a.acks, a.acks_ignored, a.count), (1, 1, 1));
+        a.ack_sync(102, 2);
+        for i in 0..6u64 {
+            a.server_message(110 + i, D, DRAW, [0, 0]);
+        }
+        assert_eq!((a.count, a.max, a.stalls), (7, 7, 1));
+        a.ack(200); // 4, from t=200
+        a.finish(300);
+        // Generation 2 only: 200 ns observed; stalled from t=115 to t=200.
+        assert_eq!(a.observed_ns(), 200);
+        assert!((a.stalled_fraction() - 85.0 / 200.0).abs() < 1e-9);
+        assert_eq!(a.quantile(0.5), 4);
+        assert!(a.histogram_len() <= 8);
+        assert_eq!(a.limit(), 7);
+    }
+
+    #[test]
+    fn state_stays_bounded_whatever_the_run_length() {
+        // A peer that ignores the window (no ACKs at all): the count climbs without end, the
+        // histogram does not.
+        let mut a = started(20);
+        for i in 0..20_000u64 {
+            a.server_message(2 + i, D, DRAW, [0, 0]);
+        }
+        a.finish(1_000_000);
+        assert_eq!(a.count, 20_001);
+        assert!(a.histogram_len() <= HISTOGRAM_MAX as usize + 1);
+        assert_eq!(a.quantile(0.5), HISTOGRAM_MAX);
+        // Many generations: only the current one's histogram is kept.
+        let mut a = started(2);
+        for g in 0..10_000u64 {
+            let t = 10 + g * 10;
+            a.server_message(t, D, SET_ACK, [g as u32 + 2, 2]);
+            a.server_message(t + 1, D, DRAW, [0, 0]);
+        }
+        assert_eq!(a.generations(), 10_001);
+        assert!(a.histogram_len() <= 2);
     }
 
     #[test]
     fn quantile_is_time_weighted() {
         let mut a = started(20);
-        a.server_message(10, DRAW, [0, 0]); // count 2 from t=10
+        a.server_message(10, D, DRAW, [0, 0]); // count 2 from t=10
         a.finish(1000); // count 1 for 10 ns, 2 for 990 ns
         assert_eq!(a.quantile(0.5), 2);
         assert_eq!(a.quantile(0.005), 1);

@@ -1,0 +1,538 @@
+//! Privileged tests of the ACK-window replay (`model/window.rs`) on the real kernel path and on a
+//! real session:
+//!
+//! * scripted peers (`spice-peer`, real processes over loopback ports 5980–5984) that do what
+//!   spice-server and spice-gtk allow but rarely do: a second SET_ACK (a new generation), a
+//!   surplus ACK (spice-server's unsigned count wraps), and type 105 at the window on cursor
+//!   (CURSOR_HIDE, no urgent pair) and on display (INVAL_LIST, an urgent pair). Every figure
+//!   is compared with the peer's own `SUMMARY`, which counts spice-server's way on its side
+//!   of the socket.
+//! * a real Xspice session (port 5985) with spice-gtk, whose client stops reading for a while:
+//!   one generation per connection, no surplus ACK, the ACK count spice-gtk's cadence gives.
+//!
+//! Run serially (`--test-threads=1`) and under the machine's privileged-test lock.
+
+mod common;
+
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use common::{Client as GtkClient, Rig, privileged};
+use serde::Deserialize;
+use spice_observer::report::{ChannelReport, Report};
+
+const PEER: &str = env!("CARGO_BIN_EXE_spice-peer");
+const PEER_TIMEOUT_MS: &str = "20000";
+
+// ---------------------------------------------------------------------------------------------
+// Peer processes (the pattern of tests/kernel_paths.rs, on fixed ports)
+// ---------------------------------------------------------------------------------------------
+
+/// A `spice-peer server` listening on 127.0.0.1:`port`.
+struct PeerServer {
+    child: Child,
+    out: BufReader<ChildStdout>,
+}
+
+impl PeerServer {
+    fn start(port: u16, args: &[&str]) -> Result<Self> {
+        let mut child = Command::new(PEER)
+            .args(["server", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--timeout-ms", PEER_TIMEOUT_MS])
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting spice-peer server")?;
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line)?;
+        ensure!(
+            line.trim() == format!("listening {port}"),
+            "spice-peer server on {port}: first line {line:?}"
+        );
+        Ok(Self { child, out })
+    }
+}
+
+/// A `spice-peer client` held at a gate (`sh -c 'read; exec spice-peer client'`) so that its
+/// pid is known before it connects.
+struct PeerClient {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    out: Option<ChildStdout>,
+}
+
+impl PeerClient {
+    fn start(port: u16, args: &[&str]) -> Result<Self> {
+        let mut child = Command::new("/bin/sh")
+            .arg("-c")
+            .arg(r#"read go && exec "$0" "$@""#)
+            .arg(PEER)
+            .args(["client", "--connect", &format!("127.0.0.1:{port}")])
+            .args(["--timeout-ms", PEER_TIMEOUT_MS])
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting gated spice-peer client")?;
+        let stdin = child.stdin.take();
+        let out = child.stdout.take();
+        Ok(Self { child, stdin, out })
+    }
+
+    fn go(&mut self) -> Result<()> {
+        let mut stdin = self
+            .stdin
+            .take()
+            .ok_or_else(|| anyhow!("client released twice"))?;
+        stdin.write_all(b"go\n")?;
+        Ok(())
+    }
+}
+
+impl Drop for PeerServer {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Drop for PeerClient {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The parts of a peer's `SUMMARY` these tests compare with.
+#[derive(Debug, Deserialize)]
+struct Summary {
+    error: Option<String>,
+    sent: Sent,
+    acks: Option<PeerAcks>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Sent {
+    /// Messages whose bytes were all accepted by the kernel.
+    messages: u64,
+}
+
+/// The server peer's window accounting (spice-server's rules, kept by the peer itself).
+#[derive(Debug, Deserialize)]
+struct PeerAcks {
+    window: u32,
+    generation: u32,
+    final_count: i64,
+    max_count: i64,
+    max_count_generation: i64,
+    messages_window: u32,
+    set_acks: u64,
+    ack_syncs: u64,
+    acks: u64,
+    acks_matched: u64,
+    ack_surplus: u64,
+    stalled_timeout: bool,
+}
+
+/// A client peer's SUMMARY: only whether it ran to its end.
+#[derive(Debug, Deserialize)]
+struct ClientSummary {
+    error: Option<String>,
+}
+
+/// Reads a peer's stdout to the end, waits for it, returns its SUMMARY read into `T`, which
+/// must say it ended without error (`error`).
+fn summary_of<T: for<'de> Deserialize<'de>>(
+    child: &mut Child,
+    out: &mut dyn Read,
+    what: &str,
+    error: impl Fn(&T) -> &Option<String>,
+) -> Result<T> {
+    let mut text = String::new();
+    out.read_to_string(&mut text)?;
+    let status = child.wait()?;
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("SUMMARY "))
+        .ok_or_else(|| anyhow!("{what}: no SUMMARY line ({status}) in {text:?}"))?;
+    let s: T = serde_json::from_str(line).with_context(|| format!("{what}: SUMMARY {line}"))?;
+    ensure!(
+        status.success() && error(&s).is_none(),
+        "{what} failed ({status}): {:?}",
+        error(&s)
+    );
+    Ok(s)
+}
+
+/// A finished pair: the server's SUMMARY and pid.
+struct Pair {
+    name: &'static str,
+    server: Summary,
+    spid: u32,
+}
+
+/// Starts every (name, port, server args, client args) pair, observes the servers for `secs`,
+/// releases the clients, waits for all peers and returns the typed report.
+fn observe_pairs(
+    test: &str,
+    secs: f64,
+    specs: &[(&'static str, u16, Vec<&str>, Vec<&str>)],
+) -> Result<Option<(Report, Vec<Pair>)>> {
+    let mut running = Vec::new();
+    for (name, port, sargs, cargs) in specs {
+        let s = PeerServer::start(*port, sargs).with_context(|| *name)?;
+        let c = PeerClient::start(*port, cargs).with_context(|| *name)?;
+        running.push((*name, s, c));
+    }
+    let pids: Vec<u32> = running.iter().map(|(_, s, _)| s.child.id()).collect();
+    let json = std::env::temp_dir().join(format!("spice-observer-window-{test}.json"));
+    let obs = match common::Observer::start(&pids, secs, json)? {
+        common::Started::Running(o) => o,
+        common::Started::Unsupported(why) => {
+            let msg = common::cannot_run(test, &format!("kernel feature missing:\n{why}"));
+            if common::ci() {
+                bail!("{msg}");
+            }
+            eprintln!("{msg}");
+            return Ok(None);
+        }
+    };
+    let t0 = Instant::now();
+    for (_, _, c) in running.iter_mut() {
+        c.go()?;
+    }
+    let mut pairs = Vec::new();
+    for (name, mut s, mut c) in running {
+        let mut cout = c.out.take().unwrap();
+        summary_of(
+            &mut c.child,
+            &mut cout,
+            &format!("{name} client"),
+            |x: &ClientSummary| &x.error,
+        )?;
+        let server = summary_of(
+            &mut s.child,
+            &mut s.out,
+            &format!("{name} server"),
+            |x: &Summary| &x.error,
+        )?;
+        pairs.push(Pair {
+            name,
+            server,
+            spid: s.child.id(),
+        });
+    }
+    let took = t0.elapsed();
+    eprintln!("{test}: peers done in {:.2} s", took.as_secs_f64());
+    ensure!(
+        took < Duration::from_secs_f64(secs - 1.0),
+        "{test}: the peers took {took:?}, too close to the {secs} s observation"
+    );
+    let report = obs.finish_report()?;
+    common::check_run(&report)?;
+    Ok(Some((report, pairs)))
+}
+
+/// The one channel the observer reports for `pid`.
+fn only_channel<'a>(r: &'a Report, pid: u32, what: &str) -> Result<&'a ChannelReport> {
+    let all: Vec<&ChannelReport> = r.channels.iter().filter(|c| c.pid == pid).collect();
+    match all.as_slice() {
+        [c] => Ok(c),
+        _ => bail!("{what}: {} channels for pid {pid}: {all:#?}", all.len()),
+    }
+}
+
+fn brief(c: &ChannelReport) -> String {
+    format!(
+        "{} {:?} {} (W {:?}, gen {:?}, generations {}, set_acks {}, ack_syncs {}, acks {}, ignored {}, surplus {}, sent {}, now {:?}, max {:?}, limit {:?}, stalls {}, stalled {:?}, starts_while_stalled {}, urgent {})",
+        c.channel_type,
+        c.channel_id,
+        c.socket,
+        c.window,
+        c.ack_generation,
+        c.generations,
+        c.set_acks,
+        c.ack_syncs,
+        c.acks,
+        c.acks_ignored,
+        c.ack_surplus,
+        c.messages_sent,
+        c.in_flight_now,
+        c.in_flight_max,
+        c.in_flight_limit,
+        c.stalls,
+        c.stalled_fraction,
+        c.starts_while_stalled,
+        c.urgent_pair_peaks
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel path: generations, surplus ACK, type 105 on cursor and display
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn peer_generations_surplus_ack_and_type_105() -> Result<()> {
+    const T: &str = "peer_generations_surplus_ack_and_type_105";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let specs = vec![
+        // One message every 30 ms; the client ACKs once after the 3rd, when 4 messages are
+        // counted: 4 - 20 wraps spice-server's count, and the server waits for good (600 ms,
+        // then the peer gives up).
+        (
+            "surplus",
+            5980,
+            vec![
+                "--set-ack",
+                "--window",
+                "20",
+                "--messages",
+                "30",
+                "--interval-ms",
+                "30",
+                "--stall-timeout-ms",
+                "600",
+            ],
+            vec!["--surplus-ack-after", "3"],
+        ),
+        // Generation 1 (W 10): 15 messages, no stall, max 16. 100 ms later SET_ACK(2, W 3):
+        // 12 more messages at most 7 in flight. The client sleeps 400 ms before each ACK, so
+        // its ACK for generation 1 arrives after the second SET_ACK and is ignored.
+        (
+            "generations",
+            5981,
+            vec![
+                "--set-ack",
+                "--window",
+                "10",
+                "--messages",
+                "27",
+                "--second-set-ack-after",
+                "15",
+                "--second-window",
+                "3",
+                "--second-set-ack-delay-ms",
+                "100",
+            ],
+            vec!["--ack-delay-ms", "400"],
+        ),
+        // A server that ignores the window (W 2), every message type 105, no ACKs.
+        (
+            "cursor-105",
+            5982,
+            vec![
+                "--set-ack",
+                "--window",
+                "2",
+                "--ignore-acks",
+                "--messages",
+                "10",
+                "--msg-type",
+                "105",
+            ],
+            vec!["--no-acks", "--channel-type", "4"],
+        ),
+        (
+            "display-105",
+            5983,
+            vec![
+                "--set-ack",
+                "--window",
+                "2",
+                "--ignore-acks",
+                "--messages",
+                "10",
+                "--msg-type",
+                "105",
+            ],
+            vec!["--no-acks", "--channel-type", "2"],
+        ),
+    ];
+    let Some((report, pairs)) = observe_pairs(T, 6.0, &specs)? else {
+        return Ok(());
+    };
+    for p in &pairs {
+        let c = only_channel(&report, p.spid, p.name)?;
+        let a = p
+            .server
+            .acks
+            .as_ref()
+            .ok_or_else(|| anyhow!("{}: the peer kept no ACK state", p.name))?;
+        let d = format!("{}: {} (peer {a:?})", p.name, brief(c));
+        // Common to all: what the peer's syscalls moved and its own window accounting.
+        ensure!(
+            c.messages_sent == p.server.sent.messages,
+            "messages_sent: {d}"
+        );
+        ensure!(c.set_acks == a.set_acks, "set_acks: {d}");
+        ensure!(c.generations == a.set_acks, "generations: {d}");
+        ensure!(c.ack_generation == Some(a.generation), "generation: {d}");
+        ensure!(c.window == Some(a.window), "window: {d}");
+        ensure!(
+            c.in_flight_limit == Some(2 * i64::from(a.window) + 1),
+            "limit: {d}"
+        );
+        ensure!(c.ack_syncs == a.ack_syncs, "ack_syncs: {d}");
+        ensure!(c.acks == a.acks_matched, "acks: {d}");
+        ensure!(
+            c.acks_ignored == a.acks - a.acks_matched,
+            "acks_ignored: {d}"
+        );
+        ensure!(c.ack_surplus == a.ack_surplus, "ack_surplus: {d}");
+        // The in-flight count is the peer's, except that it never goes below 0.
+        ensure!(
+            c.in_flight_now == Some(a.final_count.max(0)),
+            "in_flight_now: {d}"
+        );
+        match p.name {
+            "surplus" => {
+                ensure!(
+                    a.ack_surplus == 1 && a.final_count < 0 && a.stalled_timeout,
+                    "the peer did not get its surplus ACK and stall: {d}"
+                );
+                // spice-server's uint32_t wrapped: the peer kept it the same way.
+                ensure!(
+                    a.messages_window == (a.final_count as i32) as u32,
+                    "peer messages_window: {d}"
+                );
+                ensure!(c.in_flight_max == Some(a.max_count), "max: {d}");
+                ensure!(c.stalls == 1, "one stall, for good: {d}");
+                let f = c.stalled_fraction.unwrap_or(-1.0);
+                ensure!(f > 0.5, "stalled_fraction {f} after a 600 ms wedge: {d}");
+                ensure!(c.starts_while_stalled == 0, "starts_while_stalled: {d}");
+            }
+            "generations" => {
+                ensure!(
+                    a.set_acks == 2,
+                    "the peer sent {} SET_ACKs: {d}",
+                    a.set_acks
+                );
+                ensure!(
+                    a.acks > a.acks_matched,
+                    "no ACK of generation 1 arrived late: {d}"
+                );
+                // The maximum is generation 2's, not the connection's.
+                ensure!(
+                    a.max_count > a.max_count_generation,
+                    "generation 1 peaked no higher: {d}"
+                );
+                ensure!(
+                    c.in_flight_max == Some(a.max_count_generation),
+                    "in_flight_max is not generation 2's: {d}"
+                );
+                ensure!(c.starts_while_stalled == 0, "starts_while_stalled: {d}");
+                ensure!(c.urgent_pair_peaks == 0, "urgent_pair_peaks: {d}");
+            }
+            "cursor-105" | "display-105" => {
+                // Starts at counts 1..=n; those above 2W broke the gate (the peer ignored it).
+                let n = p.server.sent.messages - 1;
+                let beyond = n.saturating_sub(2 * u64::from(a.window));
+                ensure!(beyond >= 2, "too few messages beyond the window: {d}");
+                ensure!(c.in_flight_max == Some(a.max_count), "max: {d}");
+                if p.name == "cursor-105" {
+                    ensure!(c.channel_type == "cursor", "channel type: {d}");
+                    // CURSOR_HIDE excuses nothing.
+                    ensure!(
+                        c.urgent_pair_peaks == 0 && c.starts_while_stalled == beyond,
+                        "cursor 105 treated as an urgent pair: {d}"
+                    );
+                } else {
+                    ensure!(c.channel_type == "display", "channel type: {d}");
+                    // INVAL_LIST: the one start at 2W+1 after it is the urgent pair's second.
+                    ensure!(
+                        c.urgent_pair_peaks == 1 && c.starts_while_stalled == beyond - 1,
+                        "display 105 not treated as an urgent pair: {d}"
+                    );
+                }
+            }
+            other => bail!("unknown pair {other}"),
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real session: spice-server and spice-gtk
+// ---------------------------------------------------------------------------------------------
+
+/// Xspice draws small rectangles for 6 s; spice-gtk stops reading from 2 s to 4.5 s, so the
+/// display channel sits at the window, then catches up; the session is idle at the end.
+/// spice-server sends one SET_ACK per connection (`push_set_ack` has three callers, each run
+/// once per channel client: docs/spice-protocol.md §3.1), spice-gtk never ACKs more than it
+/// received (§3.8), so: one generation, no surplus ACK, and floor((messages − 1) / W) ACKs.
+#[test]
+fn xspice_one_generation_no_surplus() -> Result<()> {
+    const T: &str = "xspice_one_generation_no_surplus";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let mut rig = Rig::new(T)?;
+    let xorg = rig.xspice(
+        5985,
+        85,
+        &[
+            "--mode",
+            "rects",
+            "--fps",
+            "50",
+            "--count",
+            "20",
+            "--seconds",
+            "6",
+        ],
+    )?;
+    let obs = observe_or_skip!(T, &[xorg], 10.0, rig.state.join("report.json"));
+    let _client = GtkClient::start(
+        "spice://127.0.0.1:5985",
+        30,
+        &["--pause-at", "2", "--pause-for", "2.5"],
+        None,
+    )?;
+    let report = obs.finish_report()?;
+    common::check_run(&report)?;
+    let mut seen = [0usize; 2];
+    for c in report.channels.iter().filter(|c| c.pid == xorg) {
+        let k = match c.channel_type.as_str() {
+            "display" => 0,
+            "cursor" => 1,
+            _ => continue,
+        };
+        seen[k] += 1;
+        let d = brief(c);
+        let w = c.window.ok_or_else(|| anyhow!("no SET_ACK: {d}"))?;
+        ensure!(c.set_acks == 1 && c.generations == 1, "generations: {d}");
+        ensure!(c.ack_surplus == 0, "surplus ACK from spice-gtk: {d}");
+        ensure!(c.acks_ignored == 0, "acks_ignored: {d}");
+        ensure!(c.starts_while_stalled == 0, "starts above 2W: {d}");
+        let after = c.server_to_client.messages - 1;
+        ensure!(
+            c.acks == after / u64::from(w),
+            "acks {} for {after} messages after SET_ACK, W {w}: {d}",
+            c.acks
+        );
+        let max = c.in_flight_max.ok_or_else(|| anyhow!("no max: {d}"))?;
+        let w = i64::from(w);
+        if k == 0 {
+            ensure!(
+                max == 2 * w + 1 || (max == 2 * w + 2 && c.urgent_pair_peaks > 0),
+                "display max {max} after a 2.5 s pause: {d}"
+            );
+            ensure!(c.stalls >= 1, "no stall during the pause: {d}");
+        } else {
+            ensure!(max <= 2 * w + 1, "cursor max {max}: {d}");
+        }
+    }
+    ensure!(seen == [1, 1], "display and cursor channels seen: {seen:?}");
+    Ok(())
+}
