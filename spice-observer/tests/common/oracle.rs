@@ -891,6 +891,9 @@ fn expected_stage_keys(chain: Chain) -> BTreeSet<&'static str> {
         .collect()
 }
 
+/// Resolution of a send time taken from TSval: one tick of Linux's millisecond TCP clock.
+const TSVAL_TICK: f64 = 0.001;
+
 /// Per message times (CLOCK_REALTIME seconds; None = not within the capture).
 #[derive(Clone, Copy, Debug)]
 struct Times {
@@ -927,7 +930,9 @@ struct Matched<'a> {
     chain: Chain,
     /// Behind a changing relay: (offset, length) of the one run of bytes it inserted.
     insertion: Option<(u64, u64)>,
-    times: Vec<Times>,
+    /// Per message: the events at their earliest and latest possible times.
+    early: Vec<Times>,
+    late: Vec<Times>,
 }
 
 /// If `client` is `server` with one run of bytes inserted (compared over the part both hold),
@@ -1029,36 +1034,49 @@ fn match_channel<'a>(
             );
         }
     }
-    let on_wire = |d: &Direction, off: u64| match wire {
-        Wire::TcpSent => d.sent_at(off),
+    // The TSval send time is known to ±1 ms (one TSval tick); the capture is a hard upper
+    // bound. `late` = the latest the byte can have been sent, `early` the earliest.
+    let on_wire = |d: &Direction, off: u64, late: bool| match wire {
+        Wire::TcpSent => d.sent_at(off).map(|t| {
+            if late {
+                d.first_seen(off)
+                    .map_or(t + TSVAL_TICK, |c| c.min(t + TSVAL_TICK))
+            } else {
+                t - TSVAL_TICK
+            }
+        }),
         Wire::Captured => d.first_seen(off),
     };
-    let times = server
-        .messages
-        .iter()
-        .map(|m| {
-            let (client_wire, client_acked) = match (&map, client) {
-                (Some(map), Some(c)) => {
-                    let o = map(m.last);
-                    (on_wire(&c.conn.s2c, o), c.conn.s2c.acked_at(o))
+    let times_at = |late: bool| -> Vec<Times> {
+        server
+            .messages
+            .iter()
+            .map(|m| {
+                let (client_wire, client_acked) = match (&map, client) {
+                    (Some(map), Some(c)) => {
+                        let o = map(m.last);
+                        (on_wire(&c.conn.s2c, o, late), c.conn.s2c.acked_at(o))
+                    }
+                    // Without a (transparent) client leg, (c) and (d) drop out.
+                    _ => (Some(f64::NEG_INFINITY), Some(f64::NEG_INFINITY)),
+                };
+                Times {
+                    server_wire: on_wire(&server.conn.s2c, m.last, late),
+                    server_acked: server.conn.s2c.acked_at(m.last),
+                    client_wire,
+                    client_acked,
                 }
-                // Without a (transparent) client leg, (c) and (d) drop out.
-                _ => (Some(f64::NEG_INFINITY), Some(f64::NEG_INFINITY)),
-            };
-            Times {
-                server_wire: on_wire(&server.conn.s2c, m.last),
-                server_acked: server.conn.s2c.acked_at(m.last),
-                client_wire,
-                client_acked,
-            }
-        })
-        .collect();
+            })
+            .collect()
+    };
+    let (early, late) = (times_at(false), times_at(true));
     Ok(Matched {
         server,
         client,
         chain,
         insertion,
-        times,
+        early,
+        late,
     })
 }
 
@@ -1097,7 +1115,9 @@ pub const THRESHOLD: f64 = 0.95;
 ///
 /// Rule (ties): a message's position is taken at the sample's start `t_s` and end `t_end_s`
 /// (capture times mapped with `clock`); over the read interval it may be in any position
-/// between the two. A group's oracle count therefore lies in [lo, hi] with lo = messages in the
+/// between the two. A TSval send time is only known to ±1 ms (capped by the capture time), so
+/// at `t_s` the message is taken with every event at its latest possible time and at `t_end_s`
+/// at its earliest. A group's oracle count therefore lies in [lo, hi] with lo = messages in the
 /// group at both ends and hi = messages in the group at either end or passing through it; the
 /// observer agrees when lo − 1 ≤ its count ≤ hi + 1.
 ///
@@ -1291,7 +1311,8 @@ pub fn classify_with(
         let gs = groups(mode);
         let (mut lo, mut hi) = (vec![0u64; gs.len()], vec![0u64; gs.len()]);
         for i in k + 1 - count..=k {
-            let (p0, p1) = (m.times[i].position(t0), m.times[i].position(t1));
+            // The least advanced position at t0, the most advanced at t1.
+            let (p0, p1) = (m.late[i].position(t0), m.early[i].position(t1));
             for (g, group) in gs.iter().enumerate() {
                 let in0 = group.positions.contains(&p0);
                 let in1 = group.positions.contains(&p1);
