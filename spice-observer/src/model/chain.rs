@@ -18,7 +18,7 @@
 //! | `proxy_recv_queue` | B read (`copied_seq`) | in the relay's receive queue |
 //! | `proxy_inside` | C written | read by the relay, not yet written toward the client |
 //! | `proxy_notsent` | C `snd_nxt` | in the relay's send queue toward the client |
-//! | `client_unacked` | C `snd_una` | on the client link, not TCP-acknowledged |
+//! | `client_unacked` | C `snd_una` | sent toward the client (incl. a shaper's qdisc), not TCP-acknowledged |
 //! | `client_owes_ack` | — | TCP-acknowledged by the client, not yet covered by a SPICE ACK |
 //!
 //! Without a relay the stages are `server_writing`, `server_notsent`, `server_unacked` and
