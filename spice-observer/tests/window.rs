@@ -21,8 +21,10 @@ use std::{
 };
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use common::{Client as GtkClient, Rig, privileged};
-use serde::Deserialize;
+use common::{
+    Client as GtkClient, Rig, privileged,
+    summary::{PeerSummary, parse_summary},
+};
 use spice_observer::report::{ChannelReport, Report};
 
 const PEER: &str = env!("CARGO_BIN_EXE_spice-peer");
@@ -112,63 +114,18 @@ impl Drop for PeerClient {
     }
 }
 
-/// The parts of a peer's `SUMMARY` these tests compare with.
-#[derive(Debug, Deserialize)]
-struct Summary {
-    error: Option<String>,
-    sent: Sent,
-    acks: Option<PeerAcks>,
-}
-
-#[derive(Debug, Deserialize)]
-struct Sent {
-    /// Messages whose bytes were all accepted by the kernel.
-    messages: u64,
-}
-
-/// The server peer's window accounting (spice-server's rules, kept by the peer itself).
-#[derive(Debug, Deserialize)]
-struct PeerAcks {
-    window: u32,
-    generation: u32,
-    final_count: i64,
-    max_count: i64,
-    max_count_generation: i64,
-    messages_window: u32,
-    set_acks: u64,
-    ack_syncs: u64,
-    acks: u64,
-    acks_matched: u64,
-    ack_surplus: u64,
-    stalled_timeout: bool,
-}
-
-/// A client peer's SUMMARY: only whether it ran to its end.
-#[derive(Debug, Deserialize)]
-struct ClientSummary {
-    error: Option<String>,
-}
-
-/// Reads a peer's stdout to the end, waits for it, returns its SUMMARY read into `T`, which
-/// must say it ended without error (`error`).
-fn summary_of<T: for<'de> Deserialize<'de>>(
-    child: &mut Child,
-    out: &mut dyn Read,
-    what: &str,
-    error: impl Fn(&T) -> &Option<String>,
-) -> Result<T> {
+/// Reads a peer's stdout to the end, waits for it, and reads its SUMMARY with the strict
+/// reader ([`common::summary::parse_summary`]: a field the peer did not write fails, a missing
+/// `error` is not read as success); the peer must have exited 0 with `error` null.
+fn summary_of(child: &mut Child, out: &mut dyn Read, what: &str) -> Result<PeerSummary> {
     let mut text = String::new();
     out.read_to_string(&mut text)?;
     let status = child.wait()?;
-    let line = text
-        .lines()
-        .find_map(|l| l.strip_prefix("SUMMARY "))
-        .ok_or_else(|| anyhow!("{what}: no SUMMARY line ({status}) in {text:?}"))?;
-    let s: T = serde_json::from_str(line).with_context(|| format!("{what}: SUMMARY {line}"))?;
+    let s = parse_summary(&text, what).with_context(|| format!("{what} exited {status}"))?;
     ensure!(
-        status.success() && error(&s).is_none(),
+        status.success() && s.error.is_none(),
         "{what} failed ({status}): {:?}",
-        error(&s)
+        s.error
     );
     Ok(s)
 }
@@ -176,7 +133,7 @@ fn summary_of<T: for<'de> Deserialize<'de>>(
 /// A finished pair: the server's SUMMARY and pid.
 struct Pair {
     name: &'static str,
-    server: Summary,
+    server: PeerSummary,
     spid: u32,
 }
 
@@ -213,18 +170,8 @@ fn observe_pairs(
     let mut pairs = Vec::new();
     for (name, mut s, mut c) in running {
         let mut cout = c.out.take().unwrap();
-        summary_of(
-            &mut c.child,
-            &mut cout,
-            &format!("{name} client"),
-            |x: &ClientSummary| &x.error,
-        )?;
-        let server = summary_of(
-            &mut s.child,
-            &mut s.out,
-            &format!("{name} server"),
-            |x: &Summary| &x.error,
-        )?;
+        summary_of(&mut c.child, &mut cout, &format!("{name} client"))?;
+        let server = summary_of(&mut s.child, &mut s.out, &format!("{name} server"))?;
         pairs.push(Pair {
             name,
             server,
@@ -364,11 +311,10 @@ fn peer_generations_surplus_ack_and_type_105() -> Result<()> {
     };
     for p in &pairs {
         let c = only_channel(&report, p.spid, p.name)?;
-        let a = p
+        let a = &p
             .server
-            .acks
-            .as_ref()
-            .ok_or_else(|| anyhow!("{}: the peer kept no ACK state", p.name))?;
+            .server_acks()
+            .with_context(|| format!("{}: the peer kept no ACK state", p.name))?;
         let d = format!("{}: {} (peer {a:?})", p.name, brief(c));
         // Common to all: what the peer's syscalls moved and its own window accounting.
         ensure!(

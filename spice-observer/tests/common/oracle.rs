@@ -1080,32 +1080,81 @@ fn match_channel<'a>(
     })
 }
 
-/// One sample, classified.
+/// One sample with messages in flight that is compared, classified.
 #[derive(Clone, Debug)]
 pub struct Scored {
     pub sample: Sample,
-    /// The groups compared (from the stages the observer placed at this sample).
+    /// The groups compared: the chain of the stages the observer placed at this sample, or,
+    /// when it placed nothing, the chain the captures show.
     pub chain: Chain,
-    /// Per group: the oracle's count lies in [lo, hi] over the sample's read interval.
+    /// Per group: the oracle's count lies in [lo, hi] over the sample's read interval. Empty
+    /// when the oracle could not place the sample's messages (a sample the observer failed to
+    /// place whose newest message is unknown or beyond the capture).
     pub lo: Vec<u64>,
     pub hi: Vec<u64>,
+    /// Set when the observer failed to place this sample ([`NOTHING_PLACED`],
+    /// [`SOME_UNPLACED`], [`OPAQUE_WHEN_PAIRED`]): the sample disagrees in every group,
+    /// whatever the numbers.
+    pub failed: Option<&'static str>,
 }
 
-/// The comparison of one scenario's samples with the captures.
+/// The comparison of one scenario's samples with the captures. Every sample line is counted
+/// once: compared (in `scored`, disagreements included) or excluded (in `excluded`).
 pub struct Agreement {
     pub scenario: String,
     pub wire: Wire,
     pub scored: Vec<Scored>,
-    /// Samples not compared or compared differently, with the reason (printed).
-    pub skipped: BTreeMap<String, usize>,
+    /// Samples left out of the comparison, per (channel, reason): [`NOTHING_IN_FLIGHT`] and
+    /// [`BEYOND_CAPTURE`] (bounded by [`BEYOND_CAPTURE_MAX`]), nothing else.
+    pub excluded: BTreeMap<(String, &'static str), usize>,
+    /// Compared samples whose groups follow the observer's stage set rather than the chain the
+    /// captures show, per (channel, reason): [`AROUND_INSERTION`], [`UP_TO_RECV_QUEUE`]
+    /// (bounded by [`UP_TO_RECV_QUEUE_MAX`]). They are in `scored` too.
+    pub compared_differently: BTreeMap<(String, &'static str), usize>,
     /// Diagnostics: samples whose server-leg snd_una lies within the captured ACKs over
     /// [t_s − 2 ms, t_end_s + 2 ms] (the clock mapping's sanity), and those checked.
     pub snd_una_in_range: (usize, usize),
 }
 
-/// Skip reason: the sample's newest in-flight message was not sent before the capture stopped.
+/// Excluded: nothing in flight (no message to place; the comparison is over samples with
+/// messages in flight).
+pub const NOTHING_IN_FLIGHT: &str = "excluded: nothing in flight";
+
+/// Excluded: the sample's newest in-flight message was not sent before the capture stopped.
 pub const BEYOND_CAPTURE: &str =
-    "not compared: newest in-flight message sent after the capture stopped";
+    "excluded: newest in-flight message sent after the capture stopped";
+
+/// At most this share of a channel's samples with messages in flight may be
+/// [`BEYOND_CAPTURE`].
+pub const BEYOND_CAPTURE_MAX: f64 = 0.10;
+
+/// Failed to place: the observer wrote no stage (no position read) for a sample with messages
+/// in flight.
+pub const NOTHING_PLACED: &str = "disagreement: nothing placed by the observer (no positions read)";
+
+/// Failed to place: messages unplaced where every stage of the chain is placeable (no relay,
+/// or a byte-transparent relay with both legs): the agent kept fewer than it counted.
+pub const SOME_UNPLACED: &str =
+    "disagreement: messages unplaced by the observer although every stage is placeable";
+
+/// Failed to place: the observer placed only up to `proxy_recv_queue` although it had the
+/// client leg's position, and the captures show the relay byte-transparent.
+pub const OPAQUE_WHEN_PAIRED: &str = "disagreement: placed only up to proxy_recv_queue with the client leg read, but the captures show a byte-transparent relay";
+
+/// At most this share of a channel's compared samples may be ones the observer failed to
+/// place (they also count as disagreements in every group).
+pub const FAILED_MAX: f64 = 0.05;
+
+/// Compared with all stages behind a changing relay: placed before the change was detected,
+/// the client leg mapped around the insertion.
+pub const AROUND_INSERTION: &str = "compared with all stages behind the changing relay (placed before the change was detected; client leg mapped around the insertion)";
+
+/// Compared up to `proxy_recv_queue` (+ unplaced) on a byte-transparent chain: the sample has
+/// no client-leg position (the observer had not paired that leg yet).
+pub const UP_TO_RECV_QUEUE: &str = "compared up to proxy_recv_queue+unplaced only: no client-leg position in the sample (leg not paired yet)";
+
+/// At most this share of a channel's compared samples may be [`UP_TO_RECV_QUEUE`].
+pub const UP_TO_RECV_QUEUE_MAX: f64 = 0.05;
 
 /// Tolerance: ±1 message. Threshold: share of samples that must agree, per group.
 pub const TOLERANCE: i64 = 1;
@@ -1121,8 +1170,15 @@ pub const THRESHOLD: f64 = 0.95;
 /// group at both ends and hi = messages in the group at either end or passing through it; the
 /// observer agrees when lo − 1 ≤ its count ≤ hi + 1.
 ///
-/// Fails if a sample's newest in-flight message is not in the server-leg capture, or if the
-/// observer's stage keys do not match the chain the captures show.
+/// Each sample line is counted once. Excluded: nothing in flight ([`NOTHING_IN_FLIGHT`]), or
+/// the newest in-flight message sent after the capture stopped ([`BEYOND_CAPTURE`], bounded in
+/// [`Agreement::check`]). Every other sample is compared; one the observer failed to place
+/// ([`NOTHING_PLACED`], [`SOME_UNPLACED`], [`OPAQUE_WHEN_PAIRED`]) is compared as a
+/// disagreement in every group, even when the oracle cannot place its messages.
+///
+/// Fails if a sample's newest in-flight message (within the capture) ends at no message
+/// boundary of the server-leg capture, if the oldest kept one does not match the capture, or
+/// if the observer's stage keys do not fit the chain the captures show.
 pub fn classify(
     wire: Wire,
     scenario: &str,
@@ -1163,7 +1219,8 @@ pub fn classify_with(
 ) -> Result<Agreement> {
     let mut matched: BTreeMap<String, Matched> = BTreeMap::new();
     let mut scored = Vec::new();
-    let mut skipped: BTreeMap<String, usize> = BTreeMap::new();
+    let mut excluded: BTreeMap<(String, &'static str), usize> = BTreeMap::new();
+    let mut differently: BTreeMap<(String, &'static str), usize> = BTreeMap::new();
     let mut una = (0, 0);
     let base = clock.realtime_ns as f64 / 1e9;
     for (n, s) in samples.iter().enumerate() {
@@ -1223,57 +1280,72 @@ pub fn classify_with(
                 una.0 += 1;
             }
         }
+        let chan = format!("{} {}", s.channel_type, s.channel_id);
         if s.in_flight == 0 {
-            *skipped
-                .entry("not compared: nothing in flight".into())
-                .or_default() += 1;
+            *excluded.entry((chan, NOTHING_IN_FLIGHT)).or_default() += 1;
             continue;
         }
         // Which stages the observer placed at this sample decides the groups compared; they
-        // must fit the chain the captures show.
+        // must fit the chain the captures show. A sample the observer failed to place is
+        // compared too, as a disagreement in every group.
         let keys: BTreeSet<&str> = s.stages.keys().map(String::as_str).collect();
-        if keys.is_empty() {
-            *skipped
-                .entry("not compared: nothing placed by the observer (no positions read)".into())
-                .or_default() += 1;
-            continue;
-        }
-        let mode = [Chain::Transparent, Chain::Changed, Chain::NoRelay]
-            .into_iter()
-            .find(|&c| keys == expected_stage_keys(c))
-            .with_context(|| format!("{what}: unexpected stage set {keys:?}"))?;
-        match (m.chain, mode) {
-            (a, b) if a == b => {}
-            (Chain::Changed, Chain::Transparent) if m.insertion.is_some() => {
-                *skipped
-                    .entry("compared with all stages behind the changing relay (placed before the change was detected; client leg mapped around the insertion)".into())
-                    .or_default() += 1;
+        let (mode, failed) = if keys.is_empty() {
+            (m.chain, Some(NOTHING_PLACED))
+        } else {
+            let mode = [Chain::Transparent, Chain::Changed, Chain::NoRelay]
+                .into_iter()
+                .find(|&c| keys == expected_stage_keys(c))
+                .with_context(|| format!("{what}: unexpected stage set {keys:?}"))?;
+            let mut failed = None;
+            match (m.chain, mode) {
+                (a, b) if a == b => {}
+                (Chain::Changed, Chain::Transparent) if m.insertion.is_some() => {
+                    *differently
+                        .entry((chan.clone(), AROUND_INSERTION))
+                        .or_default() += 1;
+                }
+                (Chain::Transparent, Chain::Changed) if s.legs.relay_client.is_none() => {
+                    *differently
+                        .entry((chan.clone(), UP_TO_RECV_QUEUE))
+                        .or_default() += 1;
+                }
+                (Chain::Transparent, Chain::Changed) => failed = Some(OPAQUE_WHEN_PAIRED),
+                _ => bail!(
+                    "{what}: the captures show a {:?} chain, the observer placed {keys:?}",
+                    m.chain
+                ),
             }
-            (Chain::Transparent, Chain::Changed) => {
-                *skipped
-                    .entry("compared up to proxy_recv_queue only: the observer placed no client-leg stages".into())
-                    .or_default() += 1;
+            // Every stage is placeable here: an unplaced message is one the agent lost.
+            if failed.is_none() && mode != Chain::Changed && s.unplaced > 0 {
+                failed = Some(SOME_UNPLACED);
             }
-            _ => bail!(
-                "{what}: the captures show a {:?} chain, the observer placed {keys:?}",
-                m.chain
-            ),
-        }
-        if mode != Chain::Changed && s.unplaced > 0 {
-            *skipped
-                .entry("not compared: some messages unplaced by the observer".into())
-                .or_default() += 1;
-            continue;
-        }
-        let newest = s.newest_last_byte_seq.with_context(|| {
-            format!(
+            (mode, failed)
+        };
+        let gs = groups(mode);
+        let unclassified = Scored {
+            sample: s.clone(),
+            chain: mode,
+            lo: Vec::new(),
+            hi: Vec::new(),
+            failed,
+        };
+        let Some(newest) = s.newest_last_byte_seq else {
+            ensure!(
+                failed.is_some(),
                 "{what}: {} in flight but newest_last_byte_seq is null",
                 s.in_flight
-            )
-        })?;
+            );
+            scored.push(unclassified);
+            continue;
+        };
         let off = m.server.conn.s2c.offset(newest);
         if m.server.messages.last().is_none_or(|x| off > x.last) {
-            *skipped.entry(BEYOND_CAPTURE.into()).or_default() += 1;
+            // The oracle cannot place it; a failure to place is a disagreement all the same.
+            if failed.is_some() {
+                scored.push(unclassified);
+            } else {
+                *excluded.entry((chan, BEYOND_CAPTURE)).or_default() += 1;
+            }
             continue;
         }
         let k = m
@@ -1308,7 +1380,6 @@ pub fn classify_with(
                  newest (from seq {newest}) ends at {want}"
             );
         }
-        let gs = groups(mode);
         let (mut lo, mut hi) = (vec![0u64; gs.len()], vec![0u64; gs.len()]);
         for i in k + 1 - count..=k {
             // The least advanced position at t0, the most advanced at t1.
@@ -1326,10 +1397,9 @@ pub fn classify_with(
             }
         }
         scored.push(Scored {
-            sample: s.clone(),
-            chain: mode,
             lo,
             hi,
+            ..unclassified
         });
     }
     for (sock, m) in &matched {
@@ -1353,7 +1423,8 @@ pub fn classify_with(
         scenario: scenario.to_string(),
         wire,
         scored,
-        skipped,
+        excluded,
+        compared_differently: differently,
         snd_una_in_range: una,
     })
 }
@@ -1381,6 +1452,43 @@ pub type Shares = BTreeMap<(String, &'static str), (usize, usize)>;
 /// the observer's largest count), to show what the agreement was about.
 type Sizes = BTreeMap<(String, &'static str), (f64, u64, u64)>;
 
+/// A sample's channel, as the tables name it.
+fn channel(s: &Sample) -> String {
+    format!("{} {}", s.channel_type, s.channel_id)
+}
+
+impl Scored {
+    /// Per group of [`Scored::chain`]: the observer's count after `mutate` (None when it placed
+    /// nothing), the oracle's [lo, hi] (None when it could not place the messages), and
+    /// whether they agree: lo − [`TOLERANCE`] ≤ observer ≤ hi + [`TOLERANCE`], and never for
+    /// a sample the observer failed to place.
+    fn judge(
+        &self,
+        mutate: &dyn Fn(&mut BTreeMap<String, u32>),
+    ) -> Result<Vec<(&'static str, Option<i64>, Option<(u64, u64)>, bool)>> {
+        let mut st = self.sample.stages.clone();
+        mutate(&mut st);
+        let mut out = Vec::new();
+        for (g, group) in groups(self.chain).iter().enumerate() {
+            let obs = if self.sample.stages.is_empty() {
+                None
+            } else {
+                Some(observed(group, &st, self.sample.unplaced)? as i64)
+            };
+            let range = (!self.lo.is_empty()).then(|| (self.lo[g], self.hi[g]));
+            let ok = self.failed.is_none()
+                && match (obs, range) {
+                    (Some(o), Some((lo, hi))) => {
+                        lo as i64 - TOLERANCE <= o && o <= hi as i64 + TOLERANCE
+                    }
+                    _ => false,
+                };
+            out.push((group.name, obs, range, ok));
+        }
+        Ok(out)
+    }
+}
+
 impl Agreement {
     /// Scores the samples, the observer's stages first passed through `mutate`.
     pub fn shares_with(&self, mutate: &dyn Fn(&mut BTreeMap<String, u32>)) -> Result<Shares> {
@@ -1391,24 +1499,48 @@ impl Agreement {
         let mut out = Shares::new();
         let mut sizes = Sizes::new();
         for sc in &self.scored {
-            let mut st = sc.sample.stages.clone();
-            mutate(&mut st);
-            let chan = format!("{} {}", sc.sample.channel_type, sc.sample.channel_id);
-            for (g, group) in groups(sc.chain).iter().enumerate() {
-                let obs = observed(group, &st, sc.sample.unplaced)? as i64;
-                let ok = sc.lo[g] as i64 - TOLERANCE <= obs && obs <= sc.hi[g] as i64 + TOLERANCE;
-                let e = out.entry((chan.clone(), group.name)).or_default();
+            let chan = channel(&sc.sample);
+            for (name, obs, range, ok) in sc.judge(mutate)? {
+                let e = out.entry((chan.clone(), name)).or_default();
                 e.1 += 1;
                 if ok {
                     e.0 += 1;
                 }
-                let z = sizes.entry((chan.clone(), group.name)).or_default();
-                z.0 += (sc.lo[g] + sc.hi[g]) as f64 / 2.0;
-                z.1 += obs as u64;
-                z.2 = z.2.max(obs as u64);
+                let z = sizes.entry((chan.clone(), name)).or_default();
+                if let Some((lo, hi)) = range {
+                    z.0 += (lo + hi) as f64 / 2.0;
+                }
+                let obs = obs.unwrap_or(0) as u64;
+                z.1 += obs;
+                z.2 = z.2.max(obs);
             }
         }
         Ok((out, sizes))
+    }
+
+    /// Per channel and reason: compared samples the observer failed to place.
+    pub fn failed(&self) -> BTreeMap<(String, &'static str), usize> {
+        let mut out = BTreeMap::new();
+        for sc in &self.scored {
+            if let Some(why) = sc.failed {
+                *out.entry((channel(&sc.sample), why)).or_default() += 1;
+            }
+        }
+        out
+    }
+
+    /// Per channel: (sample lines, compared samples).
+    fn lines_per_channel(&self) -> BTreeMap<String, (usize, usize)> {
+        let mut out: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+        for sc in &self.scored {
+            let e = out.entry(channel(&sc.sample)).or_default();
+            e.0 += 1;
+            e.1 += 1;
+        }
+        for ((chan, _), n) in &self.excluded {
+            out.entry(chan.clone()).or_default().0 += n;
+        }
+        out
     }
 
     /// Up to `n` samples where a group disagrees, one line each: time, count, the oracle's
@@ -1416,34 +1548,27 @@ impl Agreement {
     pub fn disagreements(&self, n: usize) -> Result<String> {
         let mut s = String::new();
         for sc in self.scored.iter() {
-            let gs = groups(sc.chain);
             let mut line = String::new();
             let mut bad = false;
-            for (g, group) in gs.iter().enumerate() {
-                let obs = observed(group, &sc.sample.stages, sc.sample.unplaced)? as i64;
-                let ok = sc.lo[g] as i64 - TOLERANCE <= obs && obs <= sc.hi[g] as i64 + TOLERANCE;
+            for (name, obs, range, ok) in sc.judge(&|_| {})? {
                 bad |= !ok;
-                let _ = write!(
-                    line,
-                    " {}{}=[{},{}]/{obs}",
-                    if ok { "" } else { "!" },
-                    group.name,
-                    sc.lo[g],
-                    sc.hi[g]
-                );
+                let range = range.map_or("?".to_string(), |(lo, hi)| format!("[{lo},{hi}]"));
+                let obs = obs.map_or("-".to_string(), |o| o.to_string());
+                let _ = write!(line, " {}{name}={range}/{obs}", if ok { "" } else { "!" });
             }
             if bad {
                 let _ = writeln!(
                     s,
-                    "ORACLE | {} | disagreement: {} {} t_s {:.3}..{:.3} in_flight {} unplaced {} clamped {}:{line} | observer {:?}",
+                    "ORACLE | {} | disagreement: {} t_s {:.3}..{:.3} in_flight {} kept {} unplaced {} clamped {}{}:{line} | observer {:?}",
                     self.scenario,
-                    sc.sample.channel_type,
-                    sc.sample.channel_id,
+                    channel(&sc.sample),
                     sc.sample.t_s,
                     sc.sample.t_end_s,
                     sc.sample.in_flight,
+                    sc.sample.kept,
                     sc.sample.unplaced,
                     sc.sample.clamped,
+                    sc.failed.map_or(String::new(), |w| format!(" ({w})")),
                     sc.sample.stages
                 );
                 if s.lines().count() >= n {
@@ -1460,7 +1585,9 @@ impl Agreement {
     }
 
     /// A copyable table of the agreement after `mutate`, one line per channel and group:
-    /// agreeing/compared samples, share, mean oracle and observer counts, observer maximum.
+    /// agreeing/compared samples, share, mean oracle and observer counts, observer maximum;
+    /// then, per channel, every sample line accounted for once: compared (of which failed to
+    /// place, and compared on the observer's stage set), excluded by reason.
     pub fn table(
         &self,
         mutate: &dyn Fn(&mut BTreeMap<String, u32>),
@@ -1486,12 +1613,28 @@ impl Agreement {
                 sb as f64 / nn
             );
         }
-        for (why, n) in &self.skipped {
+        let failed = self.failed();
+        for (chan, (lines, compared)) in self.lines_per_channel() {
             let _ = writeln!(
                 s,
-                "ORACLE | {:<48} | {label:<12} | {n} samples {why}",
+                "ORACLE | {:<48} | {label:<12} | {chan}: {lines} sample lines, {compared} compared",
                 self.scenario
             );
+            for (what, reasons) in [
+                ("of the compared, failed to place", &failed),
+                ("of the compared", &self.compared_differently),
+                ("not compared", &self.excluded),
+            ] {
+                for ((c, why), n) in reasons {
+                    if *c == chan {
+                        let _ = writeln!(
+                            s,
+                            "ORACLE | {:<48} | {label:<12} | {chan}: {what}: {n} samples {why}",
+                            self.scenario
+                        );
+                    }
+                }
+            }
         }
         let (a, b) = self.snd_una_in_range;
         let _ = writeln!(
@@ -1502,16 +1645,21 @@ impl Agreement {
         Ok(s)
     }
 
-    /// Prints the table and fails unless every group of the display channel (and of any
-    /// other channel with compared samples) agrees on at least [`THRESHOLD`] of them, and
-    /// the display channel has at least `min_samples` compared samples.
+    /// Prints the table and fails unless the display channel has at least `min_samples`
+    /// compared samples and, per channel: every group agrees on at least [`THRESHOLD`] of the
+    /// compared samples (a sample the observer failed to place disagrees in every group);
+    /// those failures are at most [`FAILED_MAX`] of the compared samples; compared on the
+    /// server-side groups for want of a client-leg position at most [`UP_TO_RECV_QUEUE_MAX`];
+    /// excluded for lack of capture at most [`BEYOND_CAPTURE_MAX`] of the samples with
+    /// messages in flight.
     pub fn check(&self, min_samples: usize) -> Result<Shares> {
         let shares = self.shares()?;
         eprint!("{}", self.table(&|_| {}, "observer")?);
         eprint!("{}", self.disagreements(10)?);
-        let display = shares
+        let display = self
+            .lines_per_channel()
             .iter()
-            .filter(|((c, _), _)| c.starts_with("display"))
+            .filter(|(c, _)| c.starts_with("display"))
             .map(|(_, &(_, n))| n)
             .max()
             .unwrap_or(0);
@@ -1520,14 +1668,42 @@ impl Agreement {
             "{}: only {display} display samples with messages in flight compared (need {min_samples})",
             self.scenario
         );
-        let beyond = self.skipped.get(BEYOND_CAPTURE).copied().unwrap_or(0);
-        let all = self.scored.len() + self.skipped.values().sum::<usize>();
-        ensure!(
-            beyond * 10 <= all,
-            "{}: {beyond} of {all} samples name a message the capture did not reach: keep \
-             capturing longer after the observation",
-            self.scenario
-        );
+        let failed = self.failed();
+        for (chan, (_, compared)) in self.lines_per_channel() {
+            let of = |m: &BTreeMap<(String, &'static str), usize>, why: &str| {
+                m.get(&(chan.clone(), why)).copied().unwrap_or(0)
+            };
+            let beyond = of(&self.excluded, BEYOND_CAPTURE);
+            let in_flight = compared + beyond;
+            ensure!(
+                beyond as f64 <= BEYOND_CAPTURE_MAX * in_flight as f64,
+                "{}: {chan}: {beyond} of {in_flight} samples with messages in flight name a \
+                 message the capture did not reach (at most {:.0}%): keep capturing longer \
+                 after the observation",
+                self.scenario,
+                BEYOND_CAPTURE_MAX * 100.0
+            );
+            let n_failed: usize = failed
+                .iter()
+                .filter(|((c, _), _)| *c == chan)
+                .map(|(_, n)| n)
+                .sum();
+            ensure!(
+                n_failed as f64 <= FAILED_MAX * compared as f64,
+                "{}: {chan}: the observer failed to place {n_failed} of {compared} compared \
+                 samples (at most {:.0}%): {failed:?}",
+                self.scenario,
+                FAILED_MAX * 100.0
+            );
+            let unpaired = of(&self.compared_differently, UP_TO_RECV_QUEUE);
+            ensure!(
+                unpaired as f64 <= UP_TO_RECV_QUEUE_MAX * compared as f64,
+                "{}: {chan}: {unpaired} of {compared} compared samples had no client-leg \
+                 position on a byte-transparent chain (at most {:.0}%)",
+                self.scenario,
+                UP_TO_RECV_QUEUE_MAX * 100.0
+            );
+        }
         for ((chan, g), &(ok, n)) in &shares {
             ensure!(
                 ok as f64 >= THRESHOLD * n as f64,

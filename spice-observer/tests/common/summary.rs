@@ -167,6 +167,13 @@ pub struct ServerAcks {
     /// 1 after SET_ACK, +1 per message start, −W per ACK, at the end.
     pub final_count: i64,
     pub max_count: i64,
+    /// The same count as spice-server keeps it, a `uint32_t` (wraps below 0).
+    pub messages_window: u32,
+    /// Highest count since the last SET_ACK.
+    pub max_count_generation: i64,
+    pub set_acks: u64,
+    /// Matched ACKs that found fewer than W messages counted (`messages_window` wrapped).
+    pub ack_surplus: u64,
     pub client_generation: Option<u32>,
     pub ack_syncs: u64,
     pub acks: u64,
