@@ -4,9 +4,12 @@
 //! * scripted peers (`spice-peer`, real processes over loopback ports 5980–5984) that do what
 //!   spice-server and spice-gtk allow but rarely do: a second SET_ACK (a new generation), a
 //!   surplus ACK (spice-server's unsigned count wraps), and type 105 at the window on cursor
-//!   (CURSOR_HIDE, no urgent pair) and on display (INVAL_LIST, an urgent pair). Every figure
-//!   is compared with the peer's own `SUMMARY`, which counts spice-server's way on its side
-//!   of the socket.
+//!   (CURSOR_HIDE, no urgent pair) and on display (INVAL_LIST, an urgent pair). Messages,
+//!   SET_ACKs, generation, window, ACK_SYNCs, ACKs (matched, ignored, surplus) and the
+//!   in-flight count (final, maximum) are compared with the peer's own `SUMMARY`, which counts
+//!   spice-server's way on its side of the socket. The type-105 figures (starts above 2W,
+//!   urgent-pair peaks) are the test's own arithmetic on the messages the peer sent: the peer
+//!   keeps no such count.
 //! * a real Xspice session (port 5985) with spice-gtk, whose client stops reading for a while:
 //!   one generation per connection, no surplus ACK, the ACK count spice-gtk's cadence gives.
 //!
@@ -381,7 +384,9 @@ fn peer_generations_surplus_ack_and_type_105() -> Result<()> {
                 ensure!(c.urgent_pair_peaks == 0, "urgent_pair_peaks: {d}");
             }
             "cursor-105" | "display-105" => {
-                // Starts at counts 1..=n; those above 2W broke the gate (the peer ignored it).
+                // The test's own arithmetic (the peer counts no starts above the gate): with no
+                // ACK, the n messages after the SET_ACK start at counts 1..=n (messages
+                // already counted); those above 2W broke the gate (the peer ignored it).
                 let n = p.server.sent.messages - 1;
                 let beyond = n.saturating_sub(2 * u64::from(a.window));
                 ensure!(beyond >= 2, "too few messages beyond the window: {d}");

@@ -1457,15 +1457,16 @@ fn channel(s: &Sample) -> String {
     format!("{} {}", s.channel_type, s.channel_id)
 }
 
+/// One group of one sample, judged: (group name, the observer's count, the oracle's [lo, hi],
+/// agrees).
+type Judged = (&'static str, Option<i64>, Option<(u64, u64)>, bool);
+
 impl Scored {
     /// Per group of [`Scored::chain`]: the observer's count after `mutate` (None when it placed
     /// nothing), the oracle's [lo, hi] (None when it could not place the messages), and
     /// whether they agree: lo − [`TOLERANCE`] ≤ observer ≤ hi + [`TOLERANCE`], and never for
     /// a sample the observer failed to place.
-    fn judge(
-        &self,
-        mutate: &dyn Fn(&mut BTreeMap<String, u32>),
-    ) -> Result<Vec<(&'static str, Option<i64>, Option<(u64, u64)>, bool)>> {
+    fn judge(&self, mutate: &dyn Fn(&mut BTreeMap<String, u32>)) -> Result<Vec<Judged>> {
         let mut st = self.sample.stages.clone();
         mutate(&mut st);
         let mut out = Vec::new();
