@@ -6,15 +6,17 @@
 //! Pipeline, in order: [`loader`] (load and attach the kernel programs, the ring and maps) →
 //! [`events`] (decode ring records) → [`model`] (sockets, channels, spice-server's window,
 //! relay chains and stage placement) → [`sampler`] (TCP positions at each sample) →
-//! [`report`] / [`plot`] / [`samples`] (output). [`observe`] arranges them for one observation.
+//! [`report`] / [`plot`] / [`samples`] (output). [`pipeline::Engine`] owns them in that
+//! order; [`cmd::observe`] is a thin front end over it.
 
 pub mod btf;
+pub mod cmd;
 pub mod config;
 pub mod events;
 pub mod host;
 pub mod loader;
 pub mod model;
-pub mod observe;
+pub mod pipeline;
 pub mod plot;
 pub mod report;
 pub mod sampler;
