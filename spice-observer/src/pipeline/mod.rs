@@ -8,6 +8,7 @@
 //! ([`crate::sampler`]: TCP positions, stage placement) → snapshot (a pure read).
 
 mod engine;
+pub mod sampler;
 
 pub use engine::{
     Engine, EngineOptions, EngineStats, ProgramStats, Progress, Watched, thread_group,
