@@ -112,7 +112,9 @@ fn display_of(r: &Report, pid: u32) -> Result<&ChannelReport> {
     let v: Vec<_> = r
         .channels
         .iter()
-        .filter(|c| c.pid == pid && c.channel_type == "display" && c.end.as_deref() == Some("server"))
+        .filter(|c| {
+            c.pid == pid && c.channel_type == "display" && c.end.as_deref() == Some("server")
+        })
         .collect();
     ensure!(v.len() == 1, "pid {pid}: {} display sockets", v.len());
     Ok(v[0])
@@ -185,7 +187,12 @@ fn engine_api_against_real_peers() -> Result<()> {
             (h.seconds[at_limit] - h.count).abs() < 1e-9 && h.count > 0.0,
             "{h:?}"
         );
-        ensure!(c.stalls_total == c.stalls, "{} vs {}", c.stalls_total, c.stalls);
+        ensure!(
+            c.stalls_total == c.stalls,
+            "{} vs {}",
+            c.stalls_total,
+            c.stalls
+        );
         let later = engine.snapshot(now + 1_000_000_000);
         let c2 = display_of(&later, a.pid())?;
         ensure!(
@@ -208,7 +215,10 @@ fn engine_api_against_real_peers() -> Result<()> {
         ensure!(before.sockets >= 1 && before.chains >= 1, "{before:?}");
         engine.release_reported();
         let after = engine.stats();
-        ensure!(after.sockets == 0 && after.chains == 0, "{before:?} -> {after:?}");
+        ensure!(
+            after.sockets == 0 && after.chains == 0,
+            "{before:?} -> {after:?}"
+        );
 
         // --- Pair B: a process that keeps sending; unwatch stops its records.
         let mut b = Server::start(&[

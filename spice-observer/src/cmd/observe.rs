@@ -213,7 +213,10 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
             .join(", "),
         engine.hook_set(),
         watched.iter().map(|w| w.ports_enrolled).sum::<usize>(),
-        watched.iter().map(|w| w.existing_connections).sum::<usize>(),
+        watched
+            .iter()
+            .map(|w| w.existing_connections)
+            .sum::<usize>(),
         match opts.duration {
             Some(d) => format!("{:.0} s", d.as_secs_f64()),
             None => "until Ctrl-C".into(),

@@ -128,7 +128,9 @@ mod tests {
         let mut v = Vec::new();
         let mut x = 17u64;
         for _ in 0..1001 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let c = (x >> 33) % 90;
             h.add(c as u32);
             v.push(c);
@@ -173,7 +175,10 @@ mod tests {
         assert!(h.buckets() <= 57 * 128 + 256, "{}", h.buckets());
         let m = h.quantile(0.5).unwrap();
         let exact = (0..1_000_000u64).step_by(7).count() as u64;
-        let want = ((exact + 1) / 2 - 1) * 7 * 1000;
-        assert!(m <= want && (want - m) as f64 <= want as f64 / 128.0, "{m} vs {want}");
+        let want = (exact.div_ceil(2) - 1) * 7 * 1000;
+        assert!(
+            m <= want && (want - m) as f64 <= want as f64 / 128.0,
+            "{m} vs {want}"
+        );
     }
 }

@@ -391,7 +391,11 @@ fn quantile_of(hist: &BTreeMap<u32, u64>, key: u32, extra: u64, q: f64) -> Optio
                 return Some(key);
             }
         }
-        acc += t + if v == key { std::mem::take(&mut extra_left) } else { 0 };
+        acc += t + if v == key {
+            std::mem::take(&mut extra_left)
+        } else {
+            0
+        };
         if acc >= target {
             return Some(v);
         }
@@ -688,7 +692,11 @@ mod tests {
         assert_eq!(ns(h.seconds[7]), 3206);
         assert_eq!(ns(h.count), 3206);
         let sum = 100 + 2 * 100 + (3 + 4 + 5 + 6 + 7 + 8) + 9 * 1000 + 5 * 1000 + 1000;
-        assert!((h.sum - sum as f64 / 1e9).abs() < 1e-12, "{} vs {sum}", h.sum);
+        assert!(
+            (h.sum - sum as f64 / 1e9).abs() < 1e-12,
+            "{} vs {sum}",
+            h.sum
+        );
         // Cumulative and never above count.
         assert!(h.seconds.windows(2).all(|w| w[0] <= w[1]));
         // The all-generation counters keep generation 1's stall.

@@ -567,7 +567,13 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
 /// Adds a chain's stage statistics, relay-visible count and seed-style figures to the report
 /// row of its spice-server socket, and recomputes the verdict. `end_ns`: the end of
 /// observation (the relay leg's window accounting runs up to it or its close).
-pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s: f64, end_ns: u64) {
+pub fn add_chain(
+    c: &mut ChannelReport,
+    chain: &Chain,
+    model: &Model,
+    duration_s: f64,
+    end_ns: u64,
+) {
     let sock = |cookie: Option<u64>| cookie.and_then(|k| model.sockets.get(&k));
     let name = |s: &SocketModel| match (s.local, s.remote) {
         (Some(l), Some(r)) => format!("{l}->{r}"),

@@ -32,10 +32,10 @@ mod link;
 mod rx;
 mod server;
 mod sys;
-mod tx;
-mod view;
 #[cfg(test)]
 mod tests;
+mod tx;
+mod view;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{self, Write};

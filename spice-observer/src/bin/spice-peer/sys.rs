@@ -68,7 +68,12 @@ pub(crate) fn iov_sizes(len: usize, iovs: usize) -> Vec<usize> {
 }
 
 /// One receive call into `buf` (readv/recvmsg split it into `iovs` parts).
-pub(crate) fn sys_recv(fd: RawFd, how: RecvSyscall, buf: &mut [u8], iovs: usize) -> io::Result<usize> {
+pub(crate) fn sys_recv(
+    fd: RawFd,
+    how: RecvSyscall,
+    buf: &mut [u8],
+    iovs: usize,
+) -> io::Result<usize> {
     // SAFETY: all pointers come from `buf`, which is valid and writable for its length.
     let r = unsafe {
         match how {
@@ -131,7 +136,12 @@ pub(crate) fn wait_fd(fd: RawFd, events: libc::c_short, timeout: Duration) -> io
     }
 }
 
-pub(crate) fn set_int_opt(fd: RawFd, level: libc::c_int, name: libc::c_int, v: u32) -> io::Result<()> {
+pub(crate) fn set_int_opt(
+    fd: RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    v: u32,
+) -> io::Result<()> {
     let v = v as libc::c_int;
     // SAFETY: pointer to a live c_int of the given size.
     let r = unsafe {

@@ -635,8 +635,7 @@ fn bad_options_are_rejected() {
         &["client", "--connect", "x", "--garbage", "--sasl"][..],
     ] {
         let cli =
-            Cli::try_parse_from(std::iter::once("spice-peer").chain(args.iter().copied()))
-                .unwrap();
+            Cli::try_parse_from(std::iter::once("spice-peer").chain(args.iter().copied())).unwrap();
         assert!(validate(&cli).is_err(), "{args:?}");
     }
 }
