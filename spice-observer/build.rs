@@ -76,7 +76,10 @@ fn main() -> anyhow::Result<()> {
     }
     if let Err(e) = result {
         eprintln!("{text}");
-        eprintln!("the kernel programs did not build (log: {})", log_path.display());
+        eprintln!(
+            "the kernel programs did not build (log: {})",
+            log_path.display()
+        );
         return Err(e);
     }
     Ok(())

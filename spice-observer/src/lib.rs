@@ -9,10 +9,12 @@
 //! [`report`] / [`plot`] / [`samples`] (output). [`observe`] arranges them for one observation.
 
 pub mod btf;
+pub mod cmd;
 pub mod config;
 pub mod events;
 pub mod host;
 pub mod loader;
+pub mod metrics;
 pub mod model;
 pub mod observe;
 pub mod plot;
