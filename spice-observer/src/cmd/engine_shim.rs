@@ -55,6 +55,10 @@ pub struct Engine {
     clock: ClockReport,
     pids: Vec<u32>,
     unwatched: HashSet<u32>,
+    /// Sample-weighted stand-in for the engine's time-weighted histogram: cookie → (le,
+    /// seconds ≤ le, sum, count), advanced at each sample by the interval since the last.
+    hist: HashMap<u64, report::InFlightHistogram>,
+    last_sample_ns: u64,
     /// Cookies included (closed) in the last snapshot.
     reported_closed: std::cell::RefCell<Vec<u64>>,
 }
@@ -81,6 +85,8 @@ impl Engine {
             },
             pids: Vec::new(),
             unwatched: HashSet::new(),
+            hist: HashMap::new(),
+            last_sample_ns: started,
             reported_closed: Default::default(),
         })
     }
@@ -154,8 +160,34 @@ impl Engine {
         }
     }
 
-    pub fn sample(&mut self, _now_ns: u64) -> Vec<crate::samples::SampleLine> {
+    pub fn sample(&mut self, now_ns: u64) -> Vec<crate::samples::SampleLine> {
         self.drain();
+        let dt = now_ns.saturating_sub(self.last_sample_ns) as f64 / 1e9;
+        self.last_sample_ns = now_ns;
+        for s in self.model.sockets.values() {
+            if s.closed_ns.is_some() || !s.window.active() {
+                continue;
+            }
+            let w = s.window.window;
+            let h = self.hist.entry(s.cookie).or_insert_with(|| {
+                let mut le = vec![0, w / 4, w / 2, w, 3 * w / 2, 2 * w, 2 * w + 1, 2 * w + 2];
+                le.dedup();
+                report::InFlightHistogram {
+                    seconds: vec![0.0; le.len()],
+                    le,
+                    sum: 0.0,
+                    count: 0.0,
+                }
+            });
+            let n = s.window.count;
+            for (le, sec) in h.le.iter().zip(h.seconds.iter_mut()) {
+                if n <= *le {
+                    *sec += dt;
+                }
+            }
+            h.sum += f64::from(n) * dt;
+            h.count += dt;
+        }
         if let Some(pos) = sampler::read(&mut self.cap, &mut self.model, &mut self.chains) {
             self.drain();
             let taken = sampler::place(&self.model, &mut self.chains, pos);
@@ -230,6 +262,7 @@ impl Engine {
             if let Some(ch) = self.chains.iter().find(|ch| ch.server == c.cookie) {
                 c.in_flight_relay_now = ch.samples.last().and_then(|s| s.relay_visible);
             }
+            c.in_flight_histogram = self.hist.get(&c.cookie).cloned();
         }
         *self.reported_closed.borrow_mut() = self
             .model
@@ -245,6 +278,7 @@ impl Engine {
         let closed = std::mem::take(&mut *self.reported_closed.borrow_mut());
         for c in closed {
             self.model.sockets.remove(&c);
+            self.hist.remove(&c);
         }
         let live: HashSet<u64> = self.model.sockets.keys().copied().collect();
         self.chains.retain(|c| live.contains(&c.server));
