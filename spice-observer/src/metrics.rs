@@ -265,7 +265,7 @@ pub const METRICS: &[MetricDef] = &[
         "processes_tracked",
         Gauge,
         &[],
-        "Processes the engine watches (targets and their children)."
+        "Process notes (forks and exits of watched processes) the engine holds."
     ),
     def!(
         "targets_discovered",
@@ -277,7 +277,7 @@ pub const METRICS: &[MetricDef] = &[
         "degraded_features",
         Gauge,
         &[],
-        "Kernel features missing at start (each costs some information; 0 normally)."
+        "Entries of the snapshot's degraded list: kernel features missing at start, unreadable counters, undecodable records (0 normally)."
     ),
     def!(
         "hook_set_info",
@@ -799,4 +799,285 @@ pub fn scrape_duration(seconds: f64) -> MetricFamily {
     };
     b.put("spice_observer_scrape_duration_seconds", &[], seconds);
     b.finish().remove(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::discovery::{ServerKind, TargetKind};
+    use prometheus::{Encoder, TextEncoder};
+    use serde_json::json;
+
+    /// A report row as the observer writes it: spice-server's display channel unless changed.
+    fn row(socket: &str, pid: u32, end: &str, ty: &str, sent: u64) -> serde_json::Value {
+        let mut v = json!({
+            "socket": socket, "cookie": 1, "pid": pid, "comm": "x", "end": end,
+            "session_id": 7, "channel_type": ty, "channel_id": 0, "framing": "mini",
+            "unparsed_reason": null, "unparsed_detail": null, "window": 20,
+            "ack_generation": 1, "ack_sync_generation": 1, "set_acks": 1, "generations": 1,
+            "ack_syncs": 1, "acks": 3, "acks_ignored": 0, "ack_surplus": 0,
+            "messages_sent": sent, "bytes_sent": sent * 100, "messages_received": 4,
+            "bytes_received": 40, "messages_sent_by_type": {}, "messages_received_by_type": {},
+            "bytes_sent_by_type": {}, "bytes_received_by_type": {},
+            "messages_sent_eagain_start": 0,
+            "server_to_client": {"messages": sent, "bytes": 0, "messages_per_s": 0.0,
+                "mbit_per_s": 0.0, "mean_message_bytes": 0.0}
+        });
+        let more = json!({
+            "in_flight_now": 5, "in_flight_p50": 3, "in_flight_max": 9, "in_flight_limit": 41,
+            "stalled_fraction": 0.0, "stalls": 0, "starts_while_stalled": 0,
+            "urgent_pair_peaks": 0, "records_lost": 0, "observed_s": 1.0, "closed": false,
+            "tcp": {"srtt_us": 1500, "cwnd_segments": 10, "notsent_bytes": 0,
+                "notsent_max_bytes": 0, "unacked_segments": 0, "total_retrans": 2,
+                "recv_queue_bytes": 0, "source": "sock_diag", "delivery_rate_bytes_per_s": 1000},
+            "in_flight_relay_p50": null, "in_flight_relay_max": null, "in_flight_relay_now": null,
+            "stages": null, "chain": null, "messages_per_srtt": null,
+            "window_ceiling_msgs_per_s": null,
+            "verdict": "neither window nor link binds: in flight p50 3 of 41",
+            "stalled_seconds_total": 0.25, "stalls_total": 2,
+            "in_flight_histogram": {"le": [0, 5, 10, 20, 30, 40, 41, 42],
+                "seconds": [0.1, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], "sum": 3.0, "count": 1.0}
+        });
+        for (k, x) in more.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    }
+
+    fn report(channels: Vec<serde_json::Value>) -> Report {
+        serde_json::from_value(json!({
+            "duration_s": 1.0, "clock": {"realtime_ns": 0, "monotonic_ns": 0},
+            "hook_set": "tracepoints+sockops", "events_lost": 0,
+            "kernel_counters": {"ring_full": 0, "calls_traced": 12}, "degraded": [],
+            "pids": [], "forked": [{"parent": 200, "child": 201, "comm": "socat", "at_s": 0.1}],
+            "exited": [], "channels": channels
+        }))
+        .unwrap()
+    }
+
+    fn target(pid: u32, kind: TargetKind, name: &str) -> Target {
+        Target {
+            pid,
+            start_time: 1,
+            kind,
+            name: name.into(),
+            comm: "x".into(),
+        }
+    }
+
+    fn text(fams: &[MetricFamily]) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(fams, &mut buf).unwrap();
+        String::from_utf8(buf).unwrap()
+    }
+
+    /// The sample lines of `name` (exact, with labels).
+    fn lines<'a>(t: &'a str, name: &str) -> Vec<&'a str> {
+        t.lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+            .collect()
+    }
+
+    #[test]
+    fn metrics_table_is_consistent() {
+        let mut names = HashSet::new();
+        for d in METRICS {
+            assert!(names.insert(d.name), "{} twice", d.name);
+            assert!(d.name.starts_with("spice_observer_"));
+            assert_eq!(
+                d.kind == Kind::Counter,
+                d.name.ends_with("_total"),
+                "{}",
+                d.name
+            );
+            if d.name.ends_with("_info") {
+                assert_eq!(d.kind, Kind::Gauge);
+            }
+            for l in d.labels {
+                if !d.name.ends_with("_info") {
+                    assert!(
+                        !["pid", "socket", "session_id", "port"].contains(l),
+                        "{}",
+                        d.name
+                    );
+                }
+            }
+        }
+    }
+
+    /// README's Metrics table lists exactly [`METRICS`], with their types and labels.
+    #[test]
+    fn metrics_readme_table_matches() {
+        let readme = include_str!("../../README.md");
+        let section = readme.split("\n## Metrics").nth(1).expect("## Metrics");
+        let section = section.split("\n## ").next().unwrap();
+        let mut rows = BTreeMap::new();
+        for l in section
+            .lines()
+            .filter(|l| l.starts_with("| `spice_observer_"))
+        {
+            let cells: Vec<&str> = l.split(" | ").collect();
+            let name = cells[0].trim_start_matches("| ").trim_matches('`');
+            rows.insert(
+                name.to_string(),
+                (cells[1].to_string(), cells[2].replace('`', "")),
+            );
+        }
+        for d in METRICS {
+            let (kind, labels) = rows
+                .remove(d.name)
+                .unwrap_or_else(|| panic!("{} not in README", d.name));
+            assert_eq!(kind, d.kind.name(), "{}", d.name);
+            let want = if d.labels.is_empty() {
+                "—".to_string()
+            } else {
+                d.labels.join(", ")
+            };
+            assert_eq!(labels, want, "{}", d.name);
+        }
+        assert!(
+            rows.is_empty(),
+            "README lists unknown metrics {:?}",
+            rows.keys()
+        );
+    }
+
+    #[test]
+    fn metrics_verdict_labels() {
+        for (text, label) in [
+            ("idle: 0.0 msgs/s", "idle"),
+            ("client bound: the client's receive window", "client_bound"),
+            ("link bound (cwnd/rate): 1.0 Mbit/s", "link_bound"),
+            ("ACK-window bound: spice-server waited", "ack_window_bound"),
+            ("send-buffer bound: 300 KiB", "send_buffer_bound"),
+            (
+                "partly window bound: at the window 7%",
+                "partly_window_bound",
+            ),
+            ("neither window nor link binds: in flight", "neither"),
+            ("cannot judge: stream unparsed (tls)", "cannot_judge"),
+            ("no SET_ACK seen: the ACK window is unknown", "cannot_judge"),
+        ] {
+            assert_eq!(verdict_label(text), label, "{text}");
+        }
+    }
+
+    /// Legs and VMs from the chain, series only for open channels, one owner per label set,
+    /// and a text exposition without empty families.
+    #[test]
+    fn metrics_families_from_a_snapshot() {
+        let mut server = row(
+            "10.0.0.1:5900->10.0.0.1:40000",
+            100,
+            "server",
+            "display",
+            500,
+        );
+        server["chain"] = json!({
+            "backend": "10.0.0.1:40000->10.0.0.1:5900", "client_leg": "10.0.0.1:6900->10.0.0.2:50000",
+            "relay_pid": 201, "pairing": [], "transparency": "transparent",
+            "transparency_detail": null, "placeable_stages": [], "samples": 1,
+            "samples_placed": 1, "clamped_samples": 0, "clamped_max": 0, "kept_short_samples": 0,
+            "unplaced_max": 0, "link_rate_mbit": null, "link_delivered_mbit": null,
+            "link_rwnd_limited_fraction": null, "link_srtt_us": null,
+            "relay_above_true_samples": 0, "relay_below_true_fraction": null,
+            "relay_gap_upstream_fraction": null
+        });
+        server["stages"] = json!({"server_notsent": {"now": 2, "p50": 1, "max": 3, "bytes_p50": 0},
+            "client_owes_ack": {"now": 3, "p50": 1, "max": 3, "bytes_p50": 0}});
+        server["in_flight_relay_now"] = json!(4);
+        let mut backend = row("10.0.0.1:40000->10.0.0.1:5900", 201, "client", "display", 4);
+        backend["verdict"] = json!(null);
+        let mut client = row(
+            "10.0.0.1:6900->10.0.0.2:50000",
+            201,
+            "server",
+            "display",
+            500,
+        );
+        client["verdict"] = json!(null);
+        // An unpaired relay leg, a closed socket of the same VM, two of the same channel.
+        let lone = row("10.0.0.1:41000->10.0.0.1:5901", 201, "client", "main", 9);
+        let mut closed = row("10.0.0.1:5900->10.0.0.1:39999", 100, "server", "cursor", 5);
+        closed["closed"] = json!(true);
+        let dup = row("10.0.0.1:5900->10.0.0.1:40001", 100, "server", "display", 3);
+        let mut unknown = row("10.0.0.1:5900->10.0.0.1:40002", 100, "server", "unknown", 0);
+        unknown["framing"] = json!("unparsed");
+        unknown["unparsed_reason"] = json!("attached_mid_stream");
+        let r = report(vec![server, backend, client, lone, closed, dup, unknown]);
+        let targets = [
+            target(100, TargetKind::SpiceServer(ServerKind::Qemu), "vm-a"),
+            target(
+                200,
+                TargetKind::Relay {
+                    rule: "socat".into(),
+                },
+                "socat",
+            ),
+        ];
+        let fams = families(&ScrapeInput {
+            report: &r,
+            targets: &targets,
+            programs: Some(&[ProgramCost {
+                name: "spice_sock_send".into(),
+                run_time_ns: 2_000_000_000,
+                run_count: 5,
+            }]),
+            sockets: 7,
+            chains: 1,
+            processes: 2,
+            records: 99,
+            decode_errors: 0,
+            start_time_s: 1.0,
+        });
+        let t = text(&fams);
+        let now = lines(&t, "spice_observer_in_flight_now_messages");
+        assert_eq!(now.len(), 4, "{now:?}");
+        for leg in ["server", "relay_backend", "relay_client"] {
+            assert!(
+                now.iter()
+                    .any(|l| l.contains("vm=\"vm-a\"") && l.contains(&format!("leg=\"{leg}\""))),
+                "{leg}: {now:?}"
+            );
+        }
+        assert!(
+            now.iter()
+                .any(|l| l.contains("vm=\"socat\",leg=\"relay_backend\",channel=\"main\""))
+        );
+        // The busier of the two display sockets owns the series.
+        assert!(t.contains("spice_observer_messages_total{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\",direction=\"server_to_client\"} 500"), "{t}");
+        // The relay's backend leg sends client → server.
+        assert!(t.contains("leg=\"relay_backend\",channel=\"display\",channel_id=\"0\",direction=\"client_to_server\"} 4"));
+        // Closed channels are gone; unknown ones only in channel_info.
+        assert!(!t.contains("channel=\"cursor\""), "{t}");
+        assert_eq!(lines(&t, "spice_observer_channel_info").len(), 6);
+        assert!(t.contains("unparsed_reason=\"attached_mid_stream\""));
+        assert_eq!(lines(&t, "spice_observer_verdict_info").len(), 1);
+        assert!(t.contains("verdict=\"neither\""));
+        assert!(t.contains("spice_observer_in_flight_stage_messages{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\",stage=\"client_owes_ack\"} 3"));
+        assert!(t.contains("spice_observer_in_flight_relay_visible_messages{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\"} 4"));
+        assert!(t.contains("spice_observer_tcp_srtt_seconds{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\"} 0.0015"));
+        assert!(t.contains("spice_observer_window_wait_seconds_total{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\"} 0.25"));
+        // Histogram in milliseconds.
+        assert!(t.contains("spice_observer_in_flight_messages_bucket{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\",le=\"5\"} 500"), "{t}");
+        assert!(t.contains("spice_observer_in_flight_messages_count{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\"} 1000"));
+        assert!(t.contains("spice_observer_in_flight_messages_sum{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\"} 3000"));
+        assert!(t.contains("spice_observer_bpf_run_seconds_total{program=\"spice_sock_send\"} 2"));
+        assert!(t.contains("spice_observer_kernel_events_total{event=\"calls_traced\"} 12"));
+        assert!(t.contains("spice_observer_information_lost_total{reason=\"ring_full\"} 0"));
+        assert!(t.contains("spice_observer_targets_discovered{kind=\"relay\"} 1"));
+        // Without bpf_stats the families are absent.
+        let fams = families(&ScrapeInput {
+            report: &r,
+            targets: &targets,
+            programs: None,
+            sockets: 0,
+            chains: 0,
+            processes: 0,
+            records: 0,
+            decode_errors: 0,
+            start_time_s: 0.0,
+        });
+        assert!(!text(&fams).contains("bpf_run"));
+    }
 }
