@@ -440,3 +440,76 @@ async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
     server.abort();
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(config: Option<&Path>) -> DaemonArgs {
+        DaemonArgs {
+            config: config.map(Path::to_path_buf),
+            listen: None,
+            sample_ms: None,
+            scan_ms: None,
+            no_bpf_stats: false,
+            relay_names: Vec::new(),
+            relay_ports: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn daemon_flags_override_the_config_file() {
+        let dir =
+            std::env::temp_dir().join(format!("spice-observer-daemon-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        std::fs::write(
+            &path,
+            "listen = \"127.0.0.1:9999\"\nsample_ms = 50\n[discovery]\nrelays = [{ name = \"haproxy\" }]\n",
+        )
+        .unwrap();
+        let (c, p) = resolve(&args(Some(&path))).unwrap();
+        assert_eq!(p.as_deref(), Some(path.as_path()));
+        assert_eq!(
+            (c.listen.port(), c.sample_ms, c.scan_ms, c.bpf_stats),
+            (9999, 50, 500, true)
+        );
+        let mut a = args(Some(&path));
+        a.listen = Some("[::1]:19600".parse().unwrap());
+        a.sample_ms = Some(20);
+        a.scan_ms = Some(250);
+        a.no_bpf_stats = true;
+        a.relay_names = vec!["socat".into()];
+        a.relay_ports = vec![6900];
+        let (c, _) = resolve(&a).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(c.listen.to_string(), "[::1]:19600");
+        assert_eq!((c.sample_ms, c.scan_ms, c.bpf_stats), (20, 250, false));
+        let labels: Vec<String> = c.discovery.relays.iter().map(RelayRule::label).collect();
+        assert_eq!(labels, ["haproxy", "socat", "port-6900"]);
+    }
+
+    #[test]
+    fn daemon_bad_flags_and_missing_config() {
+        let e = format!(
+            "{:#}",
+            resolve(&args(Some(Path::new("/nonexistent/x.toml")))).unwrap_err()
+        );
+        assert!(
+            e.contains("/nonexistent/x.toml") && e.contains("does not exist"),
+            "{e}"
+        );
+        let mut a = args(None);
+        a.sample_ms = Some(0);
+        assert!(format!("{:#}", resolve(&a).unwrap_err()).contains("--sample-ms"));
+        let mut a = args(None);
+        a.scan_ms = Some(0);
+        assert!(format!("{:#}", resolve(&a).unwrap_err()).contains("--scan-ms"));
+        let mut a = args(None);
+        a.relay_ports = vec![0];
+        assert!(format!("{:#}", resolve(&a).unwrap_err()).contains("--relay-port"));
+        let mut a = args(None);
+        a.relay_names = vec!["/usr/bin/socat".into()];
+        assert!(format!("{:#}", resolve(&a).unwrap_err()).contains("--relay-name"));
+    }
+}
