@@ -258,7 +258,6 @@ fn final_tcp(model: &Model) -> BTreeMap<u64, TcpReport> {
                 unacked_segments: i.unacked,
                 total_retrans: i.total_retrans,
                 recv_queue_bytes: d.recv_queue,
-                delivery_rate_bytes_per_s: None,
                 source: "sock_diag".into(),
             }),
             _ => from_hooks,

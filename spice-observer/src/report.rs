@@ -33,9 +33,6 @@ pub struct TcpReport {
     pub total_retrans: u32,
     /// Bytes received and not yet read by the application (rcv_nxt − copied_seq).
     pub recv_queue_bytes: u32,
-    /// TEMPORARY (daemon branch, until the engine lands): tcpi_delivery_rate, bytes/s.
-    #[serde(default)]
-    pub delivery_rate_bytes_per_s: Option<u64>,
     /// Where the values come from: `sock_diag` (end-of-run netlink snapshot), `kernel_hooks`
     /// (last socket call or sockops callback), or `close` (the close tracepoint).
     pub source: String,
@@ -54,7 +51,6 @@ impl TcpReport {
             unacked_segments: s.packets_out,
             total_retrans: s.total_retrans,
             recv_queue_bytes: if rq < 1 << 31 { rq } else { 0 },
-            delivery_rate_bytes_per_s: None,
             source: source.into(),
         }
     }
@@ -227,24 +223,6 @@ pub struct ChannelReport {
     pub window_ceiling_msgs_per_s: Option<f64>,
     /// One-line judgement (display channels).
     pub verdict: Option<String>,
-    /// TEMPORARY (daemon branch, until the engine lands): see the issue-7 engine API.
-    #[serde(default)]
-    pub stalled_seconds_total: f64,
-    #[serde(default)]
-    pub stalls_total: u64,
-    #[serde(default)]
-    pub in_flight_histogram: Option<InFlightHistogram>,
-    #[serde(default)]
-    pub in_flight_relay_now: Option<i64>,
-}
-
-/// TEMPORARY (daemon branch, until the engine lands): see the issue-7 engine API.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct InFlightHistogram {
-    pub le: Vec<u32>,
-    pub seconds: Vec<f64>,
-    pub sum: f64,
-    pub count: f64,
 }
 
 /// A watched pid.
@@ -558,10 +536,6 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         messages_per_srtt: None,
         window_ceiling_msgs_per_s: None,
         verdict: None,
-        stalled_seconds_total: w.stalled_fraction() * w.observed_ns() as f64 / 1e9,
-        stalls_total: w.stalls,
-        in_flight_histogram: None,
-        in_flight_relay_now: None,
     };
     c.verdict = verdict(&c);
     c
@@ -1229,10 +1203,6 @@ mod tests {
             messages_per_srtt: None,
             window_ceiling_msgs_per_s: None,
             verdict: None,
-            stalled_seconds_total: 0.0,
-            stalls_total: 0,
-            in_flight_histogram: None,
-            in_flight_relay_now: None,
         }
     }
 
