@@ -8,7 +8,7 @@ use std::{path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use spice_observer::observe;
+use spice_observer::cmd::observe;
 
 /// eBPF observer of SPICE remote-display sockets: exact ACK-window accounting per channel.
 #[derive(Debug, Parser)]

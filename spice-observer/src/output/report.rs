@@ -11,9 +11,10 @@ use spice_ebpf_common::{
     protocol::{channel, channel_type_name, link_error_name},
 };
 
+pub use crate::model::window::InFlightHistogram;
 use crate::model::{
     Model, SocketModel,
-    chain::{Chain, ChainSample, Placement, STAGES, Transparency},
+    chain::{Chain, STAGES, Transparency},
 };
 
 /// TCP state of one socket at the end of the run.
@@ -36,6 +37,10 @@ pub struct TcpReport {
     /// Where the values come from: `sock_diag` (end-of-run netlink snapshot), `kernel_hooks`
     /// (last socket call or sockops callback), or `close` (the close tracepoint).
     pub source: String,
+    /// `tcpi_delivery_rate` of the sock_diag snapshot: the kernel's latest delivery-rate
+    /// sample, bytes per second; null when `source` is not `sock_diag` (the hooks do not read
+    /// it).
+    pub delivery_rate_bytes_per_s: Option<u64>,
 }
 
 impl TcpReport {
@@ -52,6 +57,7 @@ impl TcpReport {
             total_retrans: s.total_retrans,
             recv_queue_bytes: if rq < 1 << 31 { rq } else { 0 },
             source: source.into(),
+            delivery_rate_bytes_per_s: None,
         }
     }
 }
@@ -199,6 +205,15 @@ pub struct ChannelReport {
     pub stalled_fraction: Option<f64>,
     /// Times spice-server began waiting for an ACK since the last SET_ACK.
     pub stalls: u64,
+    /// Seconds spice-server waited for an ACK over the socket's life, every generation (a
+    /// counter: it never decreases from one snapshot to the next). 0 without a SET_ACK.
+    pub stalled_seconds_total: f64,
+    /// Times spice-server began waiting for an ACK, every generation (a counter).
+    pub stalls_total: u64,
+    /// Time-weighted histogram of spice-server's in-flight count over every generation
+    /// (buckets 0, W/4, W/2, W, 3W/2, 2W, 2W+1, 2W+2 of the current W; seconds cumulative);
+    /// null without a SET_ACK.
+    pub in_flight_histogram: Option<InFlightHistogram>,
     /// Message starts above 2W not explained by an urgent pair (always 0 for spice-server).
     pub starts_while_stalled: u64,
     /// Starts at 2W+1 right after an urgent INVAL_LIST / LIST (peak 2W+2, allowed).
@@ -213,6 +228,8 @@ pub struct ChannelReport {
     /// minus W × the ACKs it passed on): time-weighted median and maximum. Relay chains only.
     pub in_flight_relay_p50: Option<i64>,
     pub in_flight_relay_max: Option<i64>,
+    /// The relay-visible count at the newest sample. Relay chains only.
+    pub in_flight_relay_now: Option<i64>,
     /// Where spice-server's in-flight messages are: stage → statistics over the samples.
     pub stages: Option<BTreeMap<String, StageStat>>,
     pub chain: Option<ChainReport>,
@@ -436,10 +453,12 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
     })
 }
 
-/// Builds the report row of one socket. `end_ns` is the end of observation; `tcp` the best
-/// TCP state known for it (see [`TcpReport::source`]).
+/// Builds the report row of one socket. `end_ns` is the end of observation (the window's
+/// time accounting is computed up to it, or up to the close, without changing the model);
+/// `tcp` the best TCP state known for it (see [`TcpReport::source`]).
 pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> ChannelReport {
     let until = s.closed_ns.unwrap_or(end_ns);
+    let ws = s.window.stats_at(until);
     let observed_s = until.saturating_sub(s.first_ns) as f64 / 1e9;
     let send = &s.dirs[0];
     let recv = &s.dirs[1];
@@ -518,11 +537,14 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         messages_sent_eagain_start: send.eagain_starts,
         server_to_client: flow,
         in_flight_now: active.then_some(i64::from(w.count)),
-        in_flight_p50: active.then(|| i64::from(w.quantile(0.5))),
+        in_flight_p50: active.then_some(i64::from(ws.p50)),
         in_flight_max: active.then_some(i64::from(w.max)),
         in_flight_limit: active.then(|| i64::from(w.limit())),
-        stalled_fraction: active.then(|| w.stalled_fraction()),
+        stalled_fraction: active.then_some(ws.stalled_fraction),
         stalls: w.stalls,
+        stalled_seconds_total: ws.stalled_seconds_total,
+        stalls_total: w.stalls_total(),
+        in_flight_histogram: active.then_some(ws.histogram),
         starts_while_stalled: w.starts_while_stalled,
         urgent_pair_peaks: w.urgent_pair_peaks,
         records_lost: s.lost_records(),
@@ -531,6 +553,7 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         tcp,
         in_flight_relay_p50: None,
         in_flight_relay_max: None,
+        in_flight_relay_now: None,
         stages: None,
         chain: None,
         messages_per_srtt: None,
@@ -541,18 +564,16 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
     c
 }
 
-fn quantile_u(v: &mut [u64], q: f64) -> u64 {
-    if v.is_empty() {
-        return 0;
-    }
-    v.sort_unstable();
-    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
-    v[i]
-}
-
 /// Adds a chain's stage statistics, relay-visible count and seed-style figures to the report
-/// row of its spice-server socket, and recomputes the verdict.
-pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s: f64) {
+/// row of its spice-server socket, and recomputes the verdict. `end_ns`: the end of
+/// observation (the relay leg's window accounting runs up to it or its close).
+pub fn add_chain(
+    c: &mut ChannelReport,
+    chain: &Chain,
+    model: &Model,
+    duration_s: f64,
+    end_ns: u64,
+) {
     let sock = |cookie: Option<u64>| cookie.and_then(|k| model.sockets.get(&k));
     let name = |s: &SocketModel| match (s.local, s.remote) {
         (Some(l), Some(r)) => format!("{l}->{r}"),
@@ -561,59 +582,35 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
     let backend = sock(chain.backend);
     let client_leg = sock(chain.client_leg);
     if let Some(b) = backend.filter(|b| b.window.active()) {
-        c.in_flight_relay_p50 = Some(i64::from(b.window.quantile(0.5)));
+        let bs = b.window.stats_at(b.closed_ns.unwrap_or(end_ns));
+        c.in_flight_relay_p50 = Some(i64::from(bs.p50));
         c.in_flight_relay_max = Some(i64::from(b.window.max));
     }
+    let st = &chain.stats;
+    c.in_flight_relay_now = st.last_relay_visible;
     let placeable = chain.placeable_stages();
-    let placed: Vec<&ChainSample> = chain
-        .samples
-        .iter()
-        .filter(|s| s.placement.is_some())
-        .collect();
     let mut stages = BTreeMap::new();
     for &i in &placeable {
-        let mut counts: Vec<u64> = placed
-            .iter()
-            .map(|s| s.placement.unwrap().counts[i] as u64)
-            .collect();
-        let mut bytes: Vec<u64> = placed
-            .iter()
-            .map(|s| s.placement.unwrap().bytes[i])
-            .collect();
         stages.insert(
             STAGES[i].to_string(),
             StageStat {
-                now: placed.last().map_or(0, |s| s.placement.unwrap().counts[i]),
-                p50: quantile_u(&mut counts.clone(), 0.5) as u32,
-                max: counts.iter_mut().map(|v| *v as u32).max().unwrap_or(0),
-                bytes_p50: quantile_u(&mut bytes, 0.5),
+                now: st.last_placement.map_or(0, |p| p.counts[i]),
+                p50: st.stage_counts[i].quantile(0.5).unwrap_or(0),
+                max: st.stage_counts[i].max().unwrap_or(0),
+                bytes_p50: st.stage_bytes[i].quantile(0.5).unwrap_or(0),
             },
         );
     }
-    let clamped: Vec<u32> = placed
-        .iter()
-        .map(|s| s.placement.unwrap().clamped)
-        .collect();
-    let clamped_samples = clamped.iter().filter(|&&c| c > 0).count();
-    let clamped_max = clamped.iter().copied().max().unwrap_or(0);
-    let kept_short_samples = chain
-        .samples
-        .iter()
-        .filter(|s| (s.kept as i64) < s.in_flight)
-        .count();
     let (link_srtt, rwnd) = match chain.link_info {
         Some((first, last)) => {
-            let busy = last.busy_time_us.saturating_sub(first.busy_time_us);
             let rwnd = last.rwnd_limited_us.saturating_sub(first.rwnd_limited_us);
             let span = (duration_s * 1e6).max(1.0);
-            let _ = busy;
             (Some(last.srtt_us), Some((rwnd as f64 / span).min(1.0)))
         }
         None => (None, None),
     };
     // The median delivery rate: single samples overshoot after bursts (HTB, GRO).
-    let rate = (!chain.delivery_rates.is_empty())
-        .then(|| quantile_u(&mut chain.delivery_rates.clone(), 0.5) as f64);
+    let rate = st.delivery_rates.quantile(0.5).map(|r| r as f64);
     if let (Some(w), Some(srtt)) = (c.window, link_srtt) {
         let srtt_s = srtt as f64 / 1e6;
         c.messages_per_srtt = Some(c.server_to_client.messages_per_s * srtt_s);
@@ -622,32 +619,9 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
             c.window_ceiling_msgs_per_s = Some(2.0 * w as f64 / (srtt_s + w as f64 * mean / rate));
         }
     }
-    let with_relay: Vec<(i64, i64, Placement)> = placed
-        .iter()
-        .filter_map(|s| {
-            s.relay_visible
-                .map(|r| (s.in_flight, r, s.placement.unwrap()))
-        })
-        .collect();
-    let frac = |n: usize| (!with_relay.is_empty()).then(|| n as f64 / with_relay.len() as f64);
-    let relay_above = with_relay.iter().filter(|(t, r, _)| r > t).count();
-    let relay_below = frac(with_relay.iter().filter(|(t, r, _)| r < t).count());
-    let gap_upstream = frac(
-        with_relay
-            .iter()
-            .filter(|(t, r, p)| {
-                let upstream: i64 = p.counts[..4].iter().map(|&v| v as i64).sum();
-                ((t - r) - upstream).abs() <= 1
-            })
-            .count(),
-    );
-    let delivered: Vec<(u64, u64)> = chain
-        .samples
-        .iter()
-        .filter_map(|s| s.delivered.map(|d| (s.t_ns, d)))
-        .collect();
-    let delivered_mbit = match (delivered.first(), delivered.last()) {
-        (Some(&(t0, d0)), Some(&(t1, d1))) if t1 > t0 => {
+    let frac = |n: usize| (st.with_relay > 0).then(|| n as f64 / st.with_relay as f64);
+    let delivered_mbit = match (st.first_delivered, st.last_delivered) {
+        (Some((t0, d0)), Some((t1, d1))) if t1 > t0 => {
             Some(d1.saturating_sub(d0) as f64 * 8.0 / ((t1 - t0) as f64 / 1e9) / 1e6)
         }
         _ => None,
@@ -678,23 +652,19 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
         transparency: transparency.into(),
         transparency_detail: detail,
         placeable_stages: placeable.iter().map(|&i| STAGES[i].into()).collect(),
-        samples: chain.samples.len(),
-        samples_placed: placed.len(),
-        clamped_samples,
-        clamped_max,
-        kept_short_samples,
-        unplaced_max: placed
-            .iter()
-            .map(|s| s.placement.unwrap().unplaced)
-            .max()
-            .unwrap_or(0),
+        samples: st.samples,
+        samples_placed: st.placed,
+        clamped_samples: st.clamped_samples,
+        clamped_max: st.clamped_max,
+        kept_short_samples: st.kept_short_samples,
+        unplaced_max: st.unplaced_max,
         link_rate_mbit: rate.map(|r| r * 8.0 / 1e6),
         link_delivered_mbit: delivered_mbit,
         link_rwnd_limited_fraction: rwnd,
         link_srtt_us: link_srtt,
-        relay_above_true_samples: relay_above,
-        relay_below_true_fraction: relay_below,
-        relay_gap_upstream_fraction: gap_upstream,
+        relay_above_true_samples: st.relay_above,
+        relay_below_true_fraction: frac(st.relay_below),
+        relay_gap_upstream_fraction: frac(st.gap_upstream),
     });
     // Stages exist only where spice-server keeps an ACK window (display, cursor).
     if c.window.is_some() {
@@ -736,6 +706,8 @@ pub struct RunInfo<'a> {
     /// Best TCP state per cookie.
     pub tcp_final: &'a BTreeMap<u64, TcpReport>,
     pub chains: &'a [Chain],
+    /// Process names by pid, preferred over the thread name a socket's first record carried.
+    pub comms: &'a std::collections::HashMap<u32, String>,
 }
 
 /// Assembles the report: one row per socket, chains and verdicts added.
@@ -750,6 +722,7 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         pids,
         tcp_final,
         chains,
+        comms,
     } = run;
     let duration_s = end_ns.saturating_sub(started_ns) as f64 / 1e9;
     let mut channels: Vec<ChannelReport> = model
@@ -757,8 +730,11 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         .values()
         .map(|s| {
             let mut c = channel_report(s, end_ns, tcp_final.get(&s.cookie).cloned());
+            if let Some(comm) = comms.get(&s.pid) {
+                c.comm = comm.clone();
+            }
             if let Some(chain) = chains.iter().find(|ch| ch.server == s.cookie) {
-                add_chain(&mut c, chain, model, duration_s);
+                add_chain(&mut c, chain, model, duration_s, end_ns);
             }
             c
         })
@@ -1190,6 +1166,9 @@ mod tests {
             in_flight_limit: Some(81),
             stalled_fraction: Some(stalled),
             stalls: 0,
+            stalled_seconds_total: 0.0,
+            stalls_total: 0,
+            in_flight_histogram: None,
             starts_while_stalled: 0,
             urgent_pair_peaks: 0,
             records_lost: 0,
@@ -1198,6 +1177,7 @@ mod tests {
             tcp: None,
             in_flight_relay_p50: None,
             in_flight_relay_max: None,
+            in_flight_relay_now: None,
             stages: None,
             chain: None,
             messages_per_srtt: None,
@@ -1322,5 +1302,115 @@ mod tests {
         let v = serde_json::to_value(display(0.0, 1, 10.0, 1.0)).unwrap();
         assert_eq!(v["ack_surplus"], 0);
         assert_eq!(v["generations"], 1);
+    }
+
+    // --- snapshots of a model: pure reads ---
+
+    use crate::events::Event;
+    use spice_ebpf_common::{
+        event::{EventHeader, LinkEvent, MessageEvent, dir},
+        framing::Role,
+        protocol::{msg_client, msg_server},
+    };
+
+    fn hdr(d: u8, ts: u64) -> EventHeader {
+        EventHeader {
+            dir: d,
+            ts_ns: ts,
+            cookie: 7,
+            tgid: 1,
+            ..Default::default()
+        }
+    }
+
+    fn msg(d: u8, ts: u64, index: u64, msg_type: u16, prefix: [u32; 2]) -> Event {
+        Event::Message(MessageEvent {
+            hdr: hdr(d, ts),
+            index,
+            msg_type,
+            hdr_len: 6,
+            size: 100,
+            at: index * 106,
+            prefix,
+            ..Default::default()
+        })
+    }
+
+    /// spice-server's display socket with W = 2: SET_ACK, ACK_SYNC, then 4 draws (count 5 =
+    /// 2W+1, stalled from t = 1013 ns).
+    fn display_model() -> Model {
+        let mut m = Model::default();
+        m.apply(&Event::Link(LinkEvent {
+            hdr: hdr(dir::RECV, 1),
+            role: Role::ClientToServer as u8,
+            channel_type: channel::DISPLAY,
+            ..Default::default()
+        }));
+        m.apply(&Event::Link(LinkEvent {
+            hdr: hdr(dir::SEND, 2),
+            role: Role::ServerToClient as u8,
+            ..Default::default()
+        }));
+        m.apply(&msg(dir::SEND, 1000, 1, msg_server::SET_ACK, [1, 2]));
+        m.apply(&msg(dir::RECV, 1001, 1, msg_client::ACK_SYNC, [1, 0]));
+        for i in 0..4u64 {
+            m.apply(&msg(dir::SEND, 1010 + i, 2 + i, 302, [0, 0]));
+        }
+        m
+    }
+
+    fn snapshot(m: &Model, now: u64) -> serde_json::Value {
+        let counters = [0; counter::COUNT as usize];
+        let r = build(
+            m,
+            RunInfo {
+                started_ns: 0,
+                end_ns: now,
+                clock: ClockReport::default(),
+                hook_set: "tracepoints",
+                counters: &counters,
+                degraded: &[],
+                pids: Vec::new(),
+                tcp_final: &BTreeMap::new(),
+                chains: &[],
+                comms: &std::collections::HashMap::new(),
+            },
+        );
+        serde_json::to_value(r).unwrap()
+    }
+
+    #[test]
+    fn snapshots_are_pure_reads() {
+        let mut m = display_model();
+        let a = snapshot(&m, 2013);
+        assert_eq!(a, snapshot(&m, 2013));
+        let c = &a["channels"][0];
+        assert_eq!(c["in_flight_now"], 5);
+        assert_eq!(c["stalls_total"], 1);
+        assert_eq!(c["stalled_seconds_total"].as_f64().unwrap(), 1000e-9);
+        assert_eq!(c["in_flight_histogram"]["count"].as_f64().unwrap(), 1013e-9);
+        // An ACK timestamped before the first snapshot's instant but applied after it is
+        // charged from its own time: count 3 from t = 1513, stalled 500 ns in all. A model that
+        // was never snapshotted gives exactly the same report.
+        m.apply(&msg(dir::RECV, 1513, 2, msg_client::ACK, [0, 0]));
+        let b = snapshot(&m, 2013);
+        let mut fresh = display_model();
+        fresh.apply(&msg(dir::RECV, 1513, 2, msg_client::ACK, [0, 0]));
+        assert_eq!(b, snapshot(&fresh, 2013));
+        let c = &b["channels"][0];
+        assert_eq!(c["in_flight_now"], 3);
+        assert_eq!(c["stalled_seconds_total"].as_f64().unwrap(), 500e-9);
+        assert_eq!(c["in_flight_p50"], 3);
+        // The first snapshot's figures were not charged to the later count.
+        assert_eq!(a["channels"][0]["in_flight_p50"], 5);
+        // Counters never decrease from one snapshot to the next.
+        let later = snapshot(&m, 5000);
+        let (c1, c2) = (&b["channels"][0], &later["channels"][0]);
+        for k in ["stalled_seconds_total", "stalls_total"] {
+            assert!(c2[k].as_f64().unwrap() >= c1[k].as_f64().unwrap(), "{k}");
+        }
+        let h = &c2["in_flight_histogram"];
+        assert_eq!(h["le"], serde_json::json!([0, 1, 2, 3, 4, 5, 6]));
+        assert_eq!(h["count"].as_f64().unwrap(), 4000e-9);
     }
 }
