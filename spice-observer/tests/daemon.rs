@@ -645,7 +645,7 @@ fn daemon_memory_flat_over_churn() -> Result<()> {
     }
     let mut rig = Rig::new(T)?;
     let config = write_config(&rig, "")?;
-    let daemon = Daemon::start(&config)?;
+    let mut daemon = Daemon::start(&config)?;
     let relay = rig.relay("socat", "127.0.0.1", 6978, "127.0.0.1", 5978)?;
     let _ = relay;
     thread::sleep(Duration::from_secs(2));
@@ -654,6 +654,8 @@ fn daemon_memory_flat_over_churn() -> Result<()> {
     let base_chains = base.one("spice_observer_chains_tracked", &[])?;
     let t0 = Instant::now();
     let mut rss = Vec::new();
+    let mut peak_sockets = 0f64;
+    let mut peak_framed = 0f64;
     let mut round = 0;
     while t0.elapsed() < Duration::from_secs(300) {
         round += 1;
@@ -665,11 +667,33 @@ fn daemon_memory_flat_over_churn() -> Result<()> {
                     "start", "5978", "78", "--", "--mode", "rects", "--fps", "30",
                 ]),
         )?;
+        // The client connects once the daemon watches the server (else its sockets are
+        // attached mid-stream and never framed).
+        let xorg = std::fs::read_to_string(run.join("Xorg.pid"))?
+            .trim()
+            .to_string();
+        daemon.wait_line(
+            |l| l.contains("found xspice xspice-78") && l.contains(&format!("pid {xorg},")),
+            Duration::from_secs(5),
+        )?;
+        daemon.drain_log();
         {
             let _c = Client::start("spice://127.0.0.1:6978", 15, &[], None)?;
             for _ in 0..2 {
                 thread::sleep(Duration::from_secs(5));
-                let _ = Scrape::take()?;
+                let s = Scrape::take()?;
+                peak_sockets = peak_sockets.max(s.one("spice_observer_sockets_tracked", &[])?);
+                let framed = s
+                    .find(
+                        "spice_observer_channel_info",
+                        &[
+                            ("vm", "xspice-78"),
+                            ("channel", "display"),
+                            ("framing", "mini"),
+                        ],
+                    )
+                    .len();
+                peak_framed = peak_framed.max(framed as f64);
                 rss.push(rss_kib(daemon.pid())?);
                 thread::sleep(Duration::from_secs(5));
             }
@@ -685,6 +709,19 @@ fn daemon_memory_flat_over_churn() -> Result<()> {
     let end = Scrape::take()?;
     check_scrape_run(&end)?;
     println!("RSS KiB every 10 s: {rss:?}");
+    println!(
+        "sockets tracked: baseline {base_sockets}, end {}; chains: baseline {base_chains}, end {}; peak {peak_sockets} sockets",
+        end.one("spice_observer_sockets_tracked", &[])?,
+        end.one("spice_observer_chains_tracked", &[])?
+    );
+    ensure!(
+        peak_sockets >= 8.0,
+        "the sessions were not tracked: peak {peak_sockets} sockets"
+    );
+    ensure!(
+        peak_framed >= 1.0,
+        "no display channel framed during the churn"
+    );
     let median = |v: &[u64]| {
         let mut v = v.to_vec();
         v.sort();
