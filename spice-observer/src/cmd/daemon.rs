@@ -511,4 +511,47 @@ mod tests {
         a.relay_names = vec!["/usr/bin/socat".into()];
         assert!(format!("{:#}", resolve(&a).unwrap_err()).contains("--relay-name"));
     }
+
+    fn state(tx: mpsc::Sender<Request>) -> AppState {
+        AppState {
+            tx,
+            landing: std::sync::Arc::new(String::new()),
+        }
+    }
+
+    /// `/healthz`: 200 while the loop answers, 503 with the reason when it has stopped or
+    /// does not answer within [`HEALTH_TIMEOUT`]; `/metrics` 503 once the loop has stopped.
+    #[test]
+    fn daemon_healthz_answers() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (tx, mut rx) = mpsc::channel(4);
+            let answer = tokio::spawn(async move {
+                if let Some(Request::Health(r)) = rx.recv().await {
+                    let _ = r.send(());
+                }
+                // Receive the next request and never answer it.
+                let stuck = rx.recv().await;
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                drop(stuck);
+            });
+            let (code, body) = healthz(State(state(tx.clone()))).await;
+            assert_eq!((code, body.as_str()), (StatusCode::OK, "ok\n"));
+            let (code, body) = healthz(State(state(tx.clone()))).await;
+            assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+            assert!(body.contains("did not answer within 2 s"), "{body}");
+            answer.abort();
+            let _ = answer.await;
+            let (code, body) = healthz(State(state(tx.clone()))).await;
+            assert_eq!(
+                (code, body.as_str()),
+                (StatusCode::SERVICE_UNAVAILABLE, "engine stopped\n")
+            );
+            let r = metrics_handler(State(state(tx))).await;
+            assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        });
+    }
 }
