@@ -159,7 +159,9 @@ impl Capture {
         }
         let kbtf = KernelBtf::open(std::path::Path::new(VMLINUX_BTF))?;
         let config: KernelConfig = kbtf.kernel_config()?;
-        let btf = Btf::from_sys_fs().context("loading kernel BTF for tp_btf programs")?;
+        // The loader parses the kernel's BTF for itself and drops it after the load; the copy
+        // for the tp_btf programs is parsed after that, so that the two are never held at once
+        // (each costs tens of MB of heap).
         let mut ebpf = EbpfLoader::new()
             .override_global("CONFIG", &config, true)
             .load(EBPF_OBJECT)
@@ -177,6 +179,7 @@ impl Capture {
                 other => anyhow!("loading the eBPF object: {other}"),
             })?;
 
+        let btf = Btf::from_sys_fs().context("loading kernel BTF for tp_btf programs")?;
         const NEEDED_BY: &str = "the `tracepoints` hook set";
         let has_typedef = |name: &str| kbtf.has_typedef(name);
 

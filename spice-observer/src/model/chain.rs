@@ -18,7 +18,7 @@
 //! | `proxy_recv_queue` | B read (`copied_seq`) | in the relay's receive queue |
 //! | `proxy_inside` | C written | read by the relay, not yet written toward the client |
 //! | `proxy_notsent` | C `snd_nxt` | in the relay's send queue toward the client |
-//! | `client_unacked` | C `snd_una` | on the client link, not TCP-acknowledged |
+//! | `client_unacked` | C `snd_una` | sent toward the client (incl. a shaper's qdisc), not TCP-acknowledged |
 //! | `client_owes_ack` | — | TCP-acknowledged by the client, not yet covered by a SPICE ACK |
 //!
 //! Without a relay the stages are `server_writing`, `server_notsent`, `server_unacked` and
@@ -898,11 +898,12 @@ fn check_transparency(model: &Model, chain: &mut Chain) {
 }
 
 /// The messages spice-server counts as in flight on socket `s`, oldest first: the last
-/// `count` server→client messages it started (the SET_ACK counts itself and is never ACKed by
-/// spice-gtk, so it stays in the set). Fewer if fewer are kept.
+/// `count` server→client messages it started. The SET_ACK counts itself, so it is the oldest
+/// of the set until the first matching ACK takes the oldest W out (docs/spice-protocol.md §3.9).
+/// Fewer if fewer are kept.
 pub fn inflight(s: &SocketModel) -> Vec<MsgSpan> {
     let Some(d) = s.s2c() else { return Vec::new() };
-    let count = s.window.count.max(0) as usize;
+    let count = s.window.count as usize;
     let recent = &s.dirs[d].recent;
     recent
         .iter()

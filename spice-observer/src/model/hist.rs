@@ -175,7 +175,7 @@ mod tests {
         assert!(h.buckets() <= 57 * 128 + 256, "{}", h.buckets());
         let m = h.quantile(0.5).unwrap();
         let exact = (0..1_000_000u64).step_by(7).count() as u64;
-        let want = ((exact + 1) / 2 - 1) * 7 * 1000;
+        let want = (exact.div_ceil(2) - 1) * 7 * 1000;
         assert!(
             m <= want && (want - m) as f64 <= want as f64 / 128.0,
             "{m} vs {want}"

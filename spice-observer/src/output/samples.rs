@@ -88,8 +88,10 @@ pub struct SampleLine {
     /// spice-server's in-flight count (`messages_window`, replayed) at the sample.
     pub in_flight: u64,
     /// The count a relay-side observer reports at the sample (the relay leg's own replay of
-    /// the window); `null` without a relay leg with a SET_ACK seen.
-    #[serde(deserialize_with = "required")]
+    /// the window); `None` without a relay leg with a SET_ACK seen. For front ends in process
+    /// (the plot's relay line): not part of the `--samples` file (never written, read as
+    /// `None`).
+    #[serde(skip)]
     pub in_flight_relay: Option<u64>,
     /// ACK window W from the last SET_ACK, messages.
     pub window: u32,
@@ -322,7 +324,6 @@ mod tests {
             "channel_type",
             "channel_id",
             "in_flight",
-            "in_flight_relay",
             "window",
             "stages",
             "unplaced",
