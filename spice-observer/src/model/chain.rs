@@ -1476,6 +1476,38 @@ mod tests {
     }
 
     #[test]
+    fn chain_stats_stay_bounded_whatever_the_samples() {
+        let mut st = ChainStats::default();
+        for i in 0..200_000u64 {
+            let mut p = Placement::default();
+            p.counts[2] = (i % 83) as u32;
+            p.bytes[2] = i * 7919;
+            p.clamped = (i % 3) as u32;
+            st.add(&ChainSample {
+                t_ns: i * 100_000_000,
+                in_flight: (i % 83) as i64,
+                relay_visible: Some((i % 83) as i64),
+                placement: Some(p),
+                kept: i % 83,
+                delivered: Some(i * 1000),
+            });
+            st.add_delivery_rate(1_000_000 + i * 37);
+        }
+        assert_eq!(
+            (st.samples, st.placed, st.with_relay),
+            (200_000, 200_000, 200_000)
+        );
+        assert!(st.stage_counts[2].buckets() <= 83);
+        assert_eq!(st.stage_counts[2].max(), Some(82));
+        assert!(st.stage_bytes[2].buckets() <= 57 * 128 + 256);
+        assert!(st.delivery_rates.buckets() <= 57 * 128 + 256);
+        assert_eq!(st.first_delivered, Some((0, 0)));
+        assert_eq!(st.last_delivered.unwrap().1, 199_999 * 1000);
+        assert_eq!((st.clamped_samples, st.clamped_max), (133_333, 2));
+        assert_eq!((st.relay_above, st.relay_below), (0, 0));
+    }
+
+    #[test]
     fn empty_inflight_places_nothing() {
         let p = place(
             &[],

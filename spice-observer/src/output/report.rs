@@ -804,6 +804,15 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
     }
 }
 
+/// A mean message size for the table: bytes below 1 KiB, else KiB with one decimal.
+fn size_text(bytes: f64) -> String {
+    if bytes < 1024.0 {
+        format!("{bytes:.0} B")
+    } else {
+        format!("{:.1} KiB", bytes / 1024.0)
+    }
+}
+
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_string(), |v| v.to_string())
 }
@@ -824,7 +833,7 @@ pub fn render(r: &Report) -> String {
     }
     let _ = writeln!(
         out,
-        "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8} {:>7} {:>8} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
+        "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8} {:>7} {:>9} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
         "SOCKET",
         "PID",
         "COMM",
@@ -832,7 +841,7 @@ pub fn render(r: &Report) -> String {
         "W",
         "MSGS/S",
         "MBIT/S",
-        "MEAN KiB",
+        "MEAN SIZE",
         "SRTT ms",
         "INFLT p50/max",
         "STALL%",
@@ -866,7 +875,7 @@ pub fn render(r: &Report) -> String {
         let secs = c.observed_s.max(1e-9);
         let _ = writeln!(
             out,
-            "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8.1} {:>7.2} {:>8.1} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
+            "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8.1} {:>7.2} {:>9} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
             c.socket,
             c.pid,
             c.comm.chars().take(10).collect::<String>(),
@@ -874,7 +883,7 @@ pub fn render(r: &Report) -> String {
             opt(c.window),
             c.server_to_client.messages_per_s,
             c.server_to_client.mbit_per_s,
-            c.server_to_client.mean_message_bytes / 1024.0,
+            size_text(c.server_to_client.mean_message_bytes),
             opt(c
                 .tcp
                 .as_ref()
@@ -972,12 +981,12 @@ pub fn render(r: &Report) -> String {
         );
         let _ = writeln!(
             out,
-            "{:<12} {:>3} {:>7} {:>7} {:>8} {:>7} {:>14} {:>11} {:>7} {:>8} {:>13}  {}",
+            "{:<12} {:>3} {:>7} {:>7} {:>9} {:>7} {:>14} {:>11} {:>7} {:>8} {:>13}  {}",
             "CHANNEL",
             "W",
             "MBIT/S",
             "MSGS/S",
-            "MEAN KiB",
+            "MEAN SIZE",
             "SRTT ms",
             "MSGS/SRTT",
             "CEIL msgs/s",
@@ -1000,12 +1009,12 @@ pub fn render(r: &Report) -> String {
             let secs = c.observed_s.max(1e-9);
             let _ = writeln!(
                 out,
-                "{:<12} {:>3} {:>7.2} {:>7.1} {:>8.1} {:>7} {:>14} {:>11} {:>7} {:>8.2} {:>13}  {}",
+                "{:<12} {:>3} {:>7.2} {:>7.1} {:>9} {:>7} {:>14} {:>11} {:>7} {:>8.2} {:>13}  {}",
                 format!("{} {}", c.channel_type, opt(c.channel_id)),
                 opt(c.window),
                 c.server_to_client.mbit_per_s,
                 c.server_to_client.messages_per_s,
-                c.server_to_client.mean_message_bytes / 1024.0,
+                size_text(c.server_to_client.mean_message_bytes),
                 opt(chain
                     .and_then(|ch| ch.link_srtt_us)
                     .map(|v| format!("{:.1}", v as f64 / 1000.0))),
@@ -1034,8 +1043,15 @@ pub fn render(r: &Report) -> String {
                 if ch.clamped_samples > 0 {
                     let _ = writeln!(
                         out,
-                        "    positions out of chain order at {} of {} placed samples (up to {} boundaries clamped)",
-                        ch.clamped_samples, ch.samples_placed, ch.clamped_max
+                        "    positions out of chain order at {} of {} placed samples (up to {} {} clamped)",
+                        ch.clamped_samples,
+                        ch.samples_placed,
+                        ch.clamped_max,
+                        if ch.clamped_max == 1 {
+                            "boundary"
+                        } else {
+                            "boundaries"
+                        }
                     );
                 }
                 if ch.kept_short_samples > 0 || ch.unplaced_max > 0 {
@@ -1075,6 +1091,18 @@ pub fn render(r: &Report) -> String {
         .iter()
         .filter(|c| c.framing == "unparsed" && !not_spice(c))
         .collect();
+    let (mid_stream, unparsed): (Vec<_>, Vec<_>) = unparsed
+        .into_iter()
+        .partition(|c| c.unparsed_reason.as_deref() == Some("attached_mid_stream"));
+    if !mid_stream.is_empty() {
+        let _ = writeln!(
+            out,
+            "unparsed (!): {} connection(s) existed before observation started (attached_mid_stream): \
+             listed with TCP state, not framed; a SPICE stream is framed from its link phase, so \
+             start the observer before the client connects (or reconnect the client)",
+            mid_stream.len()
+        );
+    }
     if !unparsed.is_empty() {
         let _ = writeln!(out, "unparsed (!):");
         for c in unparsed {
