@@ -8,7 +8,7 @@ use std::{path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use spice_observer::observe;
+use spice_observer::cmd::observe;
 
 /// eBPF observer of SPICE remote-display sockets: exact ACK-window accounting per channel.
 #[derive(Debug, Parser)]
@@ -29,13 +29,20 @@ enum Command {
         #[arg(long = "pid", required = true, value_name = "PID")]
         pids: Vec<u32>,
         /// Seconds to observe; 0 = until Ctrl-C (SIGINT) or SIGTERM.
-        #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+        #[arg(
+            long,
+            default_value_t = 10.0,
+            value_name = "SECS",
+            allow_negative_numbers = true
+        )]
         duration: f64,
         /// Also write the report as JSON to PATH (`-` = stdout; the table then goes to stderr).
         #[arg(long, value_name = "PATH|-")]
         json: Option<PathBuf>,
-        /// Milliseconds between TCP state samples of the watched sockets.
-        #[arg(long, default_value_t = 100, value_name = "MS")]
+        /// Milliseconds between TCP state samples of the watched sockets (10 to 60000; each
+        /// sample dumps the TCP sockets of the network namespace).
+        #[arg(long, default_value_t = 100, value_name = "MS",
+              value_parser = clap::value_parser!(u64).range(10..=60_000))]
         sample_ms: u64,
         /// Do not print the live progress line.
         #[arg(long)]
@@ -86,7 +93,7 @@ fn main() -> Result<()> {
                 pids,
                 duration: (duration > 0.0).then(|| Duration::from_secs_f64(duration)),
                 json,
-                sample: Duration::from_millis(sample_ms.max(1)),
+                sample: Duration::from_millis(sample_ms),
                 progress: !no_progress,
                 dump_events,
                 plot,

@@ -85,7 +85,10 @@ fn cargo() -> Command {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
     let path = std::env::var("PATH").unwrap_or_default();
-    cmd.env("PATH", format!("{home}/.cargo/bin:{path}"));
+    let bin = format!("{home}/.cargo/bin");
+    if !path.split(':').any(|p| p == bin) {
+        cmd.env("PATH", format!("{bin}:{path}"));
+    }
     cmd.current_dir(root());
     cmd
 }
@@ -117,7 +120,14 @@ fn demo(seconds: u32, mode: &str) -> Result<()> {
     setup(true)?;
     run(cargo().args(["build", "--release", "-p", "spice-observer"]))?;
     let rig = root().join("rig");
-    let observer = root().join("target/release/spice-observer");
+    // Where cargo put it: $CARGO_TARGET_DIR if set (relative to the workspace), else target/.
+    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map_or_else(|| root().join("target"), |d| root().join(d));
+    let observer = target_dir.join("release/spice-observer");
+    if !observer.exists() {
+        bail!("the build left no binary at {}", observer.display());
+    }
     let run_dir = std::env::temp_dir().join("spice-observer-demo");
     std::fs::create_dir_all(&run_dir)?;
     let (port, display, relay_port) = (5930u16, 30u32, 6930u16);
@@ -161,7 +171,7 @@ fn demo(seconds: u32, mode: &str) -> Result<()> {
         ])
         .args(["--duration", &seconds.to_string()])
         .spawn()
-        .context("starting spice-observer (needs root)")?;
+        .with_context(|| format!("starting {}", observer.display()))?;
     thread::sleep(Duration::from_millis(1500));
     if let Some(status) = obs.try_wait()? {
         bail!("spice-observer exited early: {status}");

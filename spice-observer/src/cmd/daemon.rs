@@ -1,6 +1,6 @@
 //! `spice-observer daemon`: one per hypervisor. Finds SPICE servers (QEMU, Xspice) and the
 //! configured relays ([`crate::host::discovery`]), watches them as they come and go, and
-//! serves Prometheus metrics ([`crate::metrics`]) over HTTP.
+//! serves Prometheus metrics ([`crate::output::metrics`]) over HTTP.
 //!
 //! The loop (one thread): a discovery scan every `scan_ms` (new targets are watched, exited
 //! ones unwatched), kernel records applied as they arrive, a TCP sample of every chain every
@@ -36,11 +36,10 @@ use prometheus::{Encoder, TextEncoder, core::Collector, proto::MetricFamily};
 use spice_ebpf_common::config::counter;
 use tokio::sync::{mpsc, oneshot};
 
-use super::engine_shim::{Engine, EngineOptions};
 use crate::config::{Config, RelayRule};
 use crate::host::discovery::{Discovery, ServerKind, Target, TargetKind};
-use crate::metrics::{self, ProgramCost, ScrapeInput};
-use crate::observe::monotonic_ns;
+use crate::output::metrics::{self, ProgramCost, ScrapeInput};
+use crate::pipeline::{Engine, EngineOptions, monotonic_ns};
 
 /// Config file read when `--config` is not given, if it exists.
 pub const DEFAULT_CONFIG: &str = "/etc/spice-observer/spice-observer.toml";

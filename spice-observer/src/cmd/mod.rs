@@ -1,5 +1,5 @@
-//! Front ends of the `spice-observer` binary that live in the library.
+//! Front ends over [`crate::pipeline::Engine`]: each parses its options, arranges the engine's
+//! calls and prints; none computes a statistic.
 
 pub mod daemon;
-// TEMPORARY: the engine API over the observe pieces until the `engine` branch lands.
-mod engine_shim;
+pub mod observe;

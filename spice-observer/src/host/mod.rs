@@ -7,3 +7,4 @@
 //! reports, and the Prometheus exporter.
 
 pub mod discovery;
+pub mod sockdiag;

@@ -18,7 +18,7 @@
 //! | `proxy_recv_queue` | B read (`copied_seq`) | in the relay's receive queue |
 //! | `proxy_inside` | C written | read by the relay, not yet written toward the client |
 //! | `proxy_notsent` | C `snd_nxt` | in the relay's send queue toward the client |
-//! | `client_unacked` | C `snd_una` | on the client link, not TCP-acknowledged |
+//! | `client_unacked` | C `snd_una` | sent toward the client (incl. a shaper's qdisc), not TCP-acknowledged |
 //! | `client_owes_ack` | — | TCP-acknowledged by the client, not yet covered by a SPICE ACK |
 //!
 //! Without a relay the stages are `server_writing`, `server_notsent`, `server_unacked` and
@@ -40,7 +40,10 @@ use std::collections::HashSet;
 
 use spice_ebpf_common::{event::dir, protocol::channel};
 
-use super::{DirStats, Model, MsgSpan, SocketModel};
+use super::{
+    DirStats, Model, MsgSpan, SocketModel,
+    hist::{CountHist, LogHist},
+};
 
 /// Stage names, in chain order (JSON keys of `stages`).
 pub const STAGES: [&str; 8] = [
@@ -261,11 +264,8 @@ pub struct Chain {
     pub transparency: Transparency,
     /// Messages compared per direction ([server→client, client→server]).
     checked: [u64; 2],
-    /// One entry per sample since the chain was found.
-    pub samples: Vec<ChainSample>,
-    /// `tcpi_delivery_rate` samples of the client-facing socket (bytes/s, non-zero ones): the
-    /// kernel's measurement of what the link delivers.
-    pub delivery_rates: Vec<u64>,
+    /// Statistics over every sample since the chain was found (bounded: see [`ChainStats`]).
+    pub stats: ChainStats,
     /// `tcp_info` of the client-facing socket at the first and latest sample.
     pub link_info: Option<(crate::sockdiag::TcpInfo, crate::sockdiag::TcpInfo)>,
     /// While the client leg is not paired: what is known about each candidate leg.
@@ -291,6 +291,94 @@ pub struct ChainSample {
     pub delivered: Option<u64>,
 }
 
+/// What the report needs of a chain's samples, accumulated as they are taken: counters, the
+/// first and last values, and bounded histograms ([`super::hist`]), so the state does not grow
+/// with the number of samples.
+#[derive(Clone, Debug, Default)]
+pub struct ChainStats {
+    /// Samples taken, and those with a placement (every socket's position available).
+    pub samples: usize,
+    pub placed: usize,
+    /// Per stage ([`STAGES`] order), over the placed samples: messages (exact up to
+    /// [`super::window::HISTOGRAM_MAX`], exact maximum) and bytes of the in-flight range (8
+    /// significant bits, [`LogHist`]). A stage a placement did not fill counts 0.
+    pub stage_counts: [CountHist; 8],
+    pub stage_bytes: [LogHist; 8],
+    /// The newest placement.
+    pub last_placement: Option<Placement>,
+    /// Placed samples with a clamped boundary, and the most boundaries clamped at one.
+    pub clamped_samples: usize,
+    pub clamped_max: u32,
+    /// Samples where fewer in-flight messages were kept than counted.
+    pub kept_short_samples: usize,
+    /// Most messages unplaced at one placed sample.
+    pub unplaced_max: u32,
+    /// Placed samples with a relay-visible count, and among them those where it was above
+    /// spice-server's count, below it, and below it by the upstream stages (± 1).
+    pub with_relay: usize,
+    pub relay_above: usize,
+    pub relay_below: usize,
+    pub gap_upstream: usize,
+    /// The relay-visible count at the newest sample.
+    pub last_relay_visible: Option<i64>,
+    /// (CLOCK_MONOTONIC ns, stream offset) of the first and newest sample with a delivered
+    /// position on the client-facing link.
+    pub first_delivered: Option<(u64, u64)>,
+    pub last_delivered: Option<(u64, u64)>,
+    /// Non-zero `tcpi_delivery_rate` samples of the client-facing socket, bytes/s (8
+    /// significant bits), and the newest one: the kernel's measurement of what the link
+    /// delivers.
+    pub delivery_rates: LogHist,
+    pub last_delivery_rate: Option<u64>,
+}
+
+impl ChainStats {
+    /// Adds one sample.
+    pub fn add(&mut self, s: &ChainSample) {
+        self.samples += 1;
+        if (s.kept as i64) < s.in_flight {
+            self.kept_short_samples += 1;
+        }
+        self.last_relay_visible = s.relay_visible;
+        if let Some(d) = s.delivered {
+            self.first_delivered.get_or_insert((s.t_ns, d));
+            self.last_delivered = Some((s.t_ns, d));
+        }
+        let Some(p) = s.placement else { return };
+        self.placed += 1;
+        for i in 0..STAGES.len() {
+            self.stage_counts[i].add(p.counts[i]);
+            self.stage_bytes[i].add(p.bytes[i]);
+        }
+        self.last_placement = Some(p);
+        if p.clamped > 0 {
+            self.clamped_samples += 1;
+        }
+        self.clamped_max = self.clamped_max.max(p.clamped);
+        self.unplaced_max = self.unplaced_max.max(p.unplaced);
+        if let Some(r) = s.relay_visible {
+            let t = s.in_flight;
+            self.with_relay += 1;
+            if r > t {
+                self.relay_above += 1;
+            }
+            if r < t {
+                self.relay_below += 1;
+            }
+            let upstream: i64 = p.counts[..4].iter().map(|&v| v as i64).sum();
+            if ((t - r) - upstream).abs() <= 1 {
+                self.gap_upstream += 1;
+            }
+        }
+    }
+
+    /// Adds one non-zero delivery rate sample (bytes/s).
+    pub fn add_delivery_rate(&mut self, rate: u64) {
+        self.delivery_rates.add(rate);
+        self.last_delivery_rate = Some(rate);
+    }
+}
+
 impl Chain {
     fn new(server: u64) -> Self {
         Self {
@@ -300,8 +388,7 @@ impl Chain {
             pairing: Vec::new(),
             transparency: Transparency::Unknown,
             checked: [0, 0],
-            samples: Vec::new(),
-            delivery_rates: Vec::new(),
+            stats: ChainStats::default(),
             link_info: None,
             candidates: Vec::new(),
         }
@@ -811,11 +898,12 @@ fn check_transparency(model: &Model, chain: &mut Chain) {
 }
 
 /// The messages spice-server counts as in flight on socket `s`, oldest first: the last
-/// `count` server→client messages it started (the SET_ACK counts itself and is never ACKed by
-/// spice-gtk, so it stays in the set). Fewer if fewer are kept.
+/// `count` server→client messages it started. The SET_ACK counts itself, so it is the oldest
+/// of the set until the first matching ACK takes the oldest W out (docs/spice-protocol.md §3.9).
+/// Fewer if fewer are kept.
 pub fn inflight(s: &SocketModel) -> Vec<MsgSpan> {
     let Some(d) = s.s2c() else { return Vec::new() };
-    let count = s.window.count.max(0) as usize;
+    let count = s.window.count as usize;
     let recent = &s.dirs[d].recent;
     recent
         .iter()
@@ -1385,6 +1473,38 @@ mod tests {
             agreed,
             (super::super::FINGERPRINT + super::super::RECENT) as u64
         );
+    }
+
+    #[test]
+    fn chain_stats_stay_bounded_whatever_the_samples() {
+        let mut st = ChainStats::default();
+        for i in 0..200_000u64 {
+            let mut p = Placement::default();
+            p.counts[2] = (i % 83) as u32;
+            p.bytes[2] = i * 7919;
+            p.clamped = (i % 3) as u32;
+            st.add(&ChainSample {
+                t_ns: i * 100_000_000,
+                in_flight: (i % 83) as i64,
+                relay_visible: Some((i % 83) as i64),
+                placement: Some(p),
+                kept: i % 83,
+                delivered: Some(i * 1000),
+            });
+            st.add_delivery_rate(1_000_000 + i * 37);
+        }
+        assert_eq!(
+            (st.samples, st.placed, st.with_relay),
+            (200_000, 200_000, 200_000)
+        );
+        assert!(st.stage_counts[2].buckets() <= 83);
+        assert_eq!(st.stage_counts[2].max(), Some(82));
+        assert!(st.stage_bytes[2].buckets() <= 57 * 128 + 256);
+        assert!(st.delivery_rates.buckets() <= 57 * 128 + 256);
+        assert_eq!(st.first_delivered, Some((0, 0)));
+        assert_eq!(st.last_delivered.unwrap().1, 199_999 * 1000);
+        assert_eq!((st.clamped_samples, st.clamped_max), (133_333, 2));
+        assert_eq!((st.relay_above, st.relay_below), (0, 0));
     }
 
     #[test]

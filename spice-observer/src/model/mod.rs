@@ -4,6 +4,7 @@
 //! records of one thread arrive in program order).
 
 pub mod chain;
+pub mod hist;
 pub mod window;
 
 use std::{
@@ -260,11 +261,20 @@ pub enum ProcessNote {
     },
 }
 
+/// How many process notes (forks and exits) the model keeps: the newest ones. Older notes
+/// are only counted ([`Model::forks`], [`Model::exits`]), so a relay forking one child per
+/// connection for days keeps a bounded list.
+pub const PROCESS_NOTES: usize = 256;
+
 /// All sockets and process notes of one observation.
 #[derive(Clone, Debug, Default)]
 pub struct Model {
     pub sockets: BTreeMap<u64, SocketModel>,
-    pub processes: Vec<ProcessNote>,
+    /// The newest [`PROCESS_NOTES`] process notes, oldest first.
+    pub processes: VecDeque<ProcessNote>,
+    /// Forks and exits seen, including notes no longer kept.
+    pub forks: u64,
+    pub exits: u64,
     /// Records of any kind decoded.
     pub records: u64,
 }
@@ -274,6 +284,13 @@ impl Model {
         self.sockets
             .entry(hdr.cookie)
             .or_insert_with(|| SocketModel::new(hdr.cookie, hdr))
+    }
+
+    fn note(&mut self, n: ProcessNote) {
+        if self.processes.len() == PROCESS_NOTES {
+            self.processes.pop_front();
+        }
+        self.processes.push_back(n);
     }
 
     /// Applies one kernel record.
@@ -320,16 +337,22 @@ impl Model {
                     at: *at,
                 });
             }
-            Event::Fork { hdr, child, comm } => self.processes.push(ProcessNote::Forked {
-                ts_ns: hdr.ts_ns,
-                parent: hdr.tgid,
-                child: *child,
-                comm: comm.clone(),
-            }),
-            Event::Exit { hdr } => self.processes.push(ProcessNote::Exited {
-                ts_ns: hdr.ts_ns,
-                pid: hdr.tgid,
-            }),
+            Event::Fork { hdr, child, comm } => {
+                self.forks += 1;
+                self.note(ProcessNote::Forked {
+                    ts_ns: hdr.ts_ns,
+                    parent: hdr.tgid,
+                    child: *child,
+                    comm: comm.clone(),
+                })
+            }
+            Event::Exit { hdr } => {
+                self.exits += 1;
+                self.note(ProcessNote::Exited {
+                    ts_ns: hdr.ts_ns,
+                    pid: hdr.tgid,
+                })
+            }
             Event::Close { hdr, tcp } => {
                 if let Some(s) = self.sockets.get_mut(&hdr.cookie) {
                     s.closed_ns = Some(hdr.ts_ns);
@@ -376,15 +399,6 @@ impl Model {
                 s.notsent_max = s.notsent_max.max(notsent);
             }
             s.tcp = Some(snap);
-        }
-    }
-
-    /// Closes every open window's time accounting at `now_ns`.
-    pub fn finish(&mut self, now_ns: u64) {
-        for s in self.sockets.values_mut() {
-            if s.closed_ns.is_none() {
-                s.window.finish(now_ns);
-            }
         }
     }
 }

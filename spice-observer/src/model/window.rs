@@ -93,6 +93,65 @@ pub struct AckWindow {
     last_ns: u64,
     /// Type of the previous server → client message.
     last_type: u16,
+    /// Nanoseconds spent at each in-flight count (clamped to [`HISTOGRAM_MAX`]) over every
+    /// generation: the source of [`WindowStats::histogram`].
+    time_at_total: BTreeMap<u32, u64>,
+    /// ∫ count dt over every generation, message·nanoseconds (exact, not clamped).
+    count_ns_total: u128,
+    /// Nanoseconds spent waiting for an ACK, every generation.
+    stalled_ns_total: u64,
+    /// Transitions into waiting for an ACK, every generation.
+    stalls_total: u64,
+}
+
+/// The window's time accounting up to an instant, computed by [`AckWindow::stats_at`] without
+/// changing the window: the interval since the last event is added as if an event came then.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WindowStats {
+    /// Nanoseconds observed since the current generation's SET_ACK.
+    pub observed_ns: u64,
+    /// Share of `observed_ns` spent waiting for an ACK (0 when nothing was observed).
+    pub stalled_fraction: f64,
+    /// Time-weighted median in-flight count of the current generation (values above
+    /// [`HISTOGRAM_MAX`] read as [`HISTOGRAM_MAX`]; the current count if no time passed).
+    pub p50: u32,
+    /// Seconds spent waiting for an ACK, every generation (a counter: never decreases).
+    pub stalled_seconds_total: f64,
+    /// Time-weighted histogram of the in-flight count over every generation.
+    pub histogram: InFlightHistogram,
+}
+
+/// Time-weighted histogram of the in-flight count, in the form of a Prometheus histogram
+/// whose observations are seconds: `seconds[i]` is the time spent with the count ≤ `le[i]`
+/// (cumulative), `count` all time observed (the implicit `+Inf` bucket), `sum` ∫ count dt.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct InFlightHistogram {
+    /// Upper bounds, messages: 0, W/4, W/2, W, 3W/2, 2W, 2W+1, 2W+2 (W of the current
+    /// generation; deduplicated, ascending).
+    pub le: Vec<u32>,
+    /// Seconds with the count ≤ `le[i]`, cumulative; same length as `le`.
+    pub seconds: Vec<f64>,
+    /// ∫ count dt, message·seconds (mean count = sum / count).
+    pub sum: f64,
+    /// Seconds observed (all generations, from the first SET_ACK).
+    pub count: f64,
+}
+
+/// Bucket bounds of [`InFlightHistogram`] for window `w`.
+pub fn histogram_bounds(w: u32) -> Vec<u32> {
+    let mut le = vec![
+        0,
+        w / 4,
+        w / 2,
+        w,
+        w.saturating_mul(3) / 2,
+        w.saturating_mul(2),
+        w.saturating_mul(2).saturating_add(1),
+        w.saturating_mul(2).saturating_add(2),
+    ];
+    le.sort_unstable();
+    le.dedup();
+    le
 }
 
 impl AckWindow {
@@ -127,12 +186,13 @@ impl AckWindow {
     fn advance(&mut self, now_ns: u64) {
         if self.since_ns.is_some() && now_ns > self.last_ns {
             let dt = now_ns - self.last_ns;
-            *self
-                .time_at
-                .entry(self.count.min(HISTOGRAM_MAX))
-                .or_default() += dt;
+            let key = self.count.min(HISTOGRAM_MAX);
+            *self.time_at.entry(key).or_default() += dt;
+            *self.time_at_total.entry(key).or_default() += dt;
+            self.count_ns_total += u128::from(self.count) * u128::from(dt);
             if self.stalled() {
                 self.stalled_ns += dt;
+                self.stalled_ns_total += dt;
             }
         }
         if now_ns > self.last_ns {
@@ -148,6 +208,7 @@ impl AckWindow {
         self.max = self.max.max(count);
         if !was_stalled && self.stalled() {
             self.stalls += 1;
+            self.stalls_total += 1;
         }
     }
 
@@ -225,9 +286,60 @@ impl AckWindow {
         }
     }
 
-    /// Closes the time accounting at `now_ns` (end of observation or socket close).
+    /// Closes the time accounting at `now_ns` (socket close: no event can follow).
     pub fn finish(&mut self, now_ns: u64) {
         self.advance(now_ns);
+    }
+
+    /// Times spice-server began waiting for an ACK, every generation (a counter).
+    pub fn stalls_total(&self) -> u64 {
+        self.stalls_total
+    }
+
+    /// The time accounting up to `now_ns`, without changing the window: the interval from the
+    /// last event to `now_ns` is charged to the current count and stall state virtually, so
+    /// two calls with the same `now_ns` give the same result and a record applied later
+    /// (even one timestamped before `now_ns`) is charged where it belongs. A `now_ns` before
+    /// the last event adds nothing.
+    pub fn stats_at(&self, now_ns: u64) -> WindowStats {
+        let extra = if self.since_ns.is_some() {
+            now_ns.saturating_sub(self.last_ns)
+        } else {
+            0
+        };
+        let key = self.count.min(HISTOGRAM_MAX);
+        let stalled_extra = if self.stalled() { extra } else { 0 };
+        let observed_ns = self.observed_ns() + extra;
+        let stalled_ns = self.stalled_ns + stalled_extra;
+        let stalled_fraction = if observed_ns == 0 {
+            0.0
+        } else {
+            stalled_ns as f64 / observed_ns as f64
+        };
+        let p50 = quantile_of(&self.time_at, key, extra, 0.5).unwrap_or(self.count);
+        let le = histogram_bounds(self.window);
+        let total_ns: u64 = self.time_at_total.values().sum::<u64>() + extra;
+        let seconds = le
+            .iter()
+            .map(|&b| {
+                let at_or_below: u64 = self.time_at_total.range(..=b).map(|(_, t)| t).sum::<u64>()
+                    + if key <= b { extra } else { 0 };
+                at_or_below as f64 / 1e9
+            })
+            .collect();
+        let sum = (self.count_ns_total + u128::from(self.count) * u128::from(extra)) as f64 / 1e9;
+        WindowStats {
+            observed_ns,
+            stalled_fraction,
+            p50,
+            stalled_seconds_total: (self.stalled_ns_total + stalled_extra) as f64 / 1e9,
+            histogram: InFlightHistogram {
+                le,
+                seconds,
+                sum,
+                count: total_ns as f64 / 1e9,
+            },
+        }
     }
 
     /// Nanoseconds observed since the current generation's SET_ACK (up to the last event or
@@ -251,19 +363,7 @@ impl AckWindow {
     /// (values above [`HISTOGRAM_MAX`] read as [`HISTOGRAM_MAX`]); the current count if no time
     /// passed.
     pub fn quantile(&self, q: f64) -> u32 {
-        let total: u64 = self.time_at.values().sum();
-        if total == 0 {
-            return self.count;
-        }
-        let target = (q * total as f64).ceil().max(1.0) as u64;
-        let mut acc = 0u64;
-        for (&v, &t) in &self.time_at {
-            acc += t;
-            if acc >= target {
-                return v;
-            }
-        }
-        self.count
+        quantile_of(&self.time_at, 0, 0, q).unwrap_or(self.count)
     }
 
     /// Distinct in-flight values in the current generation's histogram (at most
@@ -271,6 +371,39 @@ impl AckWindow {
     pub fn histogram_len(&self) -> usize {
         self.time_at.len()
     }
+}
+
+/// Time-weighted quantile `q` of `hist` with `extra` ns added at value `key`; `None` if no
+/// time at all.
+fn quantile_of(hist: &BTreeMap<u32, u64>, key: u32, extra: u64, q: f64) -> Option<u32> {
+    let total: u64 = hist.values().sum::<u64>() + extra;
+    if total == 0 {
+        return None;
+    }
+    let target = (q * total as f64).ceil().max(1.0) as u64;
+    let mut acc = 0u64;
+    let mut extra_left = extra;
+    for (&v, &t) in hist {
+        if extra_left > 0 && key < v {
+            acc += extra_left;
+            extra_left = 0;
+            if acc >= target {
+                return Some(key);
+            }
+        }
+        acc += t + if v == key {
+            std::mem::take(&mut extra_left)
+        } else {
+            0
+        };
+        if acc >= target {
+            return Some(v);
+        }
+    }
+    if extra_left > 0 {
+        return Some(key);
+    }
+    None
 }
 
 #[cfg(test)]
@@ -498,5 +631,77 @@ mod tests {
         a.finish(1000); // count 1 for 10 ns, 2 for 990 ns
         assert_eq!(a.quantile(0.5), 2);
         assert_eq!(a.quantile(0.005), 1);
+    }
+
+    #[test]
+    fn stats_at_is_pure_and_adds_the_open_interval() {
+        let mut a = started(2);
+        for i in 0..4u64 {
+            a.server_message(10 + i, D, DRAW, [0, 0]); // count 5 = 2W+1 from t=13: stalled
+        }
+        let before = a.clone();
+        let s1 = a.stats_at(1013);
+        let s2 = a.stats_at(1013);
+        assert_eq!(s1, s2);
+        // Nothing changed: the window is as before, and a later finish gives the same figures.
+        assert_eq!(format!("{a:?}"), format!("{before:?}"));
+        let mut f = a.clone();
+        f.finish(1013);
+        assert_eq!(f.stats_at(1013), s1);
+        assert_eq!(f.stalled_fraction(), s1.stalled_fraction);
+        assert_eq!(f.quantile(0.5), s1.p50);
+        // 1013 ns observed, stalled from 13 to 1013.
+        assert_eq!(s1.observed_ns, 1013);
+        assert!((s1.stalled_seconds_total - 1000e-9).abs() < 1e-15);
+        assert_eq!(s1.p50, 5);
+        // A record timestamped before the snapshot's instant, applied after it, is charged
+        // where it belongs: an ACK at t=513 (count 3 from then on).
+        a.ack(513);
+        let s3 = a.stats_at(1013);
+        assert_eq!(s3.observed_ns, 1013);
+        assert!((s3.stalled_seconds_total - 500e-9).abs() < 1e-15);
+        assert_eq!(s3.p50, 3);
+        // A now before the last event adds nothing.
+        assert_eq!(a.stats_at(0).observed_ns, a.observed_ns());
+    }
+
+    #[test]
+    fn histogram_is_time_weighted_cumulative_over_all_generations() {
+        assert_eq!(histogram_bounds(40), vec![0, 10, 20, 40, 60, 80, 81, 82]);
+        assert_eq!(histogram_bounds(1), vec![0, 1, 2, 3, 4]);
+        assert_eq!(histogram_bounds(0), vec![0, 1, 2]);
+        let mut a = started(4); // count 1 from t=0
+        a.server_message(100, D, DRAW, [0, 0]); // 2 from t=100
+        for i in 0..7u64 {
+            a.server_message(200 + i, D, DRAW, [0, 0]); // 9 = 2W+1 from t=206
+        }
+        a.ack(1206); // 5 from t=1206
+        // Generation 2: the counts start again; the histogram keeps both generations.
+        a.server_message(2206, D, SET_ACK, [2, 4]); // 1 from t=2206
+        let h = a.stats_at(3206).histogram;
+        assert_eq!(h.le, vec![0, 1, 2, 4, 6, 8, 9, 10]);
+        let ns = |v: f64| (v * 1e9).round() as u64;
+        // ≤0: none; ≤1: 100 + 1000 (gen 2); ≤2: +100; ... 3,4 for 1 ns each (t=200..206: 3..8)
+        assert_eq!(ns(h.seconds[0]), 0);
+        assert_eq!(ns(h.seconds[1]), 1100);
+        assert_eq!(ns(h.seconds[2]), 1200);
+        assert_eq!(ns(h.seconds[3]), 1202); // 3 (t=200..201), 4 (201..202)
+        assert_eq!(ns(h.seconds[4]), 2204); // 5 (202..203 and 1206..2206), 6
+        assert_eq!(ns(h.seconds[5]), 2206); // 7, 8
+        assert_eq!(ns(h.seconds[6]), 3206); // 9 for 1000 ns
+        assert_eq!(ns(h.seconds[7]), 3206);
+        assert_eq!(ns(h.count), 3206);
+        let sum = 100 + 2 * 100 + (3 + 4 + 5 + 6 + 7 + 8) + 9 * 1000 + 5 * 1000 + 1000;
+        assert!(
+            (h.sum - sum as f64 / 1e9).abs() < 1e-12,
+            "{} vs {sum}",
+            h.sum
+        );
+        // Cumulative and never above count.
+        assert!(h.seconds.windows(2).all(|w| w[0] <= w[1]));
+        // The all-generation counters keep generation 1's stall.
+        let s = a.stats_at(3206);
+        assert!((s.stalled_seconds_total - 1000e-9).abs() < 1e-15);
+        assert_eq!((a.stalls, a.stalls_total()), (0, 1));
     }
 }

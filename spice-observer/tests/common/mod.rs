@@ -49,6 +49,8 @@ pub fn cannot_run(test: &str, why: &str) -> String {
     }
 }
 
+pub mod oracle;
+
 /// The rig scripts.
 pub fn rig() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../rig")
@@ -429,65 +431,6 @@ macro_rules! observe_or_skip {
             }
         }
     };
-}
-
-// The serde_json::Value helpers below (channels, by_local, remote, describe, u) remain only
-// until tests/stages.rs reads the typed Report too; u() reads a missing number as u64::MAX,
-// which passes every `>=`: do not use them in new code (use channels_of, describe_ch, …).
-
-/// Channels of the report whose `pid` is `pid` and type is `ty`.
-pub fn channels<'a>(report: &'a Value, pid: u32, ty: &str) -> Vec<&'a Value> {
-    report["channels"]
-        .as_array()
-        .map(|v| {
-            v.iter()
-                .filter(|c| c["pid"] == pid && c["channel_type"] == ty)
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// The channel whose `socket` starts with `local` ("addr:port->").
-pub fn by_local<'a>(report: &'a Value, local: &str) -> Option<&'a Value> {
-    report["channels"].as_array()?.iter().find(|c| {
-        c["socket"]
-            .as_str()
-            .is_some_and(|s| s.starts_with(&format!("{local}->")))
-    })
-}
-
-/// The remote endpoint of a channel's `socket` ("…->addr:port").
-pub fn remote(c: &Value) -> String {
-    c["socket"]
-        .as_str()
-        .unwrap_or("")
-        .split("->")
-        .nth(1)
-        .unwrap_or("")
-        .to_string()
-}
-
-/// Short description of a channel for assertion messages.
-pub fn describe(c: &Value) -> String {
-    format!(
-        "{} {} pid {} {} (framing {}, W {}, set_acks {}, ack_syncs {}, acks {}, sent {}, received {}, max {})",
-        c["channel_type"],
-        c["channel_id"],
-        c["pid"],
-        c["socket"],
-        c["framing"],
-        c["window"],
-        c["set_acks"],
-        c["ack_syncs"],
-        c["acks"],
-        c["messages_sent"],
-        c["messages_received"],
-        c["in_flight_max"]
-    )
-}
-
-pub fn u(v: &Value) -> u64 {
-    v.as_u64().unwrap_or(u64::MAX)
 }
 
 /// Channels of the report whose `pid` is `pid` and type is `ty`.

@@ -87,6 +87,12 @@ pub struct SampleLine {
     pub channel_id: u8,
     /// spice-server's in-flight count (`messages_window`, replayed) at the sample.
     pub in_flight: u64,
+    /// The count a relay-side observer reports at the sample (the relay leg's own replay of
+    /// the window); `None` without a relay leg with a SET_ACK seen. For front ends in process
+    /// (the plot's relay line): not part of the `--samples` file (never written, read as
+    /// `None`).
+    #[serde(skip)]
+    pub in_flight_relay: Option<u64>,
     /// ACK window W from the last SET_ACK, messages.
     pub window: u32,
     /// Messages per stage (README "Stages" names), for the stages this sample placed: all
@@ -175,6 +181,7 @@ pub fn lines(model: &Model, sample: &sampler::Sample, started_ns: u64) -> Vec<Sa
             channel_type: channel_type_name(ctype).to_string(),
             channel_id: cid,
             in_flight,
+            in_flight_relay: x.relay_visible.map(|r| r.max(0) as u64),
             window: s.window.window,
             stages,
             unplaced,
@@ -280,6 +287,7 @@ mod tests {
             channel_type: "display".into(),
             channel_id: 0,
             in_flight: 7,
+            in_flight_relay: None,
             window: 20,
             stages: [("server_notsent", 3), ("client_owes_ack", 2)]
                 .into_iter()

@@ -45,6 +45,13 @@ const BTF_TRACEPOINTS: [(&str, &str); 6] = [
     ("spice_tcp_destroy", "tcp_destroy_sock"),
 ];
 
+/// Turns on the kernel's BPF run-time statistics (`BPF_ENABLE_STATS` with
+/// `BPF_STATS_RUN_TIME`, Linux ≥ 5.8): they stay on while the returned fd is open.
+pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd> {
+    aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .map_err(|e| anyhow!("enabling BPF run-time statistics (BPF_ENABLE_STATS): {e}"))
+}
+
 /// Loaded and attached kernel programs.
 pub struct Capture {
     ebpf: Ebpf,
@@ -152,7 +159,9 @@ impl Capture {
         }
         let kbtf = KernelBtf::open(std::path::Path::new(VMLINUX_BTF))?;
         let config: KernelConfig = kbtf.kernel_config()?;
-        let btf = Btf::from_sys_fs().context("loading kernel BTF for tp_btf programs")?;
+        // The loader parses the kernel's BTF for itself and drops it after the load; the copy
+        // for the tp_btf programs is parsed after that, so that the two are never held at once
+        // (each costs tens of MB of heap).
         let mut ebpf = EbpfLoader::new()
             .override_global("CONFIG", &config, true)
             .load(EBPF_OBJECT)
@@ -170,6 +179,7 @@ impl Capture {
                 other => anyhow!("loading the eBPF object: {other}"),
             })?;
 
+        let btf = Btf::from_sys_fs().context("loading kernel BTF for tp_btf programs")?;
         const NEEDED_BY: &str = "the `tracepoints` hook set";
         let has_typedef = |name: &str| kbtf.has_typedef(name);
 
@@ -256,11 +266,18 @@ impl Capture {
 
     /// Starts watching process `tgid` (its threads, and children it forks from now on).
     pub fn watch_pid(&mut self, tgid: u32) -> Result<()> {
+        self.watch_pid_under(tgid, tgid)
+    }
+
+    /// Starts watching process `tgid` as part of the watch of `root` (its value in
+    /// `WATCHED_TGIDS`, inherited by the children it forks: [`Capture::unwatch_tree`] removes
+    /// them together).
+    pub fn watch_pid_under(&mut self, tgid: u32, root: u32) -> Result<()> {
         if tgid == std::process::id() {
             bail!("refusing to watch the observer itself (pid {tgid})");
         }
         self.hash::<u32, u32>("WATCHED_TGIDS")?
-            .insert(tgid, tgid, 0)?;
+            .insert(tgid, root, 0)?;
         Ok(())
     }
 
@@ -284,11 +301,49 @@ impl Capture {
             .ok()
     }
 
+    /// Stops watching the processes of one watch: every `WATCHED_TGIDS` entry whose key or
+    /// value (the watched pid a forked child descends from, `spice-ebpf/src/probes/sched.rs`)
+    /// is one of `roots`. Returns the tgids removed.
+    pub fn unwatch_tree(&mut self, roots: &[u32]) -> Result<Vec<u32>> {
+        let mut map = self.hash::<u32, u32>("WATCHED_TGIDS")?;
+        let gone: Vec<u32> = map
+            .iter()
+            .filter_map(|e| e.ok())
+            .filter(|(k, v)| roots.contains(k) || roots.contains(v))
+            .map(|(k, _)| k)
+            .collect();
+        for k in &gone {
+            // Gone already (the exit hook removes exited tgids): nothing to do.
+            let _ = map.remove(k);
+        }
+        Ok(gone)
+    }
+
+    /// Per-program kernel run-time statistics (`bpf_prog_info.run_time_ns` / `run_cnt`):
+    /// (program name in the object, run time ns, run count). Zeros unless the kernel's
+    /// statistics are on (`BPF_ENABLE_STATS`, see [`enable_run_time_stats`]).
+    pub fn program_stats(&self) -> Vec<(String, u64, u64)> {
+        let mut out: Vec<(String, u64, u64)> = self
+            .ebpf
+            .programs()
+            .filter_map(|(name, p)| {
+                let info = p.info().ok()?;
+                Some((
+                    name.to_string(),
+                    info.run_time().as_nanos() as u64,
+                    info.run_count(),
+                ))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
     /// Sum over CPUs of each kernel counter (`spice_ebpf_common::config::counter`).
-    pub fn counters(&mut self) -> Result<[u64; counter::COUNT as usize]> {
-        let map: PerCpuArray<&mut MapData, u64> = PerCpuArray::try_from(
+    pub fn counters(&self) -> Result<[u64; counter::COUNT as usize]> {
+        let map: PerCpuArray<&MapData, u64> = PerCpuArray::try_from(
             self.ebpf
-                .map_mut("COUNTERS")
+                .map("COUNTERS")
                 .ok_or_else(|| anyhow!("map COUNTERS"))?,
         )?;
         let mut out = [0u64; counter::COUNT as usize];

@@ -908,7 +908,7 @@ mod tests {
     /// README's Metrics table lists exactly [`METRICS`], with their types and labels.
     #[test]
     fn metrics_readme_table_matches() {
-        let readme = include_str!("../../README.md");
+        let readme = include_str!("../../../README.md");
         let section = readme.split("\n## Metrics").nth(1).expect("## Metrics");
         let section = section.split("\n## ").next().unwrap();
         let mut rows = BTreeMap::new();

@@ -18,7 +18,7 @@ use crate::{
         DirStats, Model, MsgSpan, SocketModel,
         chain::{self, Boundaries, Chain, ChainSample, RECV, RecvPos, SEND, SendPos},
     },
-    observe::monotonic_ns,
+    pipeline::monotonic_ns,
     sockdiag::{self, DiagSocket},
 };
 
@@ -296,7 +296,7 @@ pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
             delivered,
             kept: inflight.len() as u64,
         };
-        chain.samples.push(sample);
+        chain.stats.add(&sample);
         let last_byte_seq = |m: Option<&MsgSpan>| {
             let base = server.s2c().and_then(|d| server.dirs[d].seq_base)?;
             Some(base.wrapping_add(m?.end as u32).wrapping_sub(1))
@@ -318,7 +318,7 @@ pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
         };
         if let Some(info) = link.and_then(|n| n.diag.info) {
             if info.delivery_rate > 0 {
-                chain.delivery_rates.push(info.delivery_rate);
+                chain.stats.add_delivery_rate(info.delivery_rate);
             }
             chain.link_info = Some(match chain.link_info {
                 Some((first, _)) => (first, info),

@@ -11,9 +11,10 @@ use spice_ebpf_common::{
     protocol::{channel, channel_type_name, link_error_name},
 };
 
+pub use crate::model::window::InFlightHistogram;
 use crate::model::{
     Model, SocketModel,
-    chain::{Chain, ChainSample, Placement, STAGES, Transparency},
+    chain::{Chain, STAGES, Transparency},
 };
 
 /// TCP state of one socket at the end of the run.
@@ -33,12 +34,13 @@ pub struct TcpReport {
     pub total_retrans: u32,
     /// Bytes received and not yet read by the application (rcv_nxt − copied_seq).
     pub recv_queue_bytes: u32,
-    /// TEMPORARY (daemon branch, until the engine lands): tcpi_delivery_rate, bytes/s.
-    #[serde(default)]
-    pub delivery_rate_bytes_per_s: Option<u64>,
     /// Where the values come from: `sock_diag` (end-of-run netlink snapshot), `kernel_hooks`
     /// (last socket call or sockops callback), or `close` (the close tracepoint).
     pub source: String,
+    /// `tcpi_delivery_rate` of the sock_diag snapshot: the kernel's latest delivery-rate
+    /// sample, bytes per second; null when `source` is not `sock_diag` (the hooks do not read
+    /// it).
+    pub delivery_rate_bytes_per_s: Option<u64>,
 }
 
 impl TcpReport {
@@ -54,8 +56,8 @@ impl TcpReport {
             unacked_segments: s.packets_out,
             total_retrans: s.total_retrans,
             recv_queue_bytes: if rq < 1 << 31 { rq } else { 0 },
-            delivery_rate_bytes_per_s: None,
             source: source.into(),
+            delivery_rate_bytes_per_s: None,
         }
     }
 }
@@ -203,6 +205,15 @@ pub struct ChannelReport {
     pub stalled_fraction: Option<f64>,
     /// Times spice-server began waiting for an ACK since the last SET_ACK.
     pub stalls: u64,
+    /// Seconds spice-server waited for an ACK over the socket's life, every generation (a
+    /// counter: it never decreases from one snapshot to the next). 0 without a SET_ACK.
+    pub stalled_seconds_total: f64,
+    /// Times spice-server began waiting for an ACK, every generation (a counter).
+    pub stalls_total: u64,
+    /// Time-weighted histogram of spice-server's in-flight count over every generation
+    /// (buckets 0, W/4, W/2, W, 3W/2, 2W, 2W+1, 2W+2 of the current W; seconds cumulative);
+    /// null without a SET_ACK.
+    pub in_flight_histogram: Option<InFlightHistogram>,
     /// Message starts above 2W not explained by an urgent pair (always 0 for spice-server).
     pub starts_while_stalled: u64,
     /// Starts at 2W+1 right after an urgent INVAL_LIST / LIST (peak 2W+2, allowed).
@@ -217,6 +228,8 @@ pub struct ChannelReport {
     /// minus W × the ACKs it passed on): time-weighted median and maximum. Relay chains only.
     pub in_flight_relay_p50: Option<i64>,
     pub in_flight_relay_max: Option<i64>,
+    /// The relay-visible count at the newest sample. Relay chains only.
+    pub in_flight_relay_now: Option<i64>,
     /// Where spice-server's in-flight messages are: stage → statistics over the samples.
     pub stages: Option<BTreeMap<String, StageStat>>,
     pub chain: Option<ChainReport>,
@@ -227,24 +240,6 @@ pub struct ChannelReport {
     pub window_ceiling_msgs_per_s: Option<f64>,
     /// One-line judgement (display channels).
     pub verdict: Option<String>,
-    /// TEMPORARY (daemon branch, until the engine lands): see the issue-7 engine API.
-    #[serde(default)]
-    pub stalled_seconds_total: f64,
-    #[serde(default)]
-    pub stalls_total: u64,
-    #[serde(default)]
-    pub in_flight_histogram: Option<InFlightHistogram>,
-    #[serde(default)]
-    pub in_flight_relay_now: Option<i64>,
-}
-
-/// TEMPORARY (daemon branch, until the engine lands): see the issue-7 engine API.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct InFlightHistogram {
-    pub le: Vec<u32>,
-    pub seconds: Vec<f64>,
-    pub sum: f64,
-    pub count: f64,
 }
 
 /// A watched pid.
@@ -458,10 +453,12 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
     })
 }
 
-/// Builds the report row of one socket. `end_ns` is the end of observation; `tcp` the best
-/// TCP state known for it (see [`TcpReport::source`]).
+/// Builds the report row of one socket. `end_ns` is the end of observation (the window's
+/// time accounting is computed up to it, or up to the close, without changing the model);
+/// `tcp` the best TCP state known for it (see [`TcpReport::source`]).
 pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> ChannelReport {
     let until = s.closed_ns.unwrap_or(end_ns);
+    let ws = s.window.stats_at(until);
     let observed_s = until.saturating_sub(s.first_ns) as f64 / 1e9;
     let send = &s.dirs[0];
     let recv = &s.dirs[1];
@@ -540,11 +537,14 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         messages_sent_eagain_start: send.eagain_starts,
         server_to_client: flow,
         in_flight_now: active.then_some(i64::from(w.count)),
-        in_flight_p50: active.then(|| i64::from(w.quantile(0.5))),
+        in_flight_p50: active.then_some(i64::from(ws.p50)),
         in_flight_max: active.then_some(i64::from(w.max)),
         in_flight_limit: active.then(|| i64::from(w.limit())),
-        stalled_fraction: active.then(|| w.stalled_fraction()),
+        stalled_fraction: active.then_some(ws.stalled_fraction),
         stalls: w.stalls,
+        stalled_seconds_total: ws.stalled_seconds_total,
+        stalls_total: w.stalls_total(),
+        in_flight_histogram: active.then_some(ws.histogram),
         starts_while_stalled: w.starts_while_stalled,
         urgent_pair_peaks: w.urgent_pair_peaks,
         records_lost: s.lost_records(),
@@ -553,32 +553,27 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         tcp,
         in_flight_relay_p50: None,
         in_flight_relay_max: None,
+        in_flight_relay_now: None,
         stages: None,
         chain: None,
         messages_per_srtt: None,
         window_ceiling_msgs_per_s: None,
         verdict: None,
-        stalled_seconds_total: w.stalled_fraction() * w.observed_ns() as f64 / 1e9,
-        stalls_total: w.stalls,
-        in_flight_histogram: None,
-        in_flight_relay_now: None,
     };
     c.verdict = verdict(&c);
     c
 }
 
-fn quantile_u(v: &mut [u64], q: f64) -> u64 {
-    if v.is_empty() {
-        return 0;
-    }
-    v.sort_unstable();
-    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
-    v[i]
-}
-
 /// Adds a chain's stage statistics, relay-visible count and seed-style figures to the report
-/// row of its spice-server socket, and recomputes the verdict.
-pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s: f64) {
+/// row of its spice-server socket, and recomputes the verdict. `end_ns`: the end of
+/// observation (the relay leg's window accounting runs up to it or its close).
+pub fn add_chain(
+    c: &mut ChannelReport,
+    chain: &Chain,
+    model: &Model,
+    duration_s: f64,
+    end_ns: u64,
+) {
     let sock = |cookie: Option<u64>| cookie.and_then(|k| model.sockets.get(&k));
     let name = |s: &SocketModel| match (s.local, s.remote) {
         (Some(l), Some(r)) => format!("{l}->{r}"),
@@ -587,59 +582,35 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
     let backend = sock(chain.backend);
     let client_leg = sock(chain.client_leg);
     if let Some(b) = backend.filter(|b| b.window.active()) {
-        c.in_flight_relay_p50 = Some(i64::from(b.window.quantile(0.5)));
+        let bs = b.window.stats_at(b.closed_ns.unwrap_or(end_ns));
+        c.in_flight_relay_p50 = Some(i64::from(bs.p50));
         c.in_flight_relay_max = Some(i64::from(b.window.max));
     }
+    let st = &chain.stats;
+    c.in_flight_relay_now = st.last_relay_visible;
     let placeable = chain.placeable_stages();
-    let placed: Vec<&ChainSample> = chain
-        .samples
-        .iter()
-        .filter(|s| s.placement.is_some())
-        .collect();
     let mut stages = BTreeMap::new();
     for &i in &placeable {
-        let mut counts: Vec<u64> = placed
-            .iter()
-            .map(|s| s.placement.unwrap().counts[i] as u64)
-            .collect();
-        let mut bytes: Vec<u64> = placed
-            .iter()
-            .map(|s| s.placement.unwrap().bytes[i])
-            .collect();
         stages.insert(
             STAGES[i].to_string(),
             StageStat {
-                now: placed.last().map_or(0, |s| s.placement.unwrap().counts[i]),
-                p50: quantile_u(&mut counts.clone(), 0.5) as u32,
-                max: counts.iter_mut().map(|v| *v as u32).max().unwrap_or(0),
-                bytes_p50: quantile_u(&mut bytes, 0.5),
+                now: st.last_placement.map_or(0, |p| p.counts[i]),
+                p50: st.stage_counts[i].quantile(0.5).unwrap_or(0),
+                max: st.stage_counts[i].max().unwrap_or(0),
+                bytes_p50: st.stage_bytes[i].quantile(0.5).unwrap_or(0),
             },
         );
     }
-    let clamped: Vec<u32> = placed
-        .iter()
-        .map(|s| s.placement.unwrap().clamped)
-        .collect();
-    let clamped_samples = clamped.iter().filter(|&&c| c > 0).count();
-    let clamped_max = clamped.iter().copied().max().unwrap_or(0);
-    let kept_short_samples = chain
-        .samples
-        .iter()
-        .filter(|s| (s.kept as i64) < s.in_flight)
-        .count();
     let (link_srtt, rwnd) = match chain.link_info {
         Some((first, last)) => {
-            let busy = last.busy_time_us.saturating_sub(first.busy_time_us);
             let rwnd = last.rwnd_limited_us.saturating_sub(first.rwnd_limited_us);
             let span = (duration_s * 1e6).max(1.0);
-            let _ = busy;
             (Some(last.srtt_us), Some((rwnd as f64 / span).min(1.0)))
         }
         None => (None, None),
     };
     // The median delivery rate: single samples overshoot after bursts (HTB, GRO).
-    let rate = (!chain.delivery_rates.is_empty())
-        .then(|| quantile_u(&mut chain.delivery_rates.clone(), 0.5) as f64);
+    let rate = st.delivery_rates.quantile(0.5).map(|r| r as f64);
     if let (Some(w), Some(srtt)) = (c.window, link_srtt) {
         let srtt_s = srtt as f64 / 1e6;
         c.messages_per_srtt = Some(c.server_to_client.messages_per_s * srtt_s);
@@ -648,32 +619,9 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
             c.window_ceiling_msgs_per_s = Some(2.0 * w as f64 / (srtt_s + w as f64 * mean / rate));
         }
     }
-    let with_relay: Vec<(i64, i64, Placement)> = placed
-        .iter()
-        .filter_map(|s| {
-            s.relay_visible
-                .map(|r| (s.in_flight, r, s.placement.unwrap()))
-        })
-        .collect();
-    let frac = |n: usize| (!with_relay.is_empty()).then(|| n as f64 / with_relay.len() as f64);
-    let relay_above = with_relay.iter().filter(|(t, r, _)| r > t).count();
-    let relay_below = frac(with_relay.iter().filter(|(t, r, _)| r < t).count());
-    let gap_upstream = frac(
-        with_relay
-            .iter()
-            .filter(|(t, r, p)| {
-                let upstream: i64 = p.counts[..4].iter().map(|&v| v as i64).sum();
-                ((t - r) - upstream).abs() <= 1
-            })
-            .count(),
-    );
-    let delivered: Vec<(u64, u64)> = chain
-        .samples
-        .iter()
-        .filter_map(|s| s.delivered.map(|d| (s.t_ns, d)))
-        .collect();
-    let delivered_mbit = match (delivered.first(), delivered.last()) {
-        (Some(&(t0, d0)), Some(&(t1, d1))) if t1 > t0 => {
+    let frac = |n: usize| (st.with_relay > 0).then(|| n as f64 / st.with_relay as f64);
+    let delivered_mbit = match (st.first_delivered, st.last_delivered) {
+        (Some((t0, d0)), Some((t1, d1))) if t1 > t0 => {
             Some(d1.saturating_sub(d0) as f64 * 8.0 / ((t1 - t0) as f64 / 1e9) / 1e6)
         }
         _ => None,
@@ -704,23 +652,19 @@ pub fn add_chain(c: &mut ChannelReport, chain: &Chain, model: &Model, duration_s
         transparency: transparency.into(),
         transparency_detail: detail,
         placeable_stages: placeable.iter().map(|&i| STAGES[i].into()).collect(),
-        samples: chain.samples.len(),
-        samples_placed: placed.len(),
-        clamped_samples,
-        clamped_max,
-        kept_short_samples,
-        unplaced_max: placed
-            .iter()
-            .map(|s| s.placement.unwrap().unplaced)
-            .max()
-            .unwrap_or(0),
+        samples: st.samples,
+        samples_placed: st.placed,
+        clamped_samples: st.clamped_samples,
+        clamped_max: st.clamped_max,
+        kept_short_samples: st.kept_short_samples,
+        unplaced_max: st.unplaced_max,
         link_rate_mbit: rate.map(|r| r * 8.0 / 1e6),
         link_delivered_mbit: delivered_mbit,
         link_rwnd_limited_fraction: rwnd,
         link_srtt_us: link_srtt,
-        relay_above_true_samples: relay_above,
-        relay_below_true_fraction: relay_below,
-        relay_gap_upstream_fraction: gap_upstream,
+        relay_above_true_samples: st.relay_above,
+        relay_below_true_fraction: frac(st.relay_below),
+        relay_gap_upstream_fraction: frac(st.gap_upstream),
     });
     // Stages exist only where spice-server keeps an ACK window (display, cursor).
     if c.window.is_some() {
@@ -762,6 +706,8 @@ pub struct RunInfo<'a> {
     /// Best TCP state per cookie.
     pub tcp_final: &'a BTreeMap<u64, TcpReport>,
     pub chains: &'a [Chain],
+    /// Process names by pid, preferred over the thread name a socket's first record carried.
+    pub comms: &'a std::collections::HashMap<u32, String>,
 }
 
 /// Assembles the report: one row per socket, chains and verdicts added.
@@ -776,6 +722,7 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         pids,
         tcp_final,
         chains,
+        comms,
     } = run;
     let duration_s = end_ns.saturating_sub(started_ns) as f64 / 1e9;
     let mut channels: Vec<ChannelReport> = model
@@ -783,8 +730,11 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         .values()
         .map(|s| {
             let mut c = channel_report(s, end_ns, tcp_final.get(&s.cookie).cloned());
+            if let Some(comm) = comms.get(&s.pid) {
+                c.comm = comm.clone();
+            }
             if let Some(chain) = chains.iter().find(|ch| ch.server == s.cookie) {
-                add_chain(&mut c, chain, model, duration_s);
+                add_chain(&mut c, chain, model, duration_s, end_ns);
             }
             c
         })
@@ -854,6 +804,15 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
     }
 }
 
+/// A mean message size for the table: bytes below 1 KiB, else KiB with one decimal.
+fn size_text(bytes: f64) -> String {
+    if bytes < 1024.0 {
+        format!("{bytes:.0} B")
+    } else {
+        format!("{:.1} KiB", bytes / 1024.0)
+    }
+}
+
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_string(), |v| v.to_string())
 }
@@ -874,7 +833,7 @@ pub fn render(r: &Report) -> String {
     }
     let _ = writeln!(
         out,
-        "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8} {:>7} {:>8} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
+        "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8} {:>7} {:>9} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
         "SOCKET",
         "PID",
         "COMM",
@@ -882,7 +841,7 @@ pub fn render(r: &Report) -> String {
         "W",
         "MSGS/S",
         "MBIT/S",
-        "MEAN KiB",
+        "MEAN SIZE",
         "SRTT ms",
         "INFLT p50/max",
         "STALL%",
@@ -916,7 +875,7 @@ pub fn render(r: &Report) -> String {
         let secs = c.observed_s.max(1e-9);
         let _ = writeln!(
             out,
-            "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8.1} {:>7.2} {:>8.1} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
+            "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8.1} {:>7.2} {:>9} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
             c.socket,
             c.pid,
             c.comm.chars().take(10).collect::<String>(),
@@ -924,7 +883,7 @@ pub fn render(r: &Report) -> String {
             opt(c.window),
             c.server_to_client.messages_per_s,
             c.server_to_client.mbit_per_s,
-            c.server_to_client.mean_message_bytes / 1024.0,
+            size_text(c.server_to_client.mean_message_bytes),
             opt(c
                 .tcp
                 .as_ref()
@@ -1022,12 +981,12 @@ pub fn render(r: &Report) -> String {
         );
         let _ = writeln!(
             out,
-            "{:<12} {:>3} {:>7} {:>7} {:>8} {:>7} {:>14} {:>11} {:>7} {:>8} {:>13}  {}",
+            "{:<12} {:>3} {:>7} {:>7} {:>9} {:>7} {:>14} {:>11} {:>7} {:>8} {:>13}  {}",
             "CHANNEL",
             "W",
             "MBIT/S",
             "MSGS/S",
-            "MEAN KiB",
+            "MEAN SIZE",
             "SRTT ms",
             "MSGS/SRTT",
             "CEIL msgs/s",
@@ -1050,12 +1009,12 @@ pub fn render(r: &Report) -> String {
             let secs = c.observed_s.max(1e-9);
             let _ = writeln!(
                 out,
-                "{:<12} {:>3} {:>7.2} {:>7.1} {:>8.1} {:>7} {:>14} {:>11} {:>7} {:>8.2} {:>13}  {}",
+                "{:<12} {:>3} {:>7.2} {:>7.1} {:>9} {:>7} {:>14} {:>11} {:>7} {:>8.2} {:>13}  {}",
                 format!("{} {}", c.channel_type, opt(c.channel_id)),
                 opt(c.window),
                 c.server_to_client.mbit_per_s,
                 c.server_to_client.messages_per_s,
-                c.server_to_client.mean_message_bytes / 1024.0,
+                size_text(c.server_to_client.mean_message_bytes),
                 opt(chain
                     .and_then(|ch| ch.link_srtt_us)
                     .map(|v| format!("{:.1}", v as f64 / 1000.0))),
@@ -1084,8 +1043,15 @@ pub fn render(r: &Report) -> String {
                 if ch.clamped_samples > 0 {
                     let _ = writeln!(
                         out,
-                        "    positions out of chain order at {} of {} placed samples (up to {} boundaries clamped)",
-                        ch.clamped_samples, ch.samples_placed, ch.clamped_max
+                        "    positions out of chain order at {} of {} placed samples (up to {} {} clamped)",
+                        ch.clamped_samples,
+                        ch.samples_placed,
+                        ch.clamped_max,
+                        if ch.clamped_max == 1 {
+                            "boundary"
+                        } else {
+                            "boundaries"
+                        }
                     );
                 }
                 if ch.kept_short_samples > 0 || ch.unplaced_max > 0 {
@@ -1125,6 +1091,18 @@ pub fn render(r: &Report) -> String {
         .iter()
         .filter(|c| c.framing == "unparsed" && !not_spice(c))
         .collect();
+    let (mid_stream, unparsed): (Vec<_>, Vec<_>) = unparsed
+        .into_iter()
+        .partition(|c| c.unparsed_reason.as_deref() == Some("attached_mid_stream"));
+    if !mid_stream.is_empty() {
+        let _ = writeln!(
+            out,
+            "unparsed (!): {} connection(s) existed before observation started (attached_mid_stream): \
+             listed with TCP state, not framed; a SPICE stream is framed from its link phase, so \
+             start the observer before the client connects (or reconnect the client)",
+            mid_stream.len()
+        );
+    }
     if !unparsed.is_empty() {
         let _ = writeln!(out, "unparsed (!):");
         for c in unparsed {
@@ -1216,6 +1194,9 @@ mod tests {
             in_flight_limit: Some(81),
             stalled_fraction: Some(stalled),
             stalls: 0,
+            stalled_seconds_total: 0.0,
+            stalls_total: 0,
+            in_flight_histogram: None,
             starts_while_stalled: 0,
             urgent_pair_peaks: 0,
             records_lost: 0,
@@ -1224,15 +1205,12 @@ mod tests {
             tcp: None,
             in_flight_relay_p50: None,
             in_flight_relay_max: None,
+            in_flight_relay_now: None,
             stages: None,
             chain: None,
             messages_per_srtt: None,
             window_ceiling_msgs_per_s: None,
             verdict: None,
-            stalled_seconds_total: 0.0,
-            stalls_total: 0,
-            in_flight_histogram: None,
-            in_flight_relay_now: None,
         }
     }
 
@@ -1352,5 +1330,115 @@ mod tests {
         let v = serde_json::to_value(display(0.0, 1, 10.0, 1.0)).unwrap();
         assert_eq!(v["ack_surplus"], 0);
         assert_eq!(v["generations"], 1);
+    }
+
+    // --- snapshots of a model: pure reads ---
+
+    use crate::events::Event;
+    use spice_ebpf_common::{
+        event::{EventHeader, LinkEvent, MessageEvent, dir},
+        framing::Role,
+        protocol::{msg_client, msg_server},
+    };
+
+    fn hdr(d: u8, ts: u64) -> EventHeader {
+        EventHeader {
+            dir: d,
+            ts_ns: ts,
+            cookie: 7,
+            tgid: 1,
+            ..Default::default()
+        }
+    }
+
+    fn msg(d: u8, ts: u64, index: u64, msg_type: u16, prefix: [u32; 2]) -> Event {
+        Event::Message(MessageEvent {
+            hdr: hdr(d, ts),
+            index,
+            msg_type,
+            hdr_len: 6,
+            size: 100,
+            at: index * 106,
+            prefix,
+            ..Default::default()
+        })
+    }
+
+    /// spice-server's display socket with W = 2: SET_ACK, ACK_SYNC, then 4 draws (count 5 =
+    /// 2W+1, stalled from t = 1013 ns).
+    fn display_model() -> Model {
+        let mut m = Model::default();
+        m.apply(&Event::Link(LinkEvent {
+            hdr: hdr(dir::RECV, 1),
+            role: Role::ClientToServer as u8,
+            channel_type: channel::DISPLAY,
+            ..Default::default()
+        }));
+        m.apply(&Event::Link(LinkEvent {
+            hdr: hdr(dir::SEND, 2),
+            role: Role::ServerToClient as u8,
+            ..Default::default()
+        }));
+        m.apply(&msg(dir::SEND, 1000, 1, msg_server::SET_ACK, [1, 2]));
+        m.apply(&msg(dir::RECV, 1001, 1, msg_client::ACK_SYNC, [1, 0]));
+        for i in 0..4u64 {
+            m.apply(&msg(dir::SEND, 1010 + i, 2 + i, 302, [0, 0]));
+        }
+        m
+    }
+
+    fn snapshot(m: &Model, now: u64) -> serde_json::Value {
+        let counters = [0; counter::COUNT as usize];
+        let r = build(
+            m,
+            RunInfo {
+                started_ns: 0,
+                end_ns: now,
+                clock: ClockReport::default(),
+                hook_set: "tracepoints",
+                counters: &counters,
+                degraded: &[],
+                pids: Vec::new(),
+                tcp_final: &BTreeMap::new(),
+                chains: &[],
+                comms: &std::collections::HashMap::new(),
+            },
+        );
+        serde_json::to_value(r).unwrap()
+    }
+
+    #[test]
+    fn snapshots_are_pure_reads() {
+        let mut m = display_model();
+        let a = snapshot(&m, 2013);
+        assert_eq!(a, snapshot(&m, 2013));
+        let c = &a["channels"][0];
+        assert_eq!(c["in_flight_now"], 5);
+        assert_eq!(c["stalls_total"], 1);
+        assert_eq!(c["stalled_seconds_total"].as_f64().unwrap(), 1000e-9);
+        assert_eq!(c["in_flight_histogram"]["count"].as_f64().unwrap(), 1013e-9);
+        // An ACK timestamped before the first snapshot's instant but applied after it is
+        // charged from its own time: count 3 from t = 1513, stalled 500 ns in all. A model that
+        // was never snapshotted gives exactly the same report.
+        m.apply(&msg(dir::RECV, 1513, 2, msg_client::ACK, [0, 0]));
+        let b = snapshot(&m, 2013);
+        let mut fresh = display_model();
+        fresh.apply(&msg(dir::RECV, 1513, 2, msg_client::ACK, [0, 0]));
+        assert_eq!(b, snapshot(&fresh, 2013));
+        let c = &b["channels"][0];
+        assert_eq!(c["in_flight_now"], 3);
+        assert_eq!(c["stalled_seconds_total"].as_f64().unwrap(), 500e-9);
+        assert_eq!(c["in_flight_p50"], 3);
+        // The first snapshot's figures were not charged to the later count.
+        assert_eq!(a["channels"][0]["in_flight_p50"], 5);
+        // Counters never decrease from one snapshot to the next.
+        let later = snapshot(&m, 5000);
+        let (c1, c2) = (&b["channels"][0], &later["channels"][0]);
+        for k in ["stalled_seconds_total", "stalls_total"] {
+            assert!(c2[k].as_f64().unwrap() >= c1[k].as_f64().unwrap(), "{k}");
+        }
+        let h = &c2["in_flight_histogram"];
+        assert_eq!(h["le"], serde_json::json!([0, 1, 2, 3, 4, 5, 6]));
+        assert_eq!(h["count"].as_f64().unwrap(), 4000e-9);
     }
 }

@@ -1,0 +1,313 @@
+//! `spice-observer observe`: attach to one or more processes, follow their SPICE sockets for a
+//! while, then print a table (and optionally JSON, the sample series, a plot). A thin front end
+//! over [`Engine`]: it arranges the engine's calls and writes the outputs.
+
+use std::{
+    collections::BTreeMap,
+    io::{IsTerminal, Write},
+    path::PathBuf,
+    time::Duration,
+};
+
+use anyhow::{Context, Result, bail};
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::{
+    pipeline::{Engine, EngineOptions, Progress, monotonic_ns},
+    report::{self, Report},
+    samples::SampleLine,
+    sockdiag,
+};
+
+/// Options of one observation.
+#[derive(Clone, Debug)]
+pub struct ObserveOptions {
+    /// Processes to watch (host pid namespace).
+    pub pids: Vec<u32>,
+    /// How long to observe; `None` = until Ctrl-C / SIGTERM.
+    pub duration: Option<Duration>,
+    /// Where to write the JSON report (`-` = stdout).
+    pub json: Option<PathBuf>,
+    /// Interval between TCP state samples.
+    pub sample: Duration,
+    /// Print the live progress line.
+    pub progress: bool,
+    /// Append every decoded kernel record to this file (debugging aid).
+    pub dump_events: Option<PathBuf>,
+    /// Write the stage plot (SVG) here.
+    pub plot: Option<PathBuf>,
+    /// Write the per-sample series (JSON Lines, [`crate::samples::SampleLine`]) here
+    /// (`-` = stdout).
+    pub samples: Option<PathBuf>,
+}
+
+// Re-exported for callers of the former `observe` module.
+pub use crate::pipeline::realtime_ns;
+
+/// The plotted series of every display channel of spice-server with placed samples: the
+/// sample lines of its socket, drawn with the stages its chain can place (from the report).
+fn plot_series(rep: &Report, lines: &[SampleLine]) -> Vec<crate::plot::ChannelSeries> {
+    let mut by_socket: BTreeMap<&str, Vec<&SampleLine>> = BTreeMap::new();
+    for l in lines {
+        if l.channel_type == "display" && !l.stages.is_empty() {
+            by_socket.entry(l.socket.as_str()).or_default().push(l);
+        }
+    }
+    let mut out = Vec::new();
+    for c in &rep.channels {
+        let (Some(chain), Some(limit)) = (c.chain.as_ref(), c.in_flight_limit) else {
+            continue;
+        };
+        let Some(samples) = by_socket.get(c.socket.as_str()) else {
+            continue;
+        };
+        let relay = chain.backend.is_some();
+        let stages = chain
+            .placeable_stages
+            .iter()
+            .map(|name| {
+                (
+                    name.clone(),
+                    samples
+                        .iter()
+                        .map(|x| x.stages.get(name).copied().unwrap_or(0))
+                        .collect(),
+                )
+            })
+            .collect();
+        let t_s: Vec<f64> = samples.iter().map(|x| x.t_s).collect();
+        // Delivered: the last byte TCP-acknowledged on the client-facing link (the relay's
+        // leg toward the client, or spice-server's socket without a relay).
+        let delivered = |x: &SampleLine| {
+            if relay {
+                x.legs.relay_client.as_ref().map(|l| l.snd_una)
+            } else {
+                x.legs.server.as_ref().map(|l| l.snd_una)
+            }
+        };
+        let mut throughput = Vec::with_capacity(samples.len());
+        let mut prev: Option<(f64, u32)> = None;
+        for x in samples {
+            let d = delivered(x);
+            let v = match (prev, d) {
+                (Some((t0, d0)), Some(d1)) if x.t_s > t0 => {
+                    d1.wrapping_sub(d0) as f64 * 8.0 / (x.t_s - t0) / 1e6
+                }
+                _ => 0.0,
+            };
+            throughput.push(v);
+            if let Some(d) = d {
+                prev = Some((x.t_s, d));
+            }
+        }
+        let relay_visible = relay.then(|| {
+            samples
+                .iter()
+                .map(|x| x.in_flight_relay.map_or(0, |r| r as i64))
+                .collect()
+        });
+        out.push(crate::plot::ChannelSeries {
+            title: format!(
+                "{} {} — {} pid {}, {}",
+                c.channel_type,
+                c.channel_id.unwrap_or(0),
+                c.comm,
+                c.pid,
+                if c.socket.starts_with("cookie:") {
+                    ""
+                } else {
+                    &c.socket
+                }
+            ),
+            limit: limit as u32,
+            t_s,
+            stages,
+            relay_visible,
+            throughput_mbit: throughput,
+        });
+    }
+    out
+}
+
+/// Creates (truncates) an output file now, so that a bad path fails before observing.
+fn check_writable(path: &std::path::Path, what: &str) -> Result<()> {
+    std::fs::File::create(path)
+        .with_context(|| format!("cannot write the {what} to {}", path.display()))?;
+    Ok(())
+}
+
+fn progress_line(p: &Progress, secs: f64) -> String {
+    format!(
+        "[{secs:6.1}s] {} sockets, {} framed, {} msgs, display in flight {}, lost {}",
+        p.sockets,
+        p.framed,
+        p.messages,
+        if p.display_in_flight.is_empty() {
+            "-".into()
+        } else {
+            p.display_in_flight
+                .iter()
+                .map(|(c, l)| format!("{c}/{l}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        },
+        p.lost,
+    )
+}
+
+/// Runs one observation and prints its report.
+pub async fn run(opts: ObserveOptions) -> Result<()> {
+    if opts.pids.is_empty() {
+        bail!("give at least one --pid");
+    }
+    let me = std::process::id();
+    let mut roots: Vec<u32> = Vec::new();
+    for &pid in &opts.pids {
+        let tgid = crate::pipeline::thread_group(pid)?;
+        if tgid != pid {
+            eprintln!(
+                "spice-observer: pid {pid} is a thread of process {tgid}; watching process {tgid}"
+            );
+        }
+        if tgid == me {
+            bail!("refusing to watch the observer itself (pid {me})");
+        }
+        if !roots.contains(&tgid) {
+            roots.push(tgid);
+        }
+    }
+    if let Some(p) = opts.json.as_ref().filter(|p| p.as_os_str() != "-") {
+        check_writable(p, "JSON report")?;
+    }
+    if let Some(p) = &opts.plot {
+        check_writable(p, "plot")?;
+    }
+    let stdout_json = opts.json.as_ref().is_some_and(|p| p.as_os_str() == "-");
+    let stdout_samples = opts.samples.as_ref().is_some_and(|p| p.as_os_str() == "-");
+    if stdout_json && stdout_samples {
+        bail!("--json - and --samples - would both write to stdout: give one of them a file path");
+    }
+    let mut samples_out = match &opts.samples {
+        Some(p) => Some(crate::samples::SampleWriter::create(p)?),
+        None => None,
+    };
+    let mut engine = Engine::start(EngineOptions {
+        sample: opts.sample,
+        retain_closed: true,
+        bpf_stats: false,
+    })?;
+    if let Some(p) = &opts.dump_events {
+        engine.dump_events(p)?;
+    }
+    let mut watched = Vec::new();
+    for &pid in &roots {
+        watched.push(engine.watch(pid)?);
+    }
+    let started_ns = engine.started().monotonic_ns;
+    eprintln!(
+        "spice-observer: watching {} (hook set {}; {} listening port(s) enrolled, {} connection(s) already open); {}",
+        watched
+            .iter()
+            .map(|w| format!("pid {} ({})", w.pid, w.comm))
+            .collect::<Vec<_>>()
+            .join(", "),
+        engine.hook_set(),
+        watched.iter().map(|w| w.ports_enrolled).sum::<usize>(),
+        watched
+            .iter()
+            .map(|w| w.existing_connections)
+            .sum::<usize>(),
+        match opts.duration {
+            Some(d) => format!("{:.0} s", d.as_secs_f64()),
+            None => "until Ctrl-C".into(),
+        }
+    );
+
+    // The plot needs the whole series of the display channels: kept here, in the front end.
+    let mut plot_lines: Vec<SampleLine> = Vec::new();
+    let mut sample = tokio::time::interval(opts.sample);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let deadline = tokio::time::sleep(opts.duration.unwrap_or(Duration::from_secs(u64::MAX / 4)));
+    tokio::pin!(deadline);
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let tty = std::io::stderr().is_terminal();
+    let mut ticks = 0u64;
+    loop {
+        tokio::select! {
+            r = engine.drain_ready() => r?,
+            _ = sample.tick() => {
+                let lines = engine.sample(monotonic_ns());
+                if let Some(w) = samples_out.as_mut() {
+                    w.write(&lines);
+                }
+                if opts.plot.is_some() {
+                    plot_lines.extend(lines.into_iter().filter(|l| l.channel_type == "display"));
+                }
+            }
+            _ = tick.tick() => {
+                ticks += 1;
+                if let Some(w) = samples_out.as_mut() {
+                    w.flush();
+                }
+                if roots.iter().all(|&p| sockdiag::comm(p).is_none()) {
+                    eprintln!("\nspice-observer: every watched process has exited");
+                    if opts.duration.is_none() {
+                        break;
+                    }
+                }
+                if opts.progress {
+                    let secs = (monotonic_ns() - started_ns) as f64 / 1e9;
+                    let line = progress_line(&engine.progress(), secs);
+                    if tty {
+                        eprint!("\r\x1b[K{line}");
+                        let _ = std::io::stderr().flush();
+                    } else if ticks.is_multiple_of(5) {
+                        eprintln!("{line}");
+                    }
+                }
+            }
+            _ = &mut deadline => break,
+            _ = sigint.recv() => break,
+            _ = sigterm.recv() => break,
+        }
+    }
+    if tty && opts.progress {
+        eprintln!();
+    }
+    engine.drain();
+    // The series is complete: flush it before the report (its error is reported at the end).
+    let samples_result = samples_out.map(|w| w.finish());
+    let rep = engine.snapshot(monotonic_ns());
+    // Table and JSON first: a failing plot must not lose them.
+    let table = report::render(&rep);
+    // stdout carries at most one machine-readable stream; the table then goes to stderr.
+    if stdout_json || stdout_samples {
+        eprint!("{table}");
+    } else {
+        print!("{table}");
+    }
+    match &opts.json {
+        Some(p) if p.as_os_str() == "-" => {
+            println!("{}", serde_json::to_string_pretty(&rep)?);
+        }
+        Some(p) => {
+            std::fs::write(p, serde_json::to_string_pretty(&rep)?)
+                .with_context(|| format!("writing {}", p.display()))?;
+        }
+        None => {}
+    }
+    if let Some(path) = &opts.plot {
+        let series = plot_series(&rep, &plot_lines);
+        if series.is_empty() {
+            eprintln!(
+                "spice-observer: no display channel of spice-server with stage samples; {} left empty",
+                path.display()
+            );
+        } else {
+            crate::plot::write_svg(path, &series)?;
+        }
+    }
+    samples_result.transpose()?;
+    Ok(())
+}

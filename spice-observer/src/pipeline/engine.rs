@@ -1,0 +1,623 @@
+//! [`Engine`]: one observation's state, from the kernel ring to the report.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    io::Write,
+    path::Path,
+    sync::{
+        Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use anyhow::{Context, Result, bail};
+use aya::maps::{MapData, RingBuf};
+use log::{debug, warn};
+use spice_ebpf_common::{config::counter, protocol::channel};
+use tokio::io::{Interest, unix::AsyncFd};
+
+use super::monotonic_ns;
+use crate::{
+    events,
+    loader::{self, Capture},
+    model::{Model, chain::Chain},
+    report::{self, ClockReport, PidReport, Report, TcpReport},
+    sampler,
+    samples::SampleLine,
+    sockdiag,
+};
+
+/// How an [`Engine`] runs.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Interval between TCP samples (the front end drives the timer; kept for reports).
+    pub sample: Duration,
+    /// Keep closed sockets until the end (observe: true, for the final report) or free them
+    /// once a snapshot has included them (daemon: false; see [`Engine::release_reported`]).
+    pub retain_closed: bool,
+    /// Turn on kernel BPF run-time statistics (BPF_ENABLE_STATS fd held for the engine's life).
+    pub bpf_stats: bool,
+}
+
+/// What watching a process found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Watched {
+    /// The process (tgid) watched: a thread id given resolves to its process.
+    pub pid: u32,
+    pub comm: String,
+    /// Listening ports of the process and its children enrolled for sockops.
+    pub ports_enrolled: usize,
+    /// Connections already open (reported with their TCP state, never framed).
+    pub existing_connections: usize,
+}
+
+/// One program's kernel run-time statistics (bpf_prog_info run_time_ns / run_cnt).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProgramStats {
+    /// Program name in the object (`spice_sys_enter`, `spice_sock_send`, …).
+    pub name: String,
+    /// Nanoseconds the program ran, cumulative since it was loaded (0 while stats are off).
+    pub run_time_ns: u64,
+    /// Times it ran (0 while stats are off).
+    pub run_count: u64,
+}
+
+/// Sizes of the engine's state, for self-metrics and the boundedness test.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Sockets in the model (open, and closed ones not released yet).
+    pub sockets: usize,
+    pub chains: usize,
+    /// Process notes kept (at most [`crate::model::PROCESS_NOTES`]).
+    pub processes: usize,
+    /// Ring records decoded, and those that could not be.
+    pub records: u64,
+    pub decode_errors: u64,
+}
+
+/// A one-line view of the engine for a live progress display.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Sockets in the model, and those framed (`mini` or `full`).
+    pub sockets: usize,
+    pub framed: usize,
+    /// Messages counted, both directions of every socket.
+    pub messages: u64,
+    /// spice-server's open display channels: (in-flight count, 2W+1).
+    pub display_in_flight: Vec<(u32, u32)>,
+    /// Kernel loss counters summed.
+    pub lost: u64,
+}
+
+/// One watch: the process given and the tgids watched for it at the start.
+#[derive(Clone, Debug)]
+struct Root {
+    watched: Watched,
+    tgids: Vec<u32>,
+}
+
+/// One observation: the loaded kernel programs, the event ring, the model of every watched
+/// socket, the relay chains and the accumulated samples. Must be created inside a Tokio
+/// runtime (the ring is registered with its reactor).
+pub struct Engine {
+    opts: EngineOptions,
+    cap: Capture,
+    ring: AsyncFd<RingBuf<MapData>>,
+    model: Model,
+    chains: Vec<Chain>,
+    decode_errors: u64,
+    dump: Option<std::io::BufWriter<std::fs::File>>,
+    started_ns: u64,
+    clock: ClockReport,
+    roots: Vec<Root>,
+    /// Unwatched tgids and when (CLOCK_MONOTONIC ns): their sockets are released once a later
+    /// snapshot included them.
+    unwatched: Vec<(u64, Vec<u32>)>,
+    /// `now_ns` of the newest snapshot (0: none yet).
+    last_snapshot_ns: AtomicU64,
+    /// Closed sockets the newest snapshot included.
+    reported_closed: Mutex<Vec<u64>>,
+    _stats_fd: Option<std::os::fd::OwnedFd>,
+}
+
+/// Applies every record waiting in `ring` to `model` (and the dump file).
+fn drain_ring(
+    ring: &mut RingBuf<MapData>,
+    model: &mut Model,
+    decode_errors: &mut u64,
+    dump: &mut Option<std::io::BufWriter<std::fs::File>>,
+) {
+    while let Some(item) = ring.next() {
+        match events::decode(&item) {
+            Ok(ev) => {
+                if let Some(d) = dump.as_mut() {
+                    let _ = writeln!(d, "{ev:?}");
+                }
+                model.apply(&ev);
+            }
+            Err(e) => {
+                *decode_errors += 1;
+                debug!("bad record: {e}");
+            }
+        }
+    }
+}
+
+/// The process (thread group) of `pid`: a thread id given by mistake (what `top -H` shows)
+/// resolves to its process.
+pub fn thread_group(pid: u32) -> Result<u32> {
+    let proc = procfs::process::Process::new(pid as i32)
+        .map_err(|_| anyhow::anyhow!("no process with pid {pid}"))?;
+    let status = proc
+        .status()
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    Ok(status.tgid as u32)
+}
+
+const TCP_LISTEN: u8 = 10;
+const TCP_ESTABLISHED: u8 = 1;
+const TCP_CLOSE_WAIT: u8 = 8;
+
+/// A connection that was open before its process was watched.
+struct Existing {
+    cookie: u64,
+    pid: u32,
+    local: std::net::SocketAddr,
+    remote: std::net::SocketAddr,
+}
+
+/// Enrols the processes' listening ports for sockops and marks their already-connected
+/// sockets in the kernel (reported, never framed: a SPICE stream can only be framed from its
+/// link phase). Must run before the processes are watched, or a busy socket's first traced call
+/// would create its framing state unmarked. Sockets the model already knows are left alone.
+fn prepare_sockets(
+    cap: &mut Capture,
+    model: &Model,
+    pids: &[u32],
+) -> Result<(usize, Vec<Existing>)> {
+    let mut owner = HashMap::new();
+    for &pid in pids {
+        for inode in sockdiag::socket_inodes(pid).unwrap_or_default() {
+            owner.entry(inode).or_insert(pid);
+        }
+    }
+    let mut ports = 0;
+    let mut existing = Vec::new();
+    match sockdiag::dump_tcp() {
+        Ok(socks) => {
+            for s in socks.iter() {
+                let Some(&pid) = owner.get(&s.inode) else {
+                    continue;
+                };
+                if s.state == TCP_LISTEN {
+                    cap.watch_port(s.local.port())?;
+                    ports += 1;
+                } else if (s.state == TCP_ESTABLISHED || s.state == TCP_CLOSE_WAIT)
+                    && !model.sockets.contains_key(&s.cookie)
+                {
+                    cap.mark_preexisting(s.cookie)?;
+                    existing.push(Existing {
+                        cookie: s.cookie,
+                        pid,
+                        local: s.local,
+                        remote: s.remote,
+                    });
+                }
+            }
+        }
+        Err(e) => warn!(
+            "sock_diag dump failed ({e:#}); sockops enrolment and pre-existing socket detection are off"
+        ),
+    }
+    Ok((ports, existing))
+}
+
+/// Best TCP state per socket now: a sock_diag snapshot where the socket still exists in this
+/// network namespace, else the last kernel-hook snapshot.
+fn best_tcp(model: &Model) -> BTreeMap<u64, TcpReport> {
+    let mut out = BTreeMap::new();
+    let diag = match sockdiag::dump_tcp() {
+        Ok(v) => v
+            .into_iter()
+            .map(|s| (s.cookie, s))
+            .collect::<BTreeMap<_, _>>(),
+        Err(e) => {
+            debug!("sock_diag dump failed: {e:#}");
+            BTreeMap::new()
+        }
+    };
+    for s in model.sockets.values() {
+        let from_hooks = s.tcp.as_ref().map(|t| {
+            TcpReport::from_snapshot(
+                t,
+                s.notsent_max,
+                if s.closed_ns.is_some() {
+                    "close"
+                } else {
+                    "kernel_hooks"
+                },
+            )
+        });
+        let rep = match (
+            s.closed_ns,
+            diag.get(&s.cookie)
+                .and_then(|d| d.info.as_ref().map(|i| (d, i))),
+        ) {
+            (None, Some((d, i))) => Some(TcpReport {
+                srtt_us: i.srtt_us,
+                cwnd_segments: i.snd_cwnd,
+                notsent_bytes: i.notsent_bytes,
+                notsent_max_bytes: s.notsent_max.max(i.notsent_bytes),
+                unacked_segments: i.unacked,
+                total_retrans: i.total_retrans,
+                recv_queue_bytes: d.recv_queue,
+                source: "sock_diag".into(),
+                delivery_rate_bytes_per_s: Some(i.delivery_rate),
+            }),
+            _ => from_hooks,
+        };
+        if let Some(r) = rep {
+            out.insert(s.cookie, r);
+        }
+    }
+    out
+}
+
+impl Engine {
+    /// Loads and attaches the kernel programs and registers the event ring. Errors as
+    /// [`Capture::load`]; with `bpf_stats`, also when the kernel refuses `BPF_ENABLE_STATS`.
+    pub fn start(opts: EngineOptions) -> Result<Engine> {
+        let stats_fd = if opts.bpf_stats {
+            Some(loader::enable_run_time_stats()?)
+        } else {
+            None
+        };
+        let mut cap = Capture::load()?;
+        // Loading parsed the kernel's BTF twice (tens of MB, freed now): give the freed heap
+        // back to the system, or it stays in the resident set for the engine's life.
+        // SAFETY: malloc_trim only releases free memory of glibc's heap.
+        #[cfg(target_env = "gnu")]
+        unsafe {
+            libc::malloc_trim(0);
+        }
+        // SAFETY: the ring owns its map fd, which stays open and unchanged for the AsyncFd's
+        // life.
+        let ring = unsafe { AsyncFd::register_with_interest(cap.take_ring()?, Interest::READABLE) }
+            .map_err(|e| anyhow::anyhow!("polling the event ring: {}", e.into_parts().1))?;
+        // Both clocks back to back, so that sample times can be lined up with packet timestamps.
+        let started_ns = monotonic_ns();
+        let clock = ClockReport {
+            realtime_ns: super::realtime_ns(),
+            monotonic_ns: started_ns,
+        };
+        Ok(Engine {
+            opts,
+            cap,
+            ring,
+            model: Model::default(),
+            chains: Vec::new(),
+            decode_errors: 0,
+            dump: None,
+            started_ns,
+            clock,
+            roots: Vec::new(),
+            unwatched: Vec::new(),
+            last_snapshot_ns: AtomicU64::new(0),
+            reported_closed: Mutex::new(Vec::new()),
+            _stats_fd: stats_fd,
+        })
+    }
+
+    /// Writes every decoded kernel record to `path` from now on, one per line (debugging the
+    /// capture). Errors if the file cannot be created.
+    pub fn dump_events(&mut self, path: &Path) -> Result<()> {
+        self.dump = Some(std::io::BufWriter::new(
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+        ));
+        Ok(())
+    }
+
+    /// Starts watching process `pid` (its threads, current children and future forks): enrols its
+    /// listening ports for sockops, lists its open connections (reported, not framed). Idempotent.
+    pub fn watch(&mut self, pid: u32) -> Result<Watched> {
+        let me = std::process::id();
+        let tgid = thread_group(pid)?;
+        if tgid == me {
+            bail!("refusing to watch the observer itself (pid {me})");
+        }
+        if let Some(r) = self.roots.iter().find(|r| r.watched.pid == tgid) {
+            return Ok(r.watched.clone());
+        }
+        // The process and the children it already has (a socat listener's live connections).
+        let mut tgids = vec![tgid];
+        for child in sockdiag::descendants(tgid) {
+            if child != me && !tgids.contains(&child) {
+                tgids.push(child);
+            }
+        }
+        let (ports, existing) = prepare_sockets(&mut self.cap, &self.model, &tgids)?;
+        for &t in &tgids {
+            self.cap.watch_pid_under(t, tgid)?;
+        }
+        let now = monotonic_ns();
+        for e in &existing {
+            self.model
+                .add_existing(e.cookie, e.pid, e.local, e.remote, now);
+        }
+        let watched = Watched {
+            pid: tgid,
+            comm: sockdiag::comm(tgid).unwrap_or_default(),
+            ports_enrolled: ports,
+            existing_connections: existing.len(),
+        };
+        self.roots.push(Root {
+            watched: watched.clone(),
+            tgids,
+        });
+        Ok(watched)
+    }
+
+    /// Stops watching `pid` and its children (the process exited or is no longer a target);
+    /// its sockets' state is released after the next snapshot. A pid not watched is no error.
+    pub fn unwatch(&mut self, pid: u32) -> Result<()> {
+        let tgid = thread_group(pid).unwrap_or(pid);
+        let Some(i) = self.roots.iter().position(|r| r.watched.pid == tgid) else {
+            return Ok(());
+        };
+        let root = self.roots.remove(i);
+        let mut gone = self.cap.unwatch_tree(&[tgid])?;
+        gone.extend(root.tgids);
+        // Children forked since (and maybe exited: the exit hook removed them from the map).
+        for n in &self.model.processes {
+            if let crate::model::ProcessNote::Forked { parent, child, .. } = n
+                && gone.contains(parent)
+            {
+                gone.push(*child);
+            }
+        }
+        gone.sort_unstable();
+        gone.dedup();
+        self.unwatched.push((monotonic_ns(), gone));
+        Ok(())
+    }
+
+    /// Waits until the ring has records and applies them to the model (cancel-safe: use in
+    /// `select!`).
+    pub async fn drain_ready(&mut self) -> Result<()> {
+        let mut guard = self.ring.readable_mut().await?;
+        drain_ring(
+            guard.get_inner_mut(),
+            &mut self.model,
+            &mut self.decode_errors,
+            &mut self.dump,
+        );
+        guard.clear_ready();
+        Ok(())
+    }
+
+    /// Applies every record waiting now.
+    pub fn drain(&mut self) {
+        drain_ring(
+            self.ring.get_mut(),
+            &mut self.model,
+            &mut self.decode_errors,
+            &mut self.dump,
+        );
+    }
+
+    /// One TCP sample of every chain (pairs new sockets first): applies the ring's records,
+    /// reads the positions ([`sampler::read`]), applies the records of the calls made up to
+    /// those reads (so the count and the messages match `write_seq` / `copied_seq`), then
+    /// places ([`sampler::place`]). Returns the per-chain sample lines for front ends that
+    /// write or plot them; empty when the sock_diag dump failed. `now_ns` is the front end's
+    /// tick (CLOCK_MONOTONIC); the lines carry the instants the positions were read.
+    pub fn sample(&mut self, now_ns: u64) -> Vec<SampleLine> {
+        let _ = now_ns;
+        self.drain();
+        let Some(pos) = sampler::read(&mut self.cap, &mut self.model, &mut self.chains) else {
+            return Vec::new();
+        };
+        self.drain();
+        let taken = sampler::place(&self.model, &mut self.chains, pos);
+        crate::samples::lines(&self.model, &taken, self.started_ns)
+    }
+
+    /// A pure read of the current state and cumulative statistics up to `now_ns` (does not
+    /// change time accounting; calling it twice gives the same result, apart from what it
+    /// reads live: the TCP state of open sockets by sock_diag, process names, the kernel
+    /// counters). Records still in the ring are not applied: call [`Engine::drain`] first for
+    /// an up-to-date report.
+    pub fn snapshot(&self, now_ns: u64) -> Report {
+        let mut comms: HashMap<u32, String> = HashMap::new();
+        for s in self.model.sockets.values() {
+            if !comms.contains_key(&s.pid)
+                && let Some(c) = sockdiag::comm(s.pid)
+            {
+                comms.insert(s.pid, c);
+            }
+        }
+        let mut degraded = self.cap.degraded.clone();
+        let counters = self.cap.counters().unwrap_or_else(|e| {
+            degraded.push(format!("kernel counters unreadable: {e:#}"));
+            [0; counter::COUNT as usize]
+        });
+        let tcp = best_tcp(&self.model);
+        let mut rep = report::build(
+            &self.model,
+            report::RunInfo {
+                started_ns: self.started_ns,
+                end_ns: now_ns,
+                clock: self.clock,
+                hook_set: &self.cap.hook_set,
+                counters: &counters,
+                degraded: &degraded,
+                pids: self
+                    .roots
+                    .iter()
+                    .map(|r| PidReport {
+                        pid: r.watched.pid,
+                        comm: r.watched.comm.clone(),
+                    })
+                    .collect(),
+                tcp_final: &tcp,
+                chains: &self.chains,
+                comms: &comms,
+            },
+        );
+        if self.decode_errors > 0 {
+            rep.degraded.push(format!(
+                "{} ring record(s) could not be decoded",
+                self.decode_errors
+            ));
+            rep.events_lost += self.decode_errors;
+        }
+        self.last_snapshot_ns.fetch_max(now_ns, Ordering::Relaxed);
+        let closed: Vec<u64> = self
+            .model
+            .sockets
+            .values()
+            .filter(|s| s.closed_ns.is_some())
+            .map(|s| s.cookie)
+            .collect();
+        if let Ok(mut r) = self.reported_closed.lock() {
+            *r = closed;
+        }
+        rep
+    }
+
+    /// Frees the state of sockets that were closed (or whose process was unwatched) at or before the
+    /// last snapshot. Called by the daemon after each scrape. Bounded memory. With
+    /// `retain_closed`, closed sockets are kept (only unwatched processes' are freed).
+    pub fn release_reported(&mut self) {
+        let t = self.last_snapshot_ns.load(Ordering::Relaxed);
+        if t == 0 {
+            return;
+        }
+        let mut free: HashSet<u64> = HashSet::new();
+        if !self.opts.retain_closed
+            && let Ok(mut r) = self.reported_closed.lock()
+        {
+            free.extend(r.drain(..));
+        }
+        let (done, pending): (Vec<_>, Vec<_>) =
+            self.unwatched.drain(..).partition(|(at, _)| *at <= t);
+        self.unwatched = pending;
+        let pids: HashSet<u32> = done.into_iter().flat_map(|(_, p)| p).collect();
+        if !pids.is_empty() {
+            free.extend(
+                self.model
+                    .sockets
+                    .values()
+                    .filter(|s| pids.contains(&s.pid))
+                    .map(|s| s.cookie),
+            );
+        }
+        if free.is_empty() {
+            return;
+        }
+        self.model.sockets.retain(|c, _| !free.contains(c));
+        self.chains.retain(|c| !free.contains(&c.server));
+        for c in self.chains.iter_mut() {
+            if c.backend.is_some_and(|b| free.contains(&b)) {
+                c.backend = None;
+            }
+            if c.client_leg.is_some_and(|b| free.contains(&b)) {
+                c.client_leg = None;
+            }
+        }
+    }
+
+    /// Name of the active hook set (`hook_set` in the report).
+    pub fn hook_set(&self) -> &str {
+        &self.cap.hook_set
+    }
+
+    /// Kernel features that were missing and what that costs.
+    pub fn degraded(&self) -> &[String] {
+        &self.cap.degraded
+    }
+
+    /// Kernel loss/activity counters (config::counter order).
+    pub fn counters(&mut self) -> Result<[u64; counter::COUNT as usize]> {
+        self.cap.counters()
+    }
+
+    /// Per-program run time and count (zeros when bpf_stats is off), sorted by name.
+    pub fn program_stats(&self) -> Vec<ProgramStats> {
+        self.cap
+            .program_stats()
+            .into_iter()
+            .map(|(name, run_time_ns, run_count)| ProgramStats {
+                name,
+                run_time_ns,
+                run_count,
+            })
+            .collect()
+    }
+
+    /// Sizes of the engine's state.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            sockets: self.model.sockets.len(),
+            chains: self.chains.len(),
+            processes: self.model.processes.len(),
+            records: self.model.records,
+            decode_errors: self.decode_errors,
+        }
+    }
+
+    /// CLOCK_MONOTONIC ns at start and the matching CLOCK_REALTIME (report `clock`).
+    pub fn started(&self) -> ClockReport {
+        self.clock
+    }
+
+    /// The processes watched (one per [`Engine::watch`] not undone by [`Engine::unwatch`]).
+    pub fn watched(&self) -> Vec<Watched> {
+        self.roots.iter().map(|r| r.watched.clone()).collect()
+    }
+
+    /// What a live progress line shows.
+    pub fn progress(&self) -> Progress {
+        let m = &self.model;
+        let relays = crate::model::chain::relay_pids(m);
+        let lost = self
+            .cap
+            .counters()
+            .map(|c| {
+                (0..c.len() as u32)
+                    .filter(|&i| counter::is_loss(i))
+                    .map(|i| c[i as usize])
+                    .sum()
+            })
+            .unwrap_or(0);
+        Progress {
+            sockets: m.sockets.len(),
+            framed: m
+                .sockets
+                .values()
+                .filter(|s| matches!(s.framing(), "mini" | "full"))
+                .count(),
+            messages: m
+                .sockets
+                .values()
+                .map(|s| s.dirs[0].messages + s.dirs[1].messages)
+                .sum(),
+            // spice-server's display channels only: a relay's client-facing legs are server
+            // ends too.
+            display_in_flight: m
+                .sockets
+                .values()
+                .filter(|s| {
+                    s.closed_ns.is_none()
+                        && s.window.active()
+                        && s.channel().map(|c| c.0) == Some(channel::DISPLAY)
+                        && s.is_server_end() == Some(true)
+                        && !relays.contains(&s.pid)
+                })
+                .map(|s| (s.window.count, s.window.limit()))
+                .collect(),
+            lost,
+        }
+    }
+}
