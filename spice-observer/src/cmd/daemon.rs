@@ -61,7 +61,7 @@ pub struct DaemonArgs {
     /// path that does not exist is an error.
     #[arg(long, value_name = "PATH")]
     pub config: Option<PathBuf>,
-    /// Address and port of the HTTP endpoint (`listen`), e.g. 127.0.0.1:19590 or [::]:19590.
+    /// Address and port of the HTTP endpoint (`listen`), e.g. `127.0.0.1:19590` or `[::]:19590`.
     #[arg(long, value_name = "ADDR:PORT")]
     pub listen: Option<SocketAddr>,
     /// Milliseconds between TCP samples of the watched sockets (`sample_ms`).
