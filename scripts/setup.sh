@@ -42,6 +42,8 @@ APT_PKGS=(
     xvfb x11-utils
     # rig: relay, oracle, link tests, QEMU guest initramfs, measurements
     socat haproxy tshark iperf3 busybox-static cpio sysstat bc
+    # tests/daemon.rs: `promtool check metrics` on live scrapes (promtool ships in prometheus)
+    prometheus
     # used by this script and the rig
     ca-certificates curl gzip procps
 )

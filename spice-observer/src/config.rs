@@ -7,11 +7,11 @@
 //! `packaging/spice-observer.toml` in the repository lists every key with its default; a unit
 //! test parses it, so it cannot drift from this module.
 //!
-//! What it does not do yet: nothing reads it. `spice-observer daemon` (issue 7) will load it,
-//! hand [`Config::discovery`] to [`crate::host::discovery::Discovery::new`], scan every
-//! [`Config::scan_ms`], sample every [`Config::sample_ms`], serve Prometheus metrics on
-//! [`Config::listen`] and hold `BPF_ENABLE_STATS` when [`Config::bpf_stats`] is set. No
-//! reload on change (SIGHUP) either.
+//! `spice-observer daemon` ([`crate::cmd::daemon`]) loads it (flags override its keys),
+//! hands [`Config::discovery`] to [`crate::host::discovery::Discovery::new`], scans every
+//! [`Config::scan_ms`], samples every [`Config::sample_ms`], serves Prometheus metrics on
+//! [`Config::listen`] and holds `BPF_ENABLE_STATS` when [`Config::bpf_stats`] is set. What
+//! it does not do: reload on change (SIGHUP).
 //!
 //! ```toml
 //! listen = "127.0.0.1:19590"

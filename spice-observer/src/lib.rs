@@ -12,8 +12,9 @@
 //!   unit-tested);
 //! - [`pipeline`]: [`pipeline::Engine`] owns capture → records → model → samples
 //!   ([`sampler`]) → snapshot, one per process, shared by the front ends;
-//! - [`output`]: [`report`] (table, JSON), [`samples`] (series), [`plot`] (SVG);
-//! - [`cmd`]: the front ends ([`cmd::observe`]).
+//! - [`output`]: [`report`] (table, JSON), [`samples`] (series), [`plot`] (SVG),
+//!   [`output::metrics`] (the daemon's Prometheus metrics);
+//! - [`cmd`]: the front ends ([`cmd::observe`], [`cmd::daemon`]).
 //!
 //! The former top-level module paths (`spice_observer::report`, `::loader`, `::sockdiag`, …)
 //! are re-exported.

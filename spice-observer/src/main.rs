@@ -60,10 +60,20 @@ enum Command {
         #[arg(long, value_name = "PATH|-")]
         samples: Option<PathBuf>,
     },
+    /// Run as a host daemon: find SPICE servers (QEMU, Xspice) and configured relays as they
+    /// come and go, watch them, and serve Prometheus metrics on 127.0.0.1:19590. Run as root.
+    Daemon(spice_observer::cmd::daemon::DaemonArgs),
 }
 
 fn main() -> Result<()> {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    // The daemon logs targets found and lost at info level.
+    let daemon = std::env::args().nth(1).as_deref() == Some("daemon");
+    let default = if daemon {
+        "warn,spice_observer=info"
+    } else {
+        "warn"
+    };
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default)).init();
     let cli = Cli::parse();
     match cli.command {
         Command::Observe {
@@ -94,5 +104,6 @@ fn main() -> Result<()> {
                 .build()?;
             rt.block_on(observe::run(opts))
         }
+        Command::Daemon(args) => spice_observer::cmd::daemon::run(args),
     }
 }

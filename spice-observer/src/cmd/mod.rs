@@ -1,4 +1,5 @@
 //! Front ends over [`crate::pipeline::Engine`]: each parses its options, arranges the engine's
 //! calls and prints; none computes a statistic.
 
+pub mod daemon;
 pub mod observe;

@@ -68,9 +68,10 @@
 //! `stat` file: 11–14 ms for 1000 (timed with a stand-alone readdir + read loop, not by the
 //! test).
 //!
-//! Not done here (the daemon's job, not written yet): attaching the observer to the targets,
-//! following relays' children, network namespaces other than the scanning process's, and
-//! event-driven discovery (the proc connector) instead of polling.
+//! Not done here: attaching the observer to the targets and following relays' children
+//! ([`crate::cmd::daemon`] and the engine do that); not done at all: network namespaces
+//! other than the scanning process's, and event-driven discovery (the proc connector)
+//! instead of polling.
 //!
 //! Reading another user's `/proc/PID/maps` and `/proc/PID/fd` needs root or
 //! `CAP_SYS_PTRACE`; without it such an Xorg or port owner is not found and

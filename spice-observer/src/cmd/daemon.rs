@@ -1,0 +1,557 @@
+//! `spice-observer daemon`: one per hypervisor. Finds SPICE servers (QEMU, Xspice) and the
+//! configured relays ([`crate::host::discovery`]), watches them as they come and go, and
+//! serves Prometheus metrics ([`crate::output::metrics`]) over HTTP.
+//!
+//! The loop (one thread): a discovery scan every `scan_ms` (new targets are watched, exited
+//! ones unwatched), kernel records applied as they arrive, a TCP sample of every chain every
+//! `sample_ms`, and per `/metrics` request one engine snapshot, from which
+//! [`SnapshotCollector`] builds the metric families; the closed sockets that snapshot included
+//! are then released. The HTTP server (axum on the same tokio runtime) asks the loop over a
+//! channel, so scrapes are serialised with sampling and never see a half-applied state.
+//!
+//! HTTP paths: `/` (a landing page naming the paths, the version and the hook set),
+//! `/metrics` (Prometheus text format 0.0.4), `/healthz` (`200 ok` while the loop answers;
+//! `503` with the reason when it does not answer within [`HEALTH_TIMEOUT`] or has stopped).
+//!
+//! Logging (env_logger; default `warn,spice_observer=info`, `RUST_LOG` overrides): one line
+//! at start (listen address, hook set, config file), one per target found or lost, warnings
+//! when information is lost (kernel loss counters or undecodable records went up) or a
+//! target cannot be watched.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use axum::{
+    Router,
+    extract::State,
+    http::{StatusCode, header},
+    response::{Html, IntoResponse, Response},
+    routing::get,
+};
+use log::{debug, info, warn};
+use prometheus::{Encoder, TextEncoder, core::Collector, proto::MetricFamily};
+use spice_ebpf_common::config::counter;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::config::{Config, RelayRule};
+use crate::host::discovery::{Discovery, ServerKind, Target, TargetKind};
+use crate::output::metrics::{self, ProgramCost, ScrapeInput};
+use crate::pipeline::{Engine, EngineOptions, monotonic_ns};
+
+/// Config file read when `--config` is not given, if it exists.
+pub const DEFAULT_CONFIG: &str = "/etc/spice-observer/spice-observer.toml";
+
+/// How long `/healthz` waits for the loop to answer.
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long `/metrics` waits for the loop's snapshot.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often the kernel loss counters are compared with the last warning.
+const LOSS_CHECK: Duration = Duration::from_secs(5);
+
+/// `spice-observer daemon` options. Each given flag overrides the config file's key.
+#[derive(Debug, clap::Args)]
+pub struct DaemonArgs {
+    /// Config file (TOML; see packaging/spice-observer.toml). Default
+    /// /etc/spice-observer/spice-observer.toml if it exists, else built-in defaults. A given
+    /// path that does not exist is an error.
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// Address and port of the HTTP endpoint (`listen`), e.g. `127.0.0.1:19590` or `[::]:19590`.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub listen: Option<SocketAddr>,
+    /// Milliseconds between TCP samples of the watched sockets (`sample_ms`).
+    #[arg(long, value_name = "MS")]
+    pub sample_ms: Option<u64>,
+    /// Milliseconds between process scans (`scan_ms`).
+    #[arg(long, value_name = "MS")]
+    pub scan_ms: Option<u64>,
+    /// Do not turn on the kernel's BPF run-time statistics (`bpf_stats = false`).
+    #[arg(long)]
+    pub no_bpf_stats: bool,
+    /// Also watch relays with this program name (added to `discovery.relays`). Repeatable.
+    #[arg(long = "relay-name", value_name = "NAME")]
+    pub relay_names: Vec<String>,
+    /// Also watch the process listening on this TCP port as a relay (added to
+    /// `discovery.relays`). Repeatable.
+    #[arg(long = "relay-port", value_name = "PORT")]
+    pub relay_ports: Vec<u16>,
+}
+
+/// The effective settings: the config file (`--config`, else [`DEFAULT_CONFIG`] if it
+/// exists, else defaults) with the flags applied. Returns the file read, if any.
+///
+/// Errors: a given `--config` that does not exist or does not parse (see
+/// [`Config::load`]); the default file exists but does not parse; a flag value out of range
+/// (`--sample-ms 0`, `--scan-ms 0`, `--relay-port 0`, an empty `--relay-name` or one with
+/// a `/`).
+pub fn resolve(args: &DaemonArgs) -> Result<(Config, Option<PathBuf>)> {
+    let path = match &args.config {
+        Some(p) => {
+            if !p.exists() {
+                bail!("config file {} does not exist", p.display());
+            }
+            Some(p.clone())
+        }
+        None => Some(PathBuf::from(DEFAULT_CONFIG)).filter(|p| p.exists()),
+    };
+    let mut cfg = match &path {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    if let Some(l) = args.listen {
+        cfg.listen = l;
+    }
+    if let Some(ms) = args.sample_ms {
+        if ms == 0 {
+            bail!("--sample-ms must be > 0");
+        }
+        cfg.sample_ms = ms;
+    }
+    if let Some(ms) = args.scan_ms {
+        if ms == 0 {
+            bail!("--scan-ms must be > 0");
+        }
+        cfg.scan_ms = ms;
+    }
+    if args.no_bpf_stats {
+        cfg.bpf_stats = false;
+    }
+    for name in &args.relay_names {
+        if name.is_empty() || name.contains('/') {
+            bail!("--relay-name {name:?} must be a non-empty program name without '/'");
+        }
+        cfg.discovery.relays.push(RelayRule {
+            name: Some(name.clone()),
+            port: None,
+        });
+    }
+    for &port in &args.relay_ports {
+        if port == 0 {
+            bail!("--relay-port must be 1-65535");
+        }
+        cfg.discovery.relays.push(RelayRule {
+            name: None,
+            port: Some(port),
+        });
+    }
+    Ok((cfg, path))
+}
+
+/// Runs the daemon until SIGINT or SIGTERM.
+pub fn run(args: DaemonArgs) -> Result<()> {
+    let (cfg, path) = resolve(&args)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(serve(cfg, path))
+}
+
+/// A request from an HTTP handler to the loop.
+enum Request {
+    /// Take a snapshot and answer the exposition text.
+    Scrape(oneshot::Sender<Result<String, String>>),
+    /// Answer if the loop runs.
+    Health(oneshot::Sender<()>),
+}
+
+#[derive(Clone)]
+struct AppState {
+    tx: mpsc::Sender<Request>,
+    landing: std::sync::Arc<String>,
+}
+
+/// A Prometheus collector over ONE engine snapshot: `collect` takes the snapshot, reads the
+/// kernel counters and the engine's sizes, builds the families ([`metrics::families`]) and
+/// then releases the closed sockets the snapshot included (`Engine::release_reported`).
+pub struct SnapshotCollector<'a> {
+    engine: Mutex<&'a mut Engine>,
+    targets: &'a [Target],
+    bpf_stats: bool,
+}
+
+impl Collector for SnapshotCollector<'_> {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        // Unchecked collector: the families change with the snapshot.
+        Vec::new()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let t0 = Instant::now();
+        let mut engine = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+        let mut report = engine.snapshot(monotonic_ns());
+        match engine.counters() {
+            Ok(c) => {
+                report.kernel_counters = counter::NAMES
+                    .iter()
+                    .zip(c)
+                    .map(|(n, v)| (n.to_string(), v))
+                    .collect()
+            }
+            Err(e) => warn!("reading the kernel counters failed: {e:#}"),
+        }
+        let stats = engine.stats();
+        let programs: Vec<ProgramCost> = engine
+            .program_stats()
+            .into_iter()
+            .map(|p| ProgramCost {
+                name: p.name,
+                run_time_ns: p.run_time_ns,
+                run_count: p.run_count,
+            })
+            .collect();
+        let started = engine.started();
+        let mut fams = metrics::families(&ScrapeInput {
+            report: &report,
+            targets: self.targets,
+            programs: self.bpf_stats.then_some(&programs[..]),
+            sockets: stats.sockets,
+            chains: stats.chains,
+            processes: stats.processes,
+            records: stats.records,
+            decode_errors: stats.decode_errors,
+            start_time_s: started.realtime_ns as f64 / 1e9,
+        });
+        engine.release_reported();
+        fams.push(metrics::scrape_duration(t0.elapsed().as_secs_f64()));
+        fams
+    }
+}
+
+/// One scrape: the collector's families in the text format.
+fn scrape(engine: &mut Engine, targets: &[Target], bpf_stats: bool) -> Result<String> {
+    let collector = SnapshotCollector {
+        engine: Mutex::new(engine),
+        targets,
+        bpf_stats,
+    };
+    let fams = collector.collect();
+    let mut buf = Vec::new();
+    TextEncoder::new().encode(&fams, &mut buf)?;
+    Ok(String::from_utf8(buf)?)
+}
+
+fn kind_name(t: &Target) -> String {
+    match &t.kind {
+        TargetKind::SpiceServer(ServerKind::Qemu) => "qemu".into(),
+        TargetKind::SpiceServer(ServerKind::Xspice) => "xspice".into(),
+        TargetKind::Relay { rule } => format!("relay ({rule})"),
+    }
+}
+
+async fn landing(State(s): State<AppState>) -> Html<String> {
+    Html((*s.landing).clone())
+}
+
+async fn metrics_handler(State(s): State<AppState>) -> Response {
+    let (tx, rx) = oneshot::channel();
+    if s.tx.send(Request::Scrape(tx)).await.is_err() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "engine stopped\n").into_response();
+    }
+    match tokio::time::timeout(SCRAPE_TIMEOUT, rx).await {
+        Ok(Ok(Ok(text))) => (
+            [(
+                header::CONTENT_TYPE,
+                TextEncoder::new().format_type().to_string(),
+            )],
+            text,
+        )
+            .into_response(),
+        Ok(Ok(Err(e))) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+        Ok(Err(_)) => (StatusCode::SERVICE_UNAVAILABLE, "engine stopped\n").into_response(),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "engine loop did not answer within 10 s\n",
+        )
+            .into_response(),
+    }
+}
+
+async fn healthz(State(s): State<AppState>) -> (StatusCode, String) {
+    let (tx, rx) = oneshot::channel();
+    if s.tx.send(Request::Health(tx)).await.is_err() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "engine stopped\n".into());
+    }
+    match tokio::time::timeout(HEALTH_TIMEOUT, rx).await {
+        Ok(Ok(())) => (StatusCode::OK, "ok\n".into()),
+        Ok(Err(_)) => (StatusCode::SERVICE_UNAVAILABLE, "engine stopped\n".into()),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "engine loop did not answer within {} s\n",
+                HEALTH_TIMEOUT.as_secs()
+            ),
+        ),
+    }
+}
+
+fn landing_page(listen: SocketAddr, hook_set: &str, config: Option<&Path>) -> String {
+    format!(
+        "<!DOCTYPE html>\n<html><head><title>spice-observer</title></head><body>\n\
+         <h1>spice-observer daemon {version}</h1>\n\
+         <p>Hook set: {hook_set}. Listening on {listen}. Config: {config}.</p>\n<ul>\n\
+         <li><a href=\"/metrics\">/metrics</a>: Prometheus metrics (text format 0.0.4)</li>\n\
+         <li><a href=\"/healthz\">/healthz</a>: 200 ok while the engine runs, 503 and the reason if not</li>\n\
+         </ul></body></html>\n",
+        version = env!("CARGO_PKG_VERSION"),
+        config = config.map_or("none (built-in defaults)".to_string(), |p| p
+            .display()
+            .to_string()),
+    )
+}
+
+async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    // Bind first: a taken port fails before the kernel programs load.
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    let mut engine = Engine::start(EngineOptions {
+        sample: Duration::from_millis(cfg.sample_ms),
+        retain_closed: false,
+        bpf_stats: cfg.bpf_stats,
+    })?;
+    for d in engine.degraded() {
+        warn!("degraded: {d}");
+    }
+    let (tx, mut rx) = mpsc::channel::<Request>(16);
+    let state = AppState {
+        tx,
+        landing: std::sync::Arc::new(landing_page(cfg.listen, engine.hook_set(), path.as_deref())),
+    };
+    let app = Router::new()
+        .route("/", get(landing))
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(healthz))
+        .with_state(state);
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    info!(
+        "spice-observer daemon {}: listening on http://{} (hook set {}, config {}, sample {} ms, scan {} ms, bpf_stats {})",
+        env!("CARGO_PKG_VERSION"),
+        cfg.listen,
+        engine.hook_set(),
+        path.as_ref().map_or("none: built-in defaults".into(), |p| p
+            .display()
+            .to_string()),
+        cfg.sample_ms,
+        cfg.scan_ms,
+        if cfg.bpf_stats { "on" } else { "off" },
+    );
+
+    let mut discovery = Discovery::new(&cfg.discovery);
+    let mut targets: Vec<Target> = Vec::new();
+    // Targets whose watch failed (warned once), retried at each scan.
+    let mut pending: Vec<Target> = Vec::new();
+    let mut scan = tokio::time::interval(Duration::from_millis(cfg.scan_ms));
+    scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sample = tokio::time::interval(Duration::from_millis(cfg.sample_ms));
+    sample.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut loss_check = tokio::time::interval(LOSS_CHECK);
+    let mut lost_seen = [0u64; counter::COUNT as usize];
+    let mut decode_seen = 0u64;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut scan_failed = false;
+    loop {
+        tokio::select! {
+            r = engine.drain_ready() => r.context("reading the kernel's event ring")?,
+            _ = scan.tick() => {
+                let s = match discovery.scan() {
+                    Ok(s) => { scan_failed = false; s }
+                    Err(e) => {
+                        if !scan_failed {
+                            warn!("process scan failed: {e:#}");
+                        }
+                        scan_failed = true;
+                        continue;
+                    }
+                };
+                for t in &s.diff.exited {
+                    pending.retain(|p| p.pid != t.pid);
+                    if let Err(e) = engine.unwatch(t.pid) {
+                        warn!("unwatching {} {} (pid {}): {e:#}", kind_name(t), t.name, t.pid);
+                    }
+                    info!("lost {} {} (pid {})", kind_name(t), t.name, t.pid);
+                }
+                let retry = std::mem::take(&mut pending);
+                for (t, first) in s.diff.started.iter().map(|t| (t, true)).chain(retry.iter().map(|t| (t, false))) {
+                    if !first && !s.targets.iter().any(|x| x.pid == t.pid && x.start_time == t.start_time) {
+                        continue;
+                    }
+                    match engine.watch(t.pid) {
+                        Ok(w) => info!(
+                            "found {} {} (pid {}, {}): {} listening port(s), {} connection(s) already open",
+                            kind_name(t), t.name, t.pid, w.comm, w.ports_enrolled, w.existing_connections
+                        ),
+                        Err(e) => {
+                            if first {
+                                warn!("cannot watch {} {} (pid {}): {e:#}; retrying at each scan", kind_name(t), t.name, t.pid);
+                            }
+                            pending.push(t.clone());
+                        }
+                    }
+                }
+                targets = s.targets;
+            }
+            _ = sample.tick() => {
+                engine.sample(monotonic_ns());
+            }
+            _ = loss_check.tick() => {
+                if let Ok(c) = engine.counters() {
+                    let grew: Vec<String> = (0..counter::COUNT)
+                        .filter(|&i| counter::is_loss(i) && c[i as usize] > lost_seen[i as usize])
+                        .map(|i| format!("{} +{}", counter::NAMES[i as usize], c[i as usize] - lost_seen[i as usize]))
+                        .collect();
+                    if !grew.is_empty() {
+                        warn!("information lost in the kernel: {}", grew.join(", "));
+                    }
+                    lost_seen = c;
+                }
+                let d = engine.stats().decode_errors;
+                if d > decode_seen {
+                    warn!("{} ring record(s) could not be decoded", d - decode_seen);
+                    decode_seen = d;
+                }
+            }
+            Some(req) = rx.recv() => match req {
+                Request::Scrape(reply) => {
+                    // Records and positions up to now, so the snapshot is current.
+                    engine.drain();
+                    let text = scrape(&mut engine, &targets, cfg.bpf_stats).map_err(|e| format!("{e:#}"));
+                    if let Err(e) = &text {
+                        warn!("scrape failed: {e}");
+                    }
+                    let _ = reply.send(text);
+                }
+                Request::Health(reply) => {
+                    let _ = reply.send(());
+                }
+            },
+            _ = sigint.recv() => break,
+            _ = sigterm.recv() => break,
+        }
+    }
+    debug!("stopping");
+    server.abort();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(config: Option<&Path>) -> DaemonArgs {
+        DaemonArgs {
+            config: config.map(Path::to_path_buf),
+            listen: None,
+            sample_ms: None,
+            scan_ms: None,
+            no_bpf_stats: false,
+            relay_names: Vec::new(),
+            relay_ports: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn daemon_flags_override_the_config_file() {
+        let dir =
+            std::env::temp_dir().join(format!("spice-observer-daemon-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        std::fs::write(
+            &path,
+            "listen = \"127.0.0.1:9999\"\nsample_ms = 50\n[discovery]\nrelays = [{ name = \"haproxy\" }]\n",
+        )
+        .unwrap();
+        let (c, p) = resolve(&args(Some(&path))).unwrap();
+        assert_eq!(p.as_deref(), Some(path.as_path()));
+        assert_eq!(
+            (c.listen.port(), c.sample_ms, c.scan_ms, c.bpf_stats),
+            (9999, 50, 500, true)
+        );
+        let mut a = args(Some(&path));
+        a.listen = Some("[::1]:19600".parse().unwrap());
+        a.sample_ms = Some(20);
+        a.scan_ms = Some(250);
+        a.no_bpf_stats = true;
+        a.relay_names = vec!["socat".into()];
+        a.relay_ports = vec![6900];
+        let (c, _) = resolve(&a).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(c.listen.to_string(), "[::1]:19600");
+        assert_eq!((c.sample_ms, c.scan_ms, c.bpf_stats), (20, 250, false));
+        let labels: Vec<String> = c.discovery.relays.iter().map(RelayRule::label).collect();
+        assert_eq!(labels, ["haproxy", "socat", "port-6900"]);
+    }
+
+    #[test]
+    fn daemon_bad_flags_and_missing_config() {
+        let e = format!(
+            "{:#}",
+            resolve(&args(Some(Path::new("/nonexistent/x.toml")))).unwrap_err()
+        );
+        assert!(
+            e.contains("/nonexistent/x.toml") && e.contains("does not exist"),
+            "{e}"
+        );
+        let mut a = args(None);
+        a.sample_ms = Some(0);
+        assert!(format!("{:#}", resolve(&a).unwrap_err()).contains("--sample-ms"));
+        let mut a = args(None);
+        a.scan_ms = Some(0);
+        assert!(format!("{:#}", resolve(&a).unwrap_err()).contains("--scan-ms"));
+        let mut a = args(None);
+        a.relay_ports = vec![0];
+        assert!(format!("{:#}", resolve(&a).unwrap_err()).contains("--relay-port"));
+        let mut a = args(None);
+        a.relay_names = vec!["/usr/bin/socat".into()];
+        assert!(format!("{:#}", resolve(&a).unwrap_err()).contains("--relay-name"));
+    }
+
+    fn state(tx: mpsc::Sender<Request>) -> AppState {
+        AppState {
+            tx,
+            landing: std::sync::Arc::new(String::new()),
+        }
+    }
+
+    /// `/healthz`: 200 while the loop answers, 503 with the reason when it has stopped or
+    /// does not answer within [`HEALTH_TIMEOUT`]; `/metrics` 503 once the loop has stopped.
+    #[test]
+    fn daemon_healthz_answers() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (tx, mut rx) = mpsc::channel(4);
+            let answer = tokio::spawn(async move {
+                if let Some(Request::Health(r)) = rx.recv().await {
+                    let _ = r.send(());
+                }
+                // Receive the next request and never answer it.
+                let stuck = rx.recv().await;
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                drop(stuck);
+            });
+            let (code, body) = healthz(State(state(tx.clone()))).await;
+            assert_eq!((code, body.as_str()), (StatusCode::OK, "ok\n"));
+            let (code, body) = healthz(State(state(tx.clone()))).await;
+            assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+            assert!(body.contains("did not answer within 2 s"), "{body}");
+            answer.abort();
+            let _ = answer.await;
+            let (code, body) = healthz(State(state(tx.clone()))).await;
+            assert_eq!(
+                (code, body.as_str()),
+                (StatusCode::SERVICE_UNAVAILABLE, "engine stopped\n")
+            );
+            let r = metrics_handler(State(state(tx))).await;
+            assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        });
+    }
+}

@@ -1,0 +1,745 @@
+//! Privileged tests of `spice-observer daemon` against real sessions: Xspice and QEMU as
+//! spice-server, spice-gtk clients, a socat relay found by name from the test's config file.
+//! Each live scrape is read into typed samples (the `prometheus-parse` crate) and checked by
+//! `promtool check metrics`; the daemon's counts are compared with an `observe` run started
+//! alongside (a separate program instance with its own kernel programs), and with README's
+//! Metrics table. Ports 5975-5979 / 6975-6979, displays :75-:79, daemon on 127.0.0.1:19591.
+//! Run serially under the machine-wide lock (`--test-threads=1`).
+
+mod common;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io::{BufRead, BufReader, Read, Write},
+    net::TcpStream,
+    path::Path,
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use common::{Client, Rig, channels_of, check_run, describe_ch, privileged};
+use spice_observer::report::{ChannelReport, Report};
+
+const LISTEN: &str = "127.0.0.1:19591";
+
+/// A running `spice-observer daemon`; SIGTERM when dropped.
+struct Daemon {
+    child: Child,
+    /// Log lines with the instant the test read them (the reader thread forwards each line as
+    /// it arrives).
+    log: mpsc::Receiver<(Instant, String)>,
+    lines: Vec<(Instant, String)>,
+}
+
+impl Daemon {
+    /// Starts the daemon with `config` and waits for its start line.
+    fn start(config: &Path) -> Result<Daemon> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_spice-observer"))
+            .args(["daemon", "--config"])
+            .arg(config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting spice-observer daemon")?;
+        let (tx, rx) = mpsc::channel();
+        let err = child.stderr.take().unwrap();
+        thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                eprintln!("daemon! {line}");
+                if tx.send((Instant::now(), line)).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut d = Daemon {
+            child,
+            log: rx,
+            lines: Vec::new(),
+        };
+        d.wait_line(
+            |l| l.contains("listening on http://"),
+            Duration::from_secs(60),
+        )
+        .context("daemon start line")?;
+        Ok(d)
+    }
+
+    /// Waits for a log line matching `f`; returns it and when it was read.
+    fn wait_line_at(
+        &mut self,
+        f: impl Fn(&str) -> bool,
+        timeout: Duration,
+    ) -> Result<(Instant, String)> {
+        if let Some(l) = self.lines.iter().find(|(_, l)| f(l)) {
+            return Ok(l.clone());
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < timeout {
+            match self.log.recv_timeout(Duration::from_millis(20)) {
+                Ok((at, line)) => {
+                    self.lines.push((at, line.clone()));
+                    if f(&line) {
+                        return Ok((at, line));
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    bail!("daemon exited:\n{}", self.text())
+                }
+            }
+        }
+        bail!("no such line within {timeout:?}:\n{}", self.text())
+    }
+
+    /// Waits for a log line matching `f`; returns it.
+    fn wait_line(&mut self, f: impl Fn(&str) -> bool, timeout: Duration) -> Result<String> {
+        Ok(self.wait_line_at(f, timeout)?.1)
+    }
+
+    fn text(&self) -> String {
+        self.lines
+            .iter()
+            .map(|(_, l)| l.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn drain_log(&mut self) {
+        while let Ok(l) = self.log.try_recv() {
+            self.lines.push(l);
+        }
+        self.lines.clear();
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// An HTTP/1.0 GET of `path`: (status code, body).
+fn get(path: &str) -> Result<(u16, String)> {
+    let mut s = TcpStream::connect(LISTEN).with_context(|| format!("connecting to {LISTEN}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(15)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {LISTEN}\r\n\r\n")?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw)?;
+    let (head, body) = raw
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| anyhow!("no HTTP header end in {raw:?}"))?;
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| anyhow!("bad status line {head:?}"))?;
+    Ok((code, body.to_string()))
+}
+
+/// One sample of a scrape, typed: histogram buckets, _sum and _count are samples of their own
+/// (`name_bucket` with `le`, `name_sum`, `name_count`).
+#[derive(Clone, Debug)]
+struct Sample {
+    name: String,
+    labels: BTreeMap<String, String>,
+    value: f64,
+}
+
+/// A parsed `/metrics` body.
+struct Scrape {
+    text: String,
+    /// Family name → HELP (every family has one).
+    families: BTreeMap<String, String>,
+    samples: Vec<Sample>,
+}
+
+impl Scrape {
+    fn take() -> Result<Scrape> {
+        let (code, text) = get("/metrics")?;
+        ensure!(code == 200, "/metrics answered {code}: {text}");
+        let parsed = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
+            .context("parsing the scrape")?;
+        let mut samples = Vec::new();
+        for s in parsed.samples {
+            let labels: BTreeMap<String, String> = s
+                .labels
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            match s.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => samples.push(Sample {
+                    name: s.metric,
+                    labels,
+                    value: v,
+                }),
+                prometheus_parse::Value::Histogram(buckets) => {
+                    for b in buckets {
+                        let mut l = labels.clone();
+                        l.insert("le".into(), b.less_than.to_string());
+                        samples.push(Sample {
+                            name: format!("{}_bucket", s.metric),
+                            labels: l,
+                            value: b.count,
+                        });
+                    }
+                }
+                prometheus_parse::Value::Summary(_) => bail!("summary {} in scrape", s.metric),
+            }
+        }
+        // Every `# TYPE` line names a family; HELP texts from the parser.
+        let families = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_whitespace().next())
+            .map(|n| {
+                (
+                    n.to_string(),
+                    parsed.docs.get(n).cloned().unwrap_or_default(),
+                )
+            })
+            .collect();
+        Ok(Scrape {
+            text,
+            families,
+            samples,
+        })
+    }
+
+    /// Samples of `name` whose labels include every pair of `with`.
+    fn find(&self, name: &str, with: &[(&str, &str)]) -> Vec<&Sample> {
+        self.samples
+            .iter()
+            .filter(|s| {
+                s.name == name
+                    && with
+                        .iter()
+                        .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+            })
+            .collect()
+    }
+
+    /// The value of the one sample of `name` matching `with`; an error if none or several.
+    fn one(&self, name: &str, with: &[(&str, &str)]) -> Result<f64> {
+        match self.find(name, with)[..] {
+            [s] => Ok(s.value),
+            [] => bail!("no sample {name} {with:?}"),
+            ref many => bail!("{} samples {name} {with:?}: {many:?}", many.len()),
+        }
+    }
+}
+
+/// `promtool check metrics` on a scrape: exit 0 and no lint output.
+fn promtool(text: &str) -> Result<()> {
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("running promtool (Debian package prometheus; scripts/setup.sh installs it)")?;
+    child.stdin.take().unwrap().write_all(text.as_bytes())?;
+    let out = child.wait_with_output()?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool check metrics ({}):\n{said}",
+        out.status
+    );
+    Ok(())
+}
+
+/// The run checks of a scrape (instead of `common::check_run`): the expected hook set,
+/// nothing degraded, every information-lost counter 0.
+fn check_scrape_run(s: &Scrape) -> Result<()> {
+    let hook = common::expected_hook_set();
+    ensure!(
+        s.one("spice_observer_hook_set_info", &[("hook_set", &hook)])? == 1.0,
+        "hook set"
+    );
+    ensure!(s.find("spice_observer_hook_set_info", &[]).len() == 1);
+    ensure!(s.one("spice_observer_degraded_features", &[])? == 0.0);
+    let lost = s.find("spice_observer_information_lost_total", &[]);
+    ensure!(lost.len() >= 9, "loss counters: {lost:?}");
+    for l in lost {
+        ensure!(l.value == 0.0, "information lost: {l:?}");
+    }
+    Ok(())
+}
+
+/// Metric names of README's "Metrics" table (rows starting `` | `spice_observer_``).
+fn readme_metrics() -> Result<BTreeSet<String>> {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))?;
+    let section = readme
+        .split("\n## Metrics")
+        .nth(1)
+        .ok_or_else(|| anyhow!("README has no '## Metrics' section"))?;
+    let section = section.split("\n## ").next().unwrap();
+    let names: BTreeSet<String> = section
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `spice_observer_"))
+        .filter_map(|l| l.split('`').next())
+        .map(|n| format!("spice_observer_{n}"))
+        .collect();
+    ensure!(names.len() > 20, "README Metrics table: only {names:?}");
+    Ok(names)
+}
+
+fn write_config(rig: &Rig, extra: &str) -> Result<std::path::PathBuf> {
+    let path = rig.state.join("spice-observer.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "listen = \"{LISTEN}\"\nsample_ms = 100\nscan_ms = 500\nbpf_stats = true\n{extra}\
+             [discovery]\nqemu = true\nxspice = true\nrelays = [{{ name = \"socat\" }}]\n"
+        ),
+    )?;
+    Ok(path)
+}
+
+/// Directions of a report row's sent and received messages (see the metrics module docs).
+fn dirs(c: &ChannelReport) -> Result<(&'static str, &'static str)> {
+    match c.end.as_deref() {
+        Some("server") => Ok(("server_to_client", "client_to_server")),
+        Some("client") => Ok(("client_to_server", "server_to_client")),
+        _ => bail!("no end: {}", describe_ch(c)),
+    }
+}
+
+/// Compares one report row with the daemon's series of (vm, leg): totals bracketed by the two
+/// scrapes taken before and after observe's end (the counters only grow), in-flight within ±1.
+fn compare(before: &Scrape, after: &Scrape, c: &ChannelReport, vm: &str, leg: &str) -> Result<u64> {
+    let id = c
+        .channel_id
+        .ok_or_else(|| anyhow!("no channel id: {}", describe_ch(c)))?
+        .to_string();
+    let l = [
+        ("vm", vm),
+        ("leg", leg),
+        ("channel", c.channel_type.as_str()),
+        ("channel_id", id.as_str()),
+    ];
+    let (sent, recv) = dirs(c)?;
+    let mut n = 0;
+    for (metric, dir, v) in [
+        ("spice_observer_messages_total", sent, c.messages_sent),
+        ("spice_observer_messages_total", recv, c.messages_received),
+        ("spice_observer_bytes_total", sent, c.bytes_sent),
+        ("spice_observer_bytes_total", recv, c.bytes_received),
+    ] {
+        let mut with = l.to_vec();
+        with.push(("direction", dir));
+        let a = before.one(metric, &with)?;
+        let b = after.one(metric, &with)?;
+        ensure!(
+            a <= v as f64 && v as f64 <= b,
+            "{metric} {with:?}: observe {v}, daemon {a} before and {b} after its end: {}",
+            describe_ch(c)
+        );
+        n += 1;
+    }
+    if let Some(now) = c.in_flight_now {
+        let d = after.one("spice_observer_in_flight_now_messages", &l)?;
+        ensure!(
+            (d - now as f64).abs() <= 1.0,
+            "in flight: observe {now}, daemon {d}: {}",
+            describe_ch(c)
+        );
+        ensure!(
+            after.one("spice_observer_ack_window_messages", &l)? == f64::from(c.window.unwrap()),
+            "window"
+        );
+        for m in [
+            "spice_observer_acks_total",
+            "spice_observer_window_stalls_total",
+        ] {
+            after.one(m, &l)?;
+        }
+        let h = after.find("spice_observer_in_flight_messages_bucket", &l);
+        ensure!(h.len() >= 4, "in-flight histogram of {l:?}: {h:?}");
+    }
+    Ok(n)
+}
+
+/// The daemon before two real sessions (Xspice through a socat relay found by name, QEMU
+/// directly): both VMs on /metrics under their names with all their channels, totals equal to
+/// an `observe` run's over the same period, in-flight within ±1; promtool clean; README's
+/// table and the scrape name the same metrics; a new Xspice picked up within 1 s; the QEMU
+/// gone from /metrics once it exits.
+#[test]
+fn daemon_two_sessions_relay_and_churn() -> Result<()> {
+    const T: &str = "daemon_two_sessions_relay_and_churn";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let mut rig = Rig::new(T)?;
+    let config = write_config(&rig, "")?;
+    let mut daemon = Daemon::start(&config)?;
+    let (code, health) = get("/healthz")?;
+    ensure!(
+        code == 200 && health.trim() == "ok",
+        "/healthz {code} {health}"
+    );
+    let (code, landing) = get("/")?;
+    ensure!(
+        code == 200
+            && landing.contains("/metrics")
+            && landing.contains("/healthz")
+            && landing.contains(env!("CARGO_PKG_VERSION"))
+            && landing.contains(&common::expected_hook_set()),
+        "landing page {code}: {landing}"
+    );
+    // Draws for 15 s, then idle; QEMU draws 120 frames and idles.
+    let xorg = rig.xspice(
+        5975,
+        75,
+        &[
+            "--mode",
+            "rects",
+            "--fps",
+            "50",
+            "--count",
+            "20",
+            "--seconds",
+            "15",
+        ],
+    )?;
+    let relay = rig.relay("socat", "127.0.0.1", 6975, "127.0.0.1", 5975)?;
+    let qemu = rig.qemu(5976, 120)?;
+    for (what, pid) in [("xspice-75", xorg), ("socat", relay), ("rig-spice", qemu)] {
+        daemon.wait_line(
+            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
+            Duration::from_secs(5),
+        )?;
+    }
+    let obs = observe_or_skip!(T, &[xorg, relay, qemu], 16.0, rig.state.join("report.json"));
+    let t_obs = Instant::now();
+    let _cx = Client::start("spice://127.0.0.1:6975", 60, &[], None)?;
+    let _cq = Client::start("spice://127.0.0.1:5976", 60, &[], None)?;
+    rig.qemu_wait_done(5976, 60)?;
+    // Both animations have ended; observe ends 16 s after its start: one scrape before that
+    // end and one after bracket its totals.
+    let until = Duration::from_secs(14).saturating_sub(t_obs.elapsed());
+    thread::sleep(until);
+    let before = Scrape::take()?;
+    let report: Report = obs.finish_report()?;
+    let after = Scrape::take()?;
+    check_run(&report)?;
+    check_scrape_run(&after)?;
+    promtool(&after.text)?;
+    println!(
+        "scrape: {} families, {} samples",
+        after.families.len(),
+        after.samples.len()
+    );
+
+    // Every spice-server channel of both VMs, and the relay legs of the Xspice chain.
+    let mut compared = 0;
+    for (pid, vm) in [(xorg, "xspice-75"), (qemu, "rig-spice")] {
+        let mine: Vec<&ChannelReport> = report
+            .channels
+            .iter()
+            .filter(|c| c.pid == pid && !c.closed && c.end.as_deref() == Some("server"))
+            .collect();
+        let types: BTreeSet<&str> = mine.iter().map(|c| c.channel_type.as_str()).collect();
+        for ty in ["main", "display", "inputs", "cursor"] {
+            ensure!(
+                types.contains(ty),
+                "{vm}: observe saw no {ty} channel: {types:?}"
+            );
+        }
+        let scraped: BTreeSet<String> = after
+            .find(
+                "spice_observer_channel_info",
+                &[("vm", vm), ("leg", "server")],
+            )
+            .iter()
+            .map(|s| s.labels["channel"].clone())
+            .collect();
+        let want: BTreeSet<String> = types.iter().map(|t| t.to_string()).collect();
+        ensure!(
+            scraped == want,
+            "{vm}: daemon channels {scraped:?}, observe {want:?}"
+        );
+        for c in &mine {
+            compared += compare(&before, &after, c, vm, "server")?;
+            if let Some(ch) = &c.chain
+                && vm == "xspice-75"
+            {
+                for (sock, leg) in [
+                    (&ch.backend, "relay_backend"),
+                    (&ch.client_leg, "relay_client"),
+                ] {
+                    let sock = sock
+                        .as_ref()
+                        .ok_or_else(|| anyhow!("{leg} missing: {}", describe_ch(c)))?;
+                    let r = report
+                        .channels
+                        .iter()
+                        .find(|x| &x.socket == sock)
+                        .ok_or_else(|| anyhow!("no row for {sock}"))?;
+                    compared += compare(&before, &after, r, vm, leg)?;
+                }
+            }
+        }
+    }
+    let displays = channels_of(&report, qemu, "display");
+    ensure!(
+        !displays.is_empty() && displays[0].messages_sent > 100,
+        "qemu display traffic"
+    );
+    println!("compared {compared} totals with observe");
+
+    // README's table and the live scrape name the same metrics.
+    let readme = readme_metrics()?;
+    let scraped: BTreeSet<String> = after.families.keys().cloned().collect();
+    let missing: Vec<_> = readme.difference(&scraped).collect();
+    let undocumented: Vec<_> = scraped.difference(&readme).collect();
+    // Checked at the end, so that the churn checks below run either way.
+    let readme_problem = (!missing.is_empty() || !undocumented.is_empty()).then(|| {
+        format!(
+            "README lists but the scrape lacks {missing:?}; scraped but not in README {undocumented:?}"
+        )
+    });
+    // No pid, port or address outside the _info metrics.
+    for s in &after.samples {
+        if !s.name.ends_with("_info") {
+            for k in s.labels.keys() {
+                ensure!(
+                    !["pid", "port", "socket", "session_id", "address"].contains(&k.as_str()),
+                    "{} has label {k}",
+                    s.name
+                );
+            }
+        }
+    }
+
+    // A new session is picked up within 1 s of its server process starting.
+    daemon.drain_log();
+    let xorg2 = rig.xspice(5977, 77, &["--mode", "rects", "--fps", "20"])?;
+    let xorg2_start = process_start(xorg2)?;
+    let (found, _) = daemon.wait_line_at(
+        |l| l.contains("found xspice xspice-77") && l.contains(&format!("pid {xorg2}")),
+        Duration::from_secs(5),
+    )?;
+    let picked = found.saturating_duration_since(xorg2_start);
+    println!("xspice-77: found {picked:?} after its Xorg started");
+    ensure!(
+        picked <= Duration::from_secs(1),
+        "xspice-77 picked up {picked:?} after its Xorg started"
+    );
+    let _c2 = Client::start("spice://127.0.0.1:5977", 60, &[], None)?;
+    thread::sleep(Duration::from_secs(3));
+    let s = Scrape::take()?;
+    let m = s.one(
+        "spice_observer_messages_total",
+        &[
+            ("vm", "xspice-77"),
+            ("leg", "server"),
+            ("channel", "display"),
+            ("direction", "server_to_client"),
+        ],
+    )?;
+    ensure!(m > 10.0, "xspice-77 display messages {m}");
+
+    // The QEMU exits: its series disappear (no stale series), the target count drops.
+    let q_before = s.one("spice_observer_targets_discovered", &[("kind", "qemu")])?;
+    Command::new(common::rig().join("start-qemu.sh"))
+        .args(["stop", "5976"])
+        .status()?;
+    daemon.wait_line(
+        |l| l.contains("lost qemu rig-spice") && l.contains(&format!("pid {qemu}")),
+        Duration::from_secs(5),
+    )?;
+    // One scrape may still show its closed sockets' release; the next must not.
+    thread::sleep(Duration::from_millis(600));
+    let _ = Scrape::take()?;
+    let s = Scrape::take()?;
+    let stale: Vec<&Sample> = s
+        .samples
+        .iter()
+        .filter(|x| x.labels.get("vm").map(String::as_str) == Some("rig-spice"))
+        .collect();
+    ensure!(stale.is_empty(), "series of the exited qemu: {stale:?}");
+    ensure!(
+        s.one("spice_observer_targets_discovered", &[("kind", "qemu")])? == q_before - 1.0,
+        "qemu targets"
+    );
+    check_scrape_run(&s)?;
+    promtool(&s.text)?;
+    if let Some(p) = readme_problem {
+        bail!("{p}");
+    }
+    Ok(())
+}
+
+/// `--config` naming a missing file is an error, at start, naming the file.
+#[test]
+fn daemon_missing_config_is_an_error() -> Result<()> {
+    let out = Command::new(env!("CARGO_BIN_EXE_spice-observer"))
+        .args(["daemon", "--config", "/nonexistent/spice-observer.toml"])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "exit status {}", out.status);
+    ensure!(err.contains("/nonexistent/spice-observer.toml"), "{err}");
+    Ok(())
+}
+
+/// When process `pid` started, as an [`Instant`]: `/proc/PID/stat` field 22 (clock ticks since
+/// boot) against `/proc/uptime`, read back to back with `Instant::now()`.
+fn process_start(pid: u32) -> Result<Instant> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat"))?;
+    let st = spice_observer::host::discovery::parse_stat(&stat)
+        .ok_or_else(|| anyhow!("bad /proc/{pid}/stat"))?;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")?
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| anyhow!("bad /proc/uptime"))?;
+    let now = Instant::now();
+    let tck = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let age = (uptime - st.start_time as f64 / tck).max(0.0);
+    Ok(now - Duration::from_secs_f64(age))
+}
+
+fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .ok_or_else(|| anyhow!("no VmRSS"))
+}
+
+/// Five minutes of sessions coming and going (an Xspice and client every 20 s, through socat):
+/// the daemon's RSS, sampled every 10 s, shows no upward trend (the last minute's median within
+/// 10% + 2 MiB of the second minute's), and its tracked-object counts return to the baseline.
+#[test]
+#[ignore = "5 minutes; run alone: cargo test --test daemon -- --ignored --test-threads=1"]
+fn daemon_memory_flat_over_churn() -> Result<()> {
+    const T: &str = "daemon_memory_flat_over_churn";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let mut rig = Rig::new(T)?;
+    let config = write_config(&rig, "")?;
+    let mut daemon = Daemon::start(&config)?;
+    let relay = rig.relay("socat", "127.0.0.1", 6978, "127.0.0.1", 5978)?;
+    let _ = relay;
+    thread::sleep(Duration::from_secs(2));
+    let base = Scrape::take()?;
+    let base_sockets = base.one("spice_observer_sockets_tracked", &[])?;
+    let base_chains = base.one("spice_observer_chains_tracked", &[])?;
+    let t0 = Instant::now();
+    let mut rss = Vec::new();
+    let mut peak_sockets = 0f64;
+    let mut peak_framed = 0f64;
+    let mut round = 0;
+    while t0.elapsed() < Duration::from_secs(300) {
+        round += 1;
+        let run = rig.state.join(format!("churn-{round}"));
+        common::sh(
+            Command::new(common::rig().join("start-xspice.sh"))
+                .env("RIG_RUN", &run)
+                .args([
+                    "start", "5978", "78", "--", "--mode", "rects", "--fps", "30",
+                ]),
+        )?;
+        // The client connects once the daemon watches the server (else its sockets are
+        // attached mid-stream and never framed).
+        let xorg = std::fs::read_to_string(run.join("Xorg.pid"))?
+            .trim()
+            .to_string();
+        daemon.wait_line(
+            |l| l.contains("found xspice xspice-78") && l.contains(&format!("pid {xorg},")),
+            Duration::from_secs(5),
+        )?;
+        daemon.drain_log();
+        {
+            let _c = Client::start("spice://127.0.0.1:6978", 15, &[], None)?;
+            for _ in 0..2 {
+                thread::sleep(Duration::from_secs(5));
+                let s = Scrape::take()?;
+                peak_sockets = peak_sockets.max(s.one("spice_observer_sockets_tracked", &[])?);
+                let framed = s
+                    .find(
+                        "spice_observer_channel_info",
+                        &[
+                            ("vm", "xspice-78"),
+                            ("channel", "display"),
+                            ("framing", "mini"),
+                        ],
+                    )
+                    .len();
+                peak_framed = peak_framed.max(framed as f64);
+                rss.push(rss_kib(daemon.pid())?);
+                thread::sleep(Duration::from_secs(5));
+            }
+        }
+        common::sh(
+            Command::new(common::rig().join("start-xspice.sh"))
+                .env("RIG_RUN", &run)
+                .args(["stop", "5978"]),
+        )?;
+    }
+    thread::sleep(Duration::from_secs(2));
+    let _ = Scrape::take()?;
+    let end = Scrape::take()?;
+    check_scrape_run(&end)?;
+    println!("RSS KiB every 10 s: {rss:?}");
+    println!(
+        "sockets tracked: baseline {base_sockets}, end {}; chains: baseline {base_chains}, end {}; peak {peak_sockets} sockets",
+        end.one("spice_observer_sockets_tracked", &[])?,
+        end.one("spice_observer_chains_tracked", &[])?
+    );
+    ensure!(
+        peak_sockets >= 8.0,
+        "the sessions were not tracked: peak {peak_sockets} sockets"
+    );
+    ensure!(
+        peak_framed >= 1.0,
+        "no display channel framed during the churn"
+    );
+    let median = |v: &[u64]| {
+        let mut v = v.to_vec();
+        v.sort();
+        v[v.len() / 2]
+    };
+    let n = rss.len();
+    ensure!(n >= 24, "{n} RSS samples");
+    let early = median(&rss[6..12]);
+    let late = median(&rss[n - 6..]);
+    ensure!(
+        late as f64 <= early as f64 * 1.1 + 2048.0,
+        "RSS grew: {early} KiB in minute 2, {late} KiB in the last minute: {rss:?}"
+    );
+    ensure!(
+        end.one("spice_observer_sockets_tracked", &[])? <= base_sockets,
+        "sockets tracked {} > baseline {base_sockets}",
+        end.one("spice_observer_sockets_tracked", &[])?
+    );
+    ensure!(end.one("spice_observer_chains_tracked", &[])? <= base_chains);
+    Ok(())
+}
