@@ -190,33 +190,80 @@ pub fn read(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> Op
             snaps.insert(c, snap);
         }
     }
-    let t_end_ns = monotonic_ns();
-    let moved: Vec<u32> = before
+    let moved: Vec<u64> = before
         .iter()
-        .filter_map(|(c, b)| {
-            let a = snaps.get(c)?;
-            Some(
-                (a.write_seq.wrapping_sub(b.write_seq))
-                    .max(a.copied_seq.wrapping_sub(b.copied_seq)),
-            )
-        })
-        .filter(|&d| d != 0)
+        .filter(|(c, b)| snaps.get(c).is_some_and(|a| !same_position(a, b)))
+        .map(|(c, _)| *c)
         .collect();
+    let mut dump = dump;
     if !moved.is_empty() {
-        log::debug!(
-            "sample: {} of {} chain socket(s) moved write_seq/copied_seq during the {} µs dump and map reads (up to {} bytes)",
-            moved.len(),
-            before.len(),
-            (t_end_ns - t_ns) / 1000,
-            moved.iter().max().unwrap()
-        );
+        reread_moved(cap, &moved, &mut dump, &mut snaps);
     }
+    let t_end_ns = monotonic_ns();
     Some(Positions {
         t_ns,
         t_end_ns,
         dump,
         snaps,
     })
+}
+
+/// Whether a socket's application-side positions are the same in two map reads.
+fn same_position(a: &TcpSnapshot, b: &TcpSnapshot) -> bool {
+    a.write_seq == b.write_seq && a.copied_seq == b.copied_seq
+}
+
+/// How often a moved socket is queried again before its positions are given up for a sample.
+const REREAD_TRIES: usize = 3;
+
+/// Chain sockets whose process sent or read during the dump have queues (from the dump) and
+/// `write_seq`/`copied_seq` (from the map) of different instants: `snd_una` = `write_seq` −
+/// send queue would count bytes written after the dump as acknowledged. Each is read again
+/// alone, between two map reads (a single-socket sock_diag query takes tens of microseconds),
+/// until both map reads agree. A socket that keeps moving loses its positions for this sample
+/// (its chain is then not placed this time, never placed wrongly).
+fn reread_moved(
+    cap: &mut Capture,
+    moved: &[u64],
+    dump: &mut HashMap<u64, DiagSocket>,
+    snaps: &mut HashMap<u64, TcpSnapshot>,
+) {
+    let mut query = match sockdiag::DiagQuery::new() {
+        Ok(q) => Some(q),
+        Err(e) => {
+            log::debug!("sock_diag query socket: {e:#}");
+            None
+        }
+    };
+    for &c in moved {
+        let mut fixed = false;
+        if let (Some(q), Some(old)) = (query.as_mut(), dump.get(&c).cloned()) {
+            for _ in 0..REREAD_TRIES {
+                let Some(b) = cap.tcp_state(c) else { break };
+                let d = match q.one(&old) {
+                    Ok(Some(d)) => d,
+                    Ok(None) => break,
+                    Err(e) => {
+                        log::debug!("sock_diag query of {}: {e:#}", old.local);
+                        break;
+                    }
+                };
+                let Some(a) = cap.tcp_state(c) else { break };
+                if same_position(&a, &b) {
+                    dump.insert(c, d);
+                    snaps.insert(c, a);
+                    fixed = true;
+                    break;
+                }
+            }
+        }
+        if !fixed {
+            log::debug!(
+                "sample: socket {c} kept moving; its positions are left out of this sample"
+            );
+            dump.remove(&c);
+        }
+    }
 }
 
 /// Second half of a sample: places each chain's in-flight messages against the positions
