@@ -8,85 +8,19 @@
 
 mod common;
 
-use std::{
-    io::{BufRead, BufReader, Read},
-    process::{Child, Command, Stdio},
-    thread::JoinHandle,
-    time::Duration,
-};
+use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, ensure};
+use anyhow::{Result, anyhow, ensure};
 use common::{
-    check_run, privileged,
+    check_run,
+    peer::{Client, Server},
+    privileged,
     summary::{PeerSummary, parse_summary},
 };
 use spice_observer::{
     pipeline::{Engine, EngineOptions, monotonic_ns},
     report::{ChannelReport, Report},
 };
-
-const PEER: &str = env!("CARGO_BIN_EXE_spice-peer");
-
-/// A `spice-peer server` listening on a free port; its stdout is read to the end (and the
-/// process reaped) by a thread once [`Server::collect`] is called.
-struct Server {
-    child: Child,
-    out: Option<BufReader<std::process::ChildStdout>>,
-    port: u16,
-}
-
-impl Server {
-    fn start(args: &[&str]) -> Result<Self> {
-        let mut child = Command::new(PEER)
-            .args(["server", "--listen", "127.0.0.1:0", "--timeout-ms", "20000"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting spice-peer server")?;
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line)?;
-        let port = line
-            .strip_prefix("listening ")
-            .ok_or_else(|| anyhow!("spice-peer server: first line {line:?}"))?
-            .trim()
-            .parse()?;
-        Ok(Self {
-            child,
-            out: Some(out),
-            port,
-        })
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// The rest of the server's stdout, read by a thread (the engine loop keeps running).
-    fn collect(&mut self) -> JoinHandle<String> {
-        let mut out = self.out.take().unwrap();
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = out.read_to_string(&mut text);
-            text
-        })
-    }
-}
-
-fn client(port: u16, args: &[&str]) -> Result<Child> {
-    Command::new(PEER)
-        .args([
-            "client",
-            "--connect",
-            &format!("127.0.0.1:{port}"),
-            "--timeout-ms",
-            "20000",
-        ])
-        .args(args)
-        .stdout(Stdio::null())
-        .spawn()
-        .context("starting spice-peer client")
-}
 
 /// Runs the engine's loop (drain on readiness, a sample every 100 ms) until `done` or `max`.
 async fn run_until(engine: &mut Engine, max: Duration, mut done: impl FnMut() -> bool) {
@@ -149,13 +83,13 @@ fn engine_api_against_real_peers() -> Result<()> {
         let w = engine.watch(a.pid())?;
         ensure!(w.pid == a.pid() && w.existing_connections == 0, "{w:?}");
         ensure!(engine.watch(a.pid())? == w, "watch is not idempotent");
-        let mut ca = client(a.port, &[])?;
+        let mut ca = Client::start(a.port, &[])?;
         let out = a.collect();
         run_until(&mut engine, Duration::from_secs(15), || out.is_finished()).await;
         let text = out.join().map_err(|_| anyhow!("reader thread"))?;
         let sa: PeerSummary = parse_summary(&text, "server A")?;
         a.child.wait()?;
-        ca.wait()?;
+        ca.child.wait()?;
         // Let the close records arrive.
         run_until(&mut engine, Duration::from_millis(300), || false).await;
         let now = monotonic_ns();
@@ -231,7 +165,7 @@ fn engine_api_against_real_peers() -> Result<()> {
             "2",
         ])?;
         engine.watch(b.pid())?;
-        let mut cb = client(b.port, &[])?;
+        let mut cb = Client::start(b.port, &[])?;
         run_until(&mut engine, Duration::from_secs(1), || false).await;
         let sent = |r: &Report| display_of(r, b.pid()).map(|c| c.messages_sent);
         let n1 = sent(&engine.snapshot(monotonic_ns()))?;
@@ -253,9 +187,9 @@ fn engine_api_against_real_peers() -> Result<()> {
         engine.release_reported();
         ensure!(engine.stats().sockets == 0, "{:?}", engine.stats());
         let _ = b.child.kill();
-        let _ = cb.kill();
+        let _ = cb.child.kill();
         let _ = b.child.wait();
-        let _ = cb.wait();
+        let _ = cb.child.wait();
         Ok(())
     })
 }

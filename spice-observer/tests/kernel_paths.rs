@@ -14,142 +14,18 @@ mod common;
 
 use std::{
     collections::BTreeMap,
-    io::{BufRead, BufReader, Read, Write},
-    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use common::{
-    check_run, describe_ch, privileged,
-    summary::{PeerSummary, by_type, parse_summary},
+    check_run, describe_ch,
+    peer::{Client, Server},
+    privileged,
+    summary::{PeerSummary, by_type},
 };
 use spice_observer::report::{ChannelReport, Report};
-
-const PEER: &str = env!("CARGO_BIN_EXE_spice-peer");
-/// The peers give up (exit 1) after waiting this long for accept, connect, a read or a write.
-const PEER_TIMEOUT_MS: &str = "20000";
-
-// ---------------------------------------------------------------------------------------------
-// Peer processes
-// ---------------------------------------------------------------------------------------------
-
-/// A `spice-peer server` process, listening on a free port.
-struct Server {
-    child: Child,
-    out: BufReader<ChildStdout>,
-    port: u16,
-}
-
-impl Server {
-    fn start(args: &[&str]) -> Result<Self> {
-        let mut child = Command::new(PEER)
-            .args([
-                "server",
-                "--listen",
-                "127.0.0.1:0",
-                "--timeout-ms",
-                PEER_TIMEOUT_MS,
-            ])
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting spice-peer server")?;
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line)?;
-        let port = line
-            .strip_prefix("listening ")
-            .ok_or_else(|| anyhow!("spice-peer server {args:?}: first line {line:?}"))?
-            .trim()
-            .parse()?;
-        Ok(Self { child, out, port })
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-/// A `spice-peer client` process held at a gate until [`Client::go`]: the shell reads one line
-/// from its stdin, then execs the peer, which keeps the pid the observer was given.
-struct Client {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    out: Option<ChildStdout>,
-}
-
-impl Client {
-    fn start(port: u16, args: &[&str]) -> Result<Self> {
-        let mut child = Command::new("/bin/sh")
-            .arg("-c")
-            .arg(r#"read go && exec "$0" "$@""#)
-            .arg(PEER)
-            .args([
-                "client",
-                "--connect",
-                &format!("127.0.0.1:{port}"),
-                "--timeout-ms",
-                PEER_TIMEOUT_MS,
-            ])
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting gated spice-peer client")?;
-        let stdin = child.stdin.take();
-        let out = child.stdout.take();
-        Ok(Self { child, stdin, out })
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Opens the gate: the shell execs the client, which connects.
-    fn go(&mut self) -> Result<()> {
-        let mut stdin = self
-            .stdin
-            .take()
-            .ok_or_else(|| anyhow!("client released twice"))?;
-        stdin.write_all(b"go\n")?;
-        Ok(())
-    }
-}
-
-/// Reads a peer's stdout to the end, waits for it, returns its SUMMARY (typed: a field the
-/// peer did not write fails).
-fn summary_of(child: &mut Child, out: &mut dyn Read, what: &str) -> Result<PeerSummary> {
-    let mut text = String::new();
-    out.read_to_string(&mut text)?;
-    let status = child.wait()?;
-    let v = parse_summary(&text, what).with_context(|| format!("{what} exited {status}"))?;
-    ensure!(
-        status.success(),
-        "{what} failed ({status}): error {:?}",
-        v.error
-    );
-    ensure!(v.error.is_none(), "{what}: error {:?}", v.error);
-    Ok(v)
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-impl Drop for Client {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // One observation of several peer pairs
@@ -199,7 +75,7 @@ fn observe(
     let mut running = Vec::new();
     for sp in &specs {
         let server = Server::start(&sp.server).with_context(|| sp.name)?;
-        let client = Client::start(server.port, &sp.client).with_context(|| sp.name)?;
+        let client = Client::gated(server.port, &sp.client).with_context(|| sp.name)?;
         running.push((server, client));
     }
     let mut pids = Vec::new();
@@ -217,13 +93,8 @@ fn observe(
     }
     let mut done = Vec::new();
     for (sp, (mut server, mut client)) in specs.iter().zip(running) {
-        let mut cout = client.out.take().unwrap();
-        let c = summary_of(&mut client.child, &mut cout, &format!("{} client", sp.name))?;
-        let s = summary_of(
-            &mut server.child,
-            &mut server.out,
-            &format!("{} server", sp.name),
-        )?;
+        let c = client.summary(&format!("{} client", sp.name))?;
+        let s = server.summary(&format!("{} server", sp.name))?;
         done.push(Done {
             name: sp.name,
             s,

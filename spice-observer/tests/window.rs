@@ -17,121 +17,16 @@
 
 mod common;
 
-use std::{
-    io::{BufRead, BufReader, Read, Write},
-    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use common::{
-    Client as GtkClient, Rig, privileged,
-    summary::{PeerSummary, parse_summary},
+    Client as GtkClient, Rig,
+    peer::{Client as PeerClient, Server as PeerServer},
+    privileged,
+    summary::PeerSummary,
 };
 use spice_observer::report::{ChannelReport, Report};
-
-const PEER: &str = env!("CARGO_BIN_EXE_spice-peer");
-const PEER_TIMEOUT_MS: &str = "20000";
-
-// ---------------------------------------------------------------------------------------------
-// Peer processes (the pattern of tests/kernel_paths.rs, on fixed ports)
-// ---------------------------------------------------------------------------------------------
-
-/// A `spice-peer server` listening on 127.0.0.1:`port`.
-struct PeerServer {
-    child: Child,
-    out: BufReader<ChildStdout>,
-}
-
-impl PeerServer {
-    fn start(port: u16, args: &[&str]) -> Result<Self> {
-        let mut child = Command::new(PEER)
-            .args(["server", "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--timeout-ms", PEER_TIMEOUT_MS])
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting spice-peer server")?;
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line)?;
-        ensure!(
-            line.trim() == format!("listening {port}"),
-            "spice-peer server on {port}: first line {line:?}"
-        );
-        Ok(Self { child, out })
-    }
-}
-
-/// A `spice-peer client` held at a gate (`sh -c 'read; exec spice-peer client'`) so that its
-/// pid is known before it connects.
-struct PeerClient {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    out: Option<ChildStdout>,
-}
-
-impl PeerClient {
-    fn start(port: u16, args: &[&str]) -> Result<Self> {
-        let mut child = Command::new("/bin/sh")
-            .arg("-c")
-            .arg(r#"read go && exec "$0" "$@""#)
-            .arg(PEER)
-            .args(["client", "--connect", &format!("127.0.0.1:{port}")])
-            .args(["--timeout-ms", PEER_TIMEOUT_MS])
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting gated spice-peer client")?;
-        let stdin = child.stdin.take();
-        let out = child.stdout.take();
-        Ok(Self { child, stdin, out })
-    }
-
-    fn go(&mut self) -> Result<()> {
-        let mut stdin = self
-            .stdin
-            .take()
-            .ok_or_else(|| anyhow!("client released twice"))?;
-        stdin.write_all(b"go\n")?;
-        Ok(())
-    }
-}
-
-impl Drop for PeerServer {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-impl Drop for PeerClient {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-/// Reads a peer's stdout to the end, waits for it, and reads its SUMMARY with the strict
-/// reader ([`common::summary::parse_summary`]: a field the peer did not write fails, a missing
-/// `error` is not read as success); the peer must have exited 0 with `error` null.
-fn summary_of(child: &mut Child, out: &mut dyn Read, what: &str) -> Result<PeerSummary> {
-    let mut text = String::new();
-    out.read_to_string(&mut text)?;
-    let status = child.wait()?;
-    let s = parse_summary(&text, what).with_context(|| format!("{what} exited {status}"))?;
-    ensure!(
-        status.success() && s.error.is_none(),
-        "{what} failed ({status}): {:?}",
-        s.error
-    );
-    Ok(s)
-}
 
 /// A finished pair: the server's SUMMARY and pid.
 struct Pair {
@@ -149,11 +44,11 @@ fn observe_pairs(
 ) -> Result<Option<(Report, Vec<Pair>)>> {
     let mut running = Vec::new();
     for (name, port, sargs, cargs) in specs {
-        let s = PeerServer::start(*port, sargs).with_context(|| *name)?;
-        let c = PeerClient::start(*port, cargs).with_context(|| *name)?;
+        let s = PeerServer::start_on(*port, sargs).with_context(|| *name)?;
+        let c = PeerClient::gated(*port, cargs).with_context(|| *name)?;
         running.push((*name, s, c));
     }
-    let pids: Vec<u32> = running.iter().map(|(_, s, _)| s.child.id()).collect();
+    let pids: Vec<u32> = running.iter().map(|(_, s, _)| s.pid()).collect();
     let json = std::env::temp_dir().join(format!("spice-observer-window-{test}.json"));
     let obs = match common::Observer::start(&pids, secs, json)? {
         common::Started::Running(o) => o,
@@ -172,13 +67,12 @@ fn observe_pairs(
     }
     let mut pairs = Vec::new();
     for (name, mut s, mut c) in running {
-        let mut cout = c.out.take().unwrap();
-        summary_of(&mut c.child, &mut cout, &format!("{name} client"))?;
-        let server = summary_of(&mut s.child, &mut s.out, &format!("{name} server"))?;
+        c.summary(&format!("{name} client"))?;
+        let server = s.summary(&format!("{name} server"))?;
         pairs.push(Pair {
             name,
             server,
-            spid: s.child.id(),
+            spid: s.pid(),
         });
     }
     let took = t0.elapsed();

@@ -15,6 +15,7 @@
 //! lacks. Every privileged test checks its run with [`check_run`].
 #![allow(dead_code)]
 
+pub mod peer;
 pub mod summary;
 
 use std::{
