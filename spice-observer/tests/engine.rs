@@ -88,7 +88,12 @@ fn engine_api_against_real_peers() -> Result<()> {
         run_until(&mut engine, Duration::from_secs(15), || out.is_finished()).await;
         let text = out.join().map_err(|_| anyhow!("reader thread"))?;
         let sa: PeerSummary = parse_summary(&text, "server A")?;
-        a.child.wait()?;
+        let status = a.child.wait()?;
+        ensure!(
+            status.success() && sa.error.is_none(),
+            "server A failed ({status}): error {:?}",
+            sa.error
+        );
         ca.child.wait()?;
         // Let the close records arrive.
         run_until(&mut engine, Duration::from_millis(300), || false).await;
