@@ -48,6 +48,13 @@ pub struct KernelConfig {
     pub task_tgid: u32,
 }
 
+/// Version of everything a restarted agent reuses from pinned kernel state: the layouts of
+/// the pinned maps' keys and values ([`crate::event::SockState`], [`crate::event::TcpSnapshot`],
+/// ...), of the ring records and of [`KernelConfig`], and the meaning of their fields. Bump it
+/// with any such change: a new agent that finds another version pinned reloads the programs
+/// and marks the open channels `restarted` instead of misreading the old state.
+pub const LAYOUT_VERSION: u32 = 2;
+
 /// Indexes into the per-CPU counter array `COUNTERS`.
 pub mod counter {
     /// A ring-buffer record could not be reserved (ring full).

@@ -1,10 +1,10 @@
 //! Ring-buffer records (kernel → agent) and the per-socket state kept in kernel maps.
 //!
 //! Every record starts with an [`EventHeader`]; `kind` says which struct follows. At most one
-//! [`MessageEvent`] (56 bytes) is written per SPICE message; link, socket, process and close
+//! [`MessageEvent`] (72 bytes) is written per SPICE message; link, socket, process and close
 //! records are written once per socket or process.
 
-use crate::framing::DirState;
+use crate::{framing::DirState, window::WindowState};
 
 /// Record kinds ([`EventHeader::kind`]).
 pub mod kind {
@@ -57,7 +57,7 @@ pub struct EventHeader {
     pub cookie: u64,
 }
 
-/// A data message started in one direction. 64 bytes.
+/// A data message started in one direction. 72 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MessageEvent {
@@ -78,7 +78,13 @@ pub struct MessageEvent {
     /// TCP sequence number of the header's first byte (`write_seq` / `copied_seq` space of
     /// this socket), to place the message against snd_una, snd_nxt, rcv_nxt.
     pub seq: u32,
-    pub _pad: u32,
+    /// The socket's [`WindowState::messages_window`] after the kernel applied this message.
+    pub win_mw: u32,
+    /// The socket's [`WindowState::count`] (in flight) after this message.
+    pub win_count: u32,
+    /// [`crate::window::effect`] bits: what this message did to the window.
+    pub win_effects: u8,
+    pub _pad: [u8; 3],
 }
 
 /// A link message (client) or link reply (server) was parsed. 48 bytes.
@@ -210,6 +216,9 @@ pub struct SockState {
     pub _pad: u8,
     /// tgid that first used the socket.
     pub tgid: u32,
+    /// spice-server's ACK window on this connection, run by the kernel on every framed
+    /// message (`crate::window`). The exact count lives here, not in the agent.
+    pub window: WindowState,
 }
 
 /// Arguments of a socket syscall, saved at `sys_enter` (map `PENDING_CALLS`, key: pid_tgid).

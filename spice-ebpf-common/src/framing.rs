@@ -132,6 +132,9 @@ pub enum UnparsedReason {
     Http = 17,
     /// A ring-buffer record for this direction was lost; counts would be wrong from here on.
     EventsLost = 18,
+    /// The observer restarted with a kernel state layout it could not continue (a new
+    /// version): this connection's counts before the restart are gone.
+    Restarted = 19,
 }
 
 impl UnparsedReason {
@@ -156,6 +159,7 @@ impl UnparsedReason {
             16 => Self::Internal,
             17 => Self::Http,
             18 => Self::EventsLost,
+            19 => Self::Restarted,
             _ => Self::None,
         }
     }
@@ -182,6 +186,7 @@ impl UnparsedReason {
             Self::Internal => "internal",
             Self::Http => "http",
             Self::EventsLost => "events_lost",
+            Self::Restarted => "restarted",
         }
     }
 }

@@ -5,6 +5,7 @@
 //!
 //! * [`protocol`]: SPICE wire constants and names.
 //! * [`framing`]: the per-direction framing state machine (link phase, mini/full headers).
+//! * [`window`]: spice-server's ACK-window rule, run by the kernel per socket.
 //! * [`event`]: ring-buffer records and kernel map values.
 //! * [`config`]: kernel struct offsets passed in at load time, and kernel counters.
 #![no_std]
@@ -13,6 +14,7 @@ pub mod config;
 pub mod event;
 pub mod framing;
 pub mod protocol;
+pub mod window;
 
 #[cfg(any(test, feature = "std"))]
 extern crate std;

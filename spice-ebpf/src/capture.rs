@@ -108,7 +108,10 @@ fn emit_message(hdr: &EventHeader, m: &MessageInfo, flags: u8, seq_base: u32) {
         (*p).flags = flags;
         (*p).prefix = m.prefix;
         (*p).seq = seq_base.wrapping_add(m.at as u32);
-        (*p)._pad = 0;
+        (*p).win_mw = 0;
+        (*p).win_count = 0;
+        (*p).win_effects = 0;
+        (*p)._pad = [0; 3];
     }
     e.submit(0);
 }
