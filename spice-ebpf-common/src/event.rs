@@ -216,6 +216,10 @@ pub struct SockState {
     pub _pad: u8,
     /// tgid that first used the socket.
     pub tgid: u32,
+    /// Bytes (header + body) of the data messages started in each direction (indexed by
+    /// [`dir`]), kept by the kernel so that a restarted agent continues the byte totals
+    /// exactly (`DirState::msg_count` is the message total).
+    pub msg_bytes: [u64; 2],
     /// spice-server's ACK window on this connection, run by the kernel on every framed
     /// message (`crate::window`). The exact count lives here, not in the agent.
     pub window: WindowState,
