@@ -84,7 +84,7 @@ pub const METRICS: &[MetricDef] = &[
         "in_flight_now_messages",
         Gauge,
         CH,
-        "Messages spice-server has in flight on this channel now (its messages_window, replayed exactly; on relay legs the same rule on what the relay read and wrote)."
+        "Messages spice-server has in flight on this channel now (its messages_window, kept exactly by the kernel; on relay legs the same rule on what the relay read and wrote)."
     ),
     def!(
         "in_flight_stage_messages",
