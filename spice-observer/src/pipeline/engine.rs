@@ -538,6 +538,12 @@ impl Engine {
         &self.cap.degraded
     }
 
+    /// Adds a feature the front end could not turn on (e.g. the daemon's `bpf_stats` without
+    /// CAP_SYS_ADMIN) to the degraded list that [`Engine::degraded`] and every snapshot give.
+    pub fn note_degraded(&mut self, what: String) {
+        self.cap.degraded.push(what);
+    }
+
     /// Kernel loss/activity counters (config::counter order).
     pub fn counters(&mut self) -> Result<[u64; counter::COUNT as usize]> {
         self.cap.counters()
