@@ -353,10 +353,58 @@ impl Scrape {
     }
 }
 
+/// The test's pin directory on the BPF filesystem, owned by [`UID`] (as the unit's
+/// `ExecStartPre=` makes it), for builds whose config has `pin_dir` (the daemon pins its
+/// kernel state there); removed with everything in it when dropped.
+struct PinDir(Option<PathBuf>);
+
+impl PinDir {
+    fn new(test: &str) -> Result<PinDir> {
+        let path = PathBuf::from(format!("/sys/fs/bpf/{test}"));
+        let supported =
+            spice_observer::config::Config::parse(&format!("pin_dir = {:?}\n", path)).is_ok();
+        if !supported {
+            return Ok(PinDir(None));
+        }
+        let d = PinDir(Some(path));
+        d.reset()?;
+        Ok(d)
+    }
+
+    /// Empties it (a daemon started next loads afresh, instead of continuing the pinned
+    /// state with fewer capabilities) and gives it to [`UID`].
+    fn reset(&self) -> Result<()> {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_dir_all(p);
+            std::fs::create_dir_all(p).with_context(|| format!("creating {p:?} (bpffs)"))?;
+            std::os::unix::fs::chown(p, Some(UID), Some(UID))?;
+        }
+        Ok(())
+    }
+
+    /// The config line naming it, if the build has `pin_dir`.
+    fn line(&self) -> String {
+        self.0
+            .as_ref()
+            .map_or(String::new(), |p| format!("pin_dir = {p:?}\n"))
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
+}
+
 /// Writes the daemon's config into the rig's state directory (readable by [`UID`]).
-fn write_config(rig: &Rig, body: &str) -> Result<PathBuf> {
+fn write_config(rig: &Rig, pins: &PinDir, body: &str) -> Result<PathBuf> {
     let path = rig.state.join("spice-observer.toml");
-    std::fs::write(&path, format!("listen = \"{LISTEN}\"\n{body}"))?;
+    std::fs::write(
+        &path,
+        format!("listen = \"{LISTEN}\"\n{}{body}", pins.line()),
+    )?;
     // The daemon's user reads it; the state directory is created world-readable.
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
     Ok(path)
@@ -408,8 +456,10 @@ fn service_least_privilege_session() -> Result<()> {
         return Ok(());
     }
     let mut rig = Rig::new(T)?;
+    let pins = PinDir::new(T)?;
     let config = write_config(
         &rig,
+        &pins,
         "sample_ms = 100\nscan_ms = 200\nbpf_stats = true\n[discovery]\nqemu = true\nxspice = true\n",
     )?;
     let mut notify = Notify::bind(rig.state.join("notify.sock"))?;
@@ -538,7 +588,8 @@ fn service_each_capability_is_needed() -> Result<()> {
         return Ok(());
     }
     let mut rig = Rig::new(T)?;
-    let config = write_config(&rig, "scan_ms = 200\nbpf_stats = false\n")?;
+    let pins = PinDir::new(T)?;
+    let config = write_config(&rig, &pins, "scan_ms = 200\nbpf_stats = false\n")?;
     let xorg = rig.xspice(
         5992,
         92,
@@ -554,6 +605,7 @@ fn service_each_capability_is_needed() -> Result<()> {
     for need in privilege::ATTACH {
         let name = privilege::name(need.cap);
         let caps: Vec<Need> = all().into_iter().filter(|n| n.cap != need.cap).collect();
+        pins.reset()?;
         let mut d = Daemon::spawn(&caps, &config, None)?;
         let (st, log) = d.wait_exit(Duration::from_secs(30))?;
         println!("without {name}: {st}: {}", log.lines().last().unwrap_or(""));
@@ -569,6 +621,7 @@ fn service_each_capability_is_needed() -> Result<()> {
     for need in privilege::STEADY {
         let name = privilege::name(need.cap);
         let caps: Vec<Need> = all().into_iter().filter(|n| n.cap != need.cap).collect();
+        pins.reset()?;
         let mut d = Daemon::spawn(&caps, &config, None)?;
         let warned = d.wait_line(
             |l| l.contains("WARN") && l.contains(&format!("lacks {name}")),
@@ -603,7 +656,8 @@ fn service_sighup_reload_keeps_counts() -> Result<()> {
             "sample_ms = {sample}\nscan_ms = 200\nbpf_stats = false\n[discovery]\nrelays = [{relays}]\n"
         )
     };
-    let config = write_config(&rig, &body(100, ""))?;
+    let pins = PinDir::new(T)?;
+    let config = write_config(&rig, &pins, &body(100, ""))?;
     let mut notify = Notify::bind(rig.state.join("notify.sock"))?;
     let mut daemon = Daemon::spawn(&all(), &config, Some(&notify.path))?;
     daemon.wait_line(
@@ -638,7 +692,8 @@ fn service_sighup_reload_keeps_counts() -> Result<()> {
     std::fs::write(
         &config,
         format!(
-            "listen = \"127.0.0.1:19595\"\n{}",
+            "listen = \"127.0.0.1:19595\"\n{}{}",
+            pins.line(),
             body(250, "{ name = \"socat\" }")
         ),
     )?;
@@ -739,7 +794,6 @@ fn service_unit_verifies() -> Result<()> {
             return Ok(());
         }
     };
-    let _ = std::fs::remove_dir_all(&dir);
     let said = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -750,5 +804,37 @@ fn service_unit_verifies() -> Result<()> {
         "systemd-analyze verify ({}):\n{said}",
         out.status
     );
+
+    // The sysusers.d file creates the unit's User= and Group= (in a scratch root; needs root
+    // to write its files with their owners).
+    let user = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("User="))
+        .ok_or_else(|| anyhow!("unit has no User="))?;
+    ensure!(
+        unit.lines().any(|l| l == format!("Group={user}")),
+        "unit's Group= is not {user}"
+    );
+    if unsafe { libc::geteuid() } == 0 {
+        let root = dir.join("root");
+        std::fs::create_dir_all(root.join("etc"))?;
+        let out = Command::new("systemd-sysusers")
+            .arg(format!("--root={}", root.display()))
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/spice-observer.sysusers"))
+            .output()?;
+        ensure!(out.status.success(), "systemd-sysusers: {out:?}");
+        let passwd = std::fs::read_to_string(root.join("etc/passwd"))?;
+        let entry = passwd
+            .lines()
+            .find(|l| l.starts_with(&format!("{user}:")))
+            .ok_or_else(|| anyhow!("sysusers created no {user}: {passwd}"))?;
+        ensure!(entry.ends_with(":/usr/sbin/nologin"), "{entry}");
+        let group = std::fs::read_to_string(root.join("etc/group"))?;
+        ensure!(
+            group.lines().any(|l| l.starts_with(&format!("{user}:"))),
+            "sysusers created no group {user}: {group}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

@@ -120,9 +120,8 @@ impl Reload {
         rest.listen = old.listen;
         rest.bpf_stats = old.bpf_stats;
         if rest != *old {
-            r.need_restart.push(format!(
-                "other settings of the kernel state ({rest:?} differs from {old:?})"
-            ));
+            r.need_restart
+                .push("other keys (the kernel state's settings)".to_string());
         }
         r
     }
