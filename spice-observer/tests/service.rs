@@ -580,7 +580,8 @@ fn service_least_privilege_session() -> Result<()> {
 /// One capability of the list missing at a time: each of CAP_BPF, CAP_PERFMON, CAP_NET_ADMIN
 /// makes the daemon exit with an error naming it; without CAP_DAC_READ_SEARCH or
 /// CAP_SYS_PTRACE it runs but cannot watch the running Xspice, and its warning names the
-/// capability. With all of them (the control) it watches it.
+/// capability. With all of them (the control) it watches it. With CAP_SYS_ADMIN added,
+/// `bpf_stats` works (program run counts > 0 after the drop) and nothing is degraded.
 #[test]
 fn service_each_capability_is_needed() -> Result<()> {
     const T: &str = "service_each_capability_is_needed";
@@ -636,6 +637,35 @@ fn service_each_capability_is_needed() -> Result<()> {
             "without {name} the daemon watched the Xspice:\n{log}"
         );
     }
+
+    // The optional one: with CAP_SYS_ADMIN too, bpf_stats works, also after the drop (run
+    // counts are read through the program descriptors), and CAP_SYS_ADMIN is dropped too.
+    pins.reset()?;
+    let config = write_config(&rig, &pins, "scan_ms = 200\nbpf_stats = true\n")?;
+    let mut caps = all();
+    caps.push(Need {
+        cap: privilege::BPF_STATS_CAP,
+        why: "BPF_ENABLE_STATS",
+    });
+    let mut d = Daemon::spawn(&caps, &config, None)?;
+    d.wait_line(found, Duration::from_secs(30))?;
+    thread::sleep(Duration::from_secs(1));
+    let s = Scrape::take()?;
+    s.check_run(0.0)?;
+    let runs: f64 = s
+        .find("spice_observer_bpf_runs_total", &[])
+        .iter()
+        .map(|x| x.value)
+        .sum();
+    ensure!(runs > 0.0, "bpf_runs_total {runs} with CAP_SYS_ADMIN");
+    let steady = privilege::mask(privilege::STEADY.map(|n| n.cap));
+    for (tid, c) in ThreadCaps::of_process(d.pid())? {
+        ensure!(
+            c.effective == steady && c.permitted == steady,
+            "thread {tid}: {c:x?}"
+        );
+    }
+    println!("with CAP_SYS_ADMIN: {runs} BPF program runs counted, CapEff {steady:x} after attach");
     Ok(())
 }
 
