@@ -54,6 +54,26 @@ fn setpriv_caps(needs: &[Need]) -> String {
     s
 }
 
+/// The daemon binary where [`UID`] can run it: a copy in a world-readable directory (the
+/// build's own path may be under a directory only root may enter, e.g. a checkout in /root).
+fn daemon_binary() -> Result<PathBuf> {
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    if let Some(p) = BIN.get() {
+        return Ok(p.clone());
+    }
+    // One fixed place, replaced by rename (a daemon may still run the old file).
+    let dir = std::env::temp_dir().join("spice-observer-service-bin");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+    let bin = dir.join("spice-observer");
+    let tmp = dir.join(format!("spice-observer.{}", std::process::id()));
+    std::fs::copy(env!("CARGO_BIN_EXE_spice-observer"), &tmp)
+        .with_context(|| format!("copying the daemon binary to {}", tmp.display()))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::rename(&tmp, &bin)?;
+    Ok(BIN.get_or_init(|| bin).clone())
+}
+
 /// A running daemon; SIGTERM when dropped.
 struct Daemon {
     child: Child,
@@ -76,7 +96,7 @@ impl Daemon {
             &format!("--ambient-caps={set}"),
             &format!("--bounding-set={set}"),
         ])
-        .arg(env!("CARGO_BIN_EXE_spice-observer"))
+        .arg(daemon_binary()?)
         .args(["daemon", "--config"])
         .arg(config)
         .env("RUST_BACKTRACE", "0")
@@ -418,14 +438,14 @@ fn all() -> Vec<Need> {
 /// True if the daemon can run as [`UID`]: the test binary's path is readable by it, and
 /// setpriv exists. Otherwise the reason (a skip, or under CI=true a failure).
 fn can_run_as_user(test: &str) -> Result<bool> {
-    let bin = env!("CARGO_BIN_EXE_spice-observer");
+    let bin = daemon_binary()?;
     let ok = Command::new("setpriv")
         .args([
             &format!("--reuid={UID}"),
             &format!("--regid={UID}"),
             "--clear-groups",
         ])
-        .arg(bin)
+        .arg(&bin)
         .arg("--version")
         .output();
     match ok {
@@ -433,7 +453,10 @@ fn can_run_as_user(test: &str) -> Result<bool> {
         other => {
             let msg = common::cannot_run(
                 test,
-                &format!("uid {UID} cannot run {bin} through setpriv: {other:?}"),
+                &format!(
+                    "uid {UID} cannot run {} through setpriv: {other:?}",
+                    bin.display()
+                ),
             );
             if common::ci() {
                 bail!("{msg}");
