@@ -20,7 +20,8 @@
 #   3. bpf-linker built against the system LLVM 22 (~/.cargo/bin/bpf-linker)
 #   4. QEMU 7.2 in a private prefix + guest kernel + initramfs
 #      (rig/start-qemu.sh prepare; cache $RIG_QEMU_CACHE, default /var/tmp/rig-qemu)
-#   5. tracefs mounted on /sys/kernel/tracing
+#   5. tracefs mounted on /sys/kernel/tracing, the BPF filesystem on /sys/fs/bpf
+#      (the daemon pins its kernel state under /sys/fs/bpf/spice-observer)
 # One line per step; details of installs go to $SETUP_LOG (default
 # /tmp/spice-observer-setup.log).  Exit status non-zero, with the reason and
 # the log's tail, if any step fails.
@@ -44,6 +45,9 @@ APT_PKGS=(
     socat haproxy tshark iperf3 busybox-static cpio sysstat bc
     # tests/daemon.rs: `promtool check metrics` on live scrapes (promtool ships in prometheus)
     prometheus
+    # tests/service.rs: `systemd-analyze verify` of packaging/spice-observer.service
+    # (minimal Debian images, e.g. containers, lack systemd); setpriv is util-linux (essential)
+    systemd
     # used by this script and the rig
     ca-certificates curl gzip procps
 )
@@ -74,7 +78,7 @@ T0=$SECONDS
 n_step=0
 step_t0=0
 
-begin() { n_step=$((n_step + 1)); step_t0=$SECONDS; printf 'setup [%d/5] %-34s ' "$n_step" "$1"; }
+begin() { n_step=$((n_step + 1)); step_t0=$SECONDS; printf 'setup [%d/6] %-34s ' "$n_step" "$1"; }
 ok() { echo "ok (already present${1:+, $1})"; }
 done_() { echo "installed in $((SECONDS - step_t0)) s${1:+ ($1)}"; }
 skip() { echo "skipped ($1)"; }
@@ -210,6 +214,14 @@ if mountpoint -q /sys/kernel/tracing; then
     ok
 else
     logrun mount -t tracefs nodev /sys/kernel/tracing || fail "mount -t tracefs nodev /sys/kernel/tracing failed"
+    echo "mounted"
+fi
+
+begin "bpffs on /sys/fs/bpf"
+if [[ $(stat -f -c %T /sys/fs/bpf 2>/dev/null) == bpf_fs ]]; then
+    ok
+else
+    logrun mount -t bpf bpf /sys/fs/bpf || fail "mount -t bpf bpf /sys/fs/bpf failed"
     echo "mounted"
 fi
 

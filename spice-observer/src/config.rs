@@ -10,8 +10,9 @@
 //! `spice-observer daemon` ([`crate::cmd::daemon`]) loads it (flags override its keys),
 //! hands [`Config::discovery`] to [`crate::host::discovery::Discovery::new`], scans every
 //! [`Config::scan_ms`], samples every [`Config::sample_ms`], serves Prometheus metrics on
-//! [`Config::listen`] and holds `BPF_ENABLE_STATS` when [`Config::bpf_stats`] is set. What
-//! it does not do: reload on change (SIGHUP).
+//! [`Config::listen`] and holds `BPF_ENABLE_STATS` when [`Config::bpf_stats`] is set. It
+//! reads it again on SIGHUP and applies what can change without a restart
+//! ([`crate::cmd::service`]).
 //!
 //! ```toml
 //! listen = "127.0.0.1:19590"

@@ -14,9 +14,13 @@
 //! `503` with the reason when it does not answer within [`HEALTH_TIMEOUT`] or has stopped).
 //!
 //! Logging (env_logger; default `warn,spice_observer=info`, `RUST_LOG` overrides): one line
-//! at start (listen address, hook set, config file), one per target found or lost, warnings
-//! when information is lost (kernel loss counters or undecodable records went up) or a
-//! target cannot be watched.
+//! at start (listen address, hook set, config file), one with the capabilities kept after
+//! attach, one per target found or lost, warnings when information is lost (kernel loss
+//! counters or undecodable records went up) or a target cannot be watched.
+//!
+//! As a service ([`crate::cmd::service`], [`crate::host::privilege`]): after the programs
+//! are attached it drops every capability but the two that reading other users' `/proc`
+//! needs, tells systemd it is ready, and re-reads its config on SIGHUP.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -36,8 +40,10 @@ use prometheus::{Encoder, TextEncoder, core::Collector, proto::MetricFamily};
 use spice_ebpf_common::config::counter;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::cmd::service;
 use crate::config::{Config, RelayRule};
-use crate::host::discovery::{Discovery, ServerKind, Target, TargetKind};
+use crate::host::discovery::{self, Discovery, ServerKind, Target, TargetKind};
+use crate::host::privilege;
 use crate::output::metrics::{self, ProgramCost, ScrapeInput};
 use crate::pipeline::{Engine, EngineOptions, monotonic_ns};
 
@@ -142,13 +148,14 @@ pub fn resolve(args: &DaemonArgs) -> Result<(Config, Option<PathBuf>)> {
     Ok((cfg, path))
 }
 
-/// Runs the daemon until SIGINT or SIGTERM.
+/// Runs the daemon until SIGINT or SIGTERM; SIGHUP re-reads the config
+/// ([`crate::cmd::service`]).
 pub fn run(args: DaemonArgs) -> Result<()> {
     let (cfg, path) = resolve(&args)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(serve(cfg, path))
+    rt.block_on(serve(cfg, path, &args))
 }
 
 /// A request from an HTTP handler to the loop.
@@ -162,7 +169,8 @@ enum Request {
 #[derive(Clone)]
 struct AppState {
     tx: mpsc::Sender<Request>,
-    landing: std::sync::Arc<String>,
+    /// The landing page; rewritten at each reload (it shows the settings in force).
+    landing: std::sync::Arc<std::sync::RwLock<String>>,
 }
 
 /// A Prometheus collector over ONE engine snapshot: `collect` takes the snapshot, reads the
@@ -244,7 +252,7 @@ fn kind_name(t: &Target) -> String {
 }
 
 async fn landing(State(s): State<AppState>) -> Html<String> {
-    Html((*s.landing).clone())
+    Html(s.landing.read().unwrap_or_else(|e| e.into_inner()).clone())
 }
 
 async fn metrics_handler(State(s): State<AppState>) -> Response {
@@ -289,11 +297,18 @@ async fn healthz(State(s): State<AppState>) -> (StatusCode, String) {
     }
 }
 
-fn landing_page(listen: SocketAddr, hook_set: &str, config: Option<&Path>) -> String {
+fn landing_page(
+    listen: SocketAddr,
+    hook_set: &str,
+    config: Option<&Path>,
+    settings: &str,
+    privileges: &str,
+) -> String {
     format!(
         "<!DOCTYPE html>\n<html><head><title>spice-observer</title></head><body>\n\
          <h1>spice-observer daemon {version}</h1>\n\
-         <p>Hook set: {hook_set}. Listening on {listen}. Config: {config}.</p>\n<ul>\n\
+         <p>Hook set: {hook_set}. Listening on {listen}. Config: {config}.</p>\n\
+         <p>Settings: {settings}.</p>\n<p>Privileges: {privileges}.</p>\n<ul>\n\
          <li><a href=\"/metrics\">/metrics</a>: Prometheus metrics (text format 0.0.4)</li>\n\
          <li><a href=\"/healthz\">/healthz</a>: 200 ok while the engine runs, 503 and the reason if not</li>\n\
          </ul></body></html>\n",
@@ -304,25 +319,50 @@ fn landing_page(listen: SocketAddr, hook_set: &str, config: Option<&Path>) -> St
     )
 }
 
-async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
+async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     // Bind first: a taken port fails before the kernel programs load.
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    // The settings as resolved (what a reload compares with); `cfg` is what is in force.
+    let mut resolved = cfg.clone();
+    let mut cfg = cfg;
+    // BPF_ENABLE_STATS needs CAP_SYS_ADMIN: without it the daemon runs without the statistics.
+    let stats_refused = privilege::probe_bpf_stats(cfg.bpf_stats)?;
+    if stats_refused.is_some() {
+        cfg.bpf_stats = false;
+    }
     let mut engine = Engine::start(EngineOptions {
         sample: Duration::from_millis(cfg.sample_ms),
         retain_closed: false,
         bpf_stats: cfg.bpf_stats,
-    })?;
+    })
+    .map_err(privilege::explain_start_error)?;
+    if let Some(why) = stats_refused {
+        engine.note_degraded(why);
+    }
     for d in engine.degraded() {
         warn!("degraded: {d}");
     }
+    // Attached: keep only what discovery needs from now on.
+    let dropped = privilege::drop_after_attach().context("dropping capabilities after attach")?;
+    info!("{dropped}");
+    let page = |cfg: &Config, engine: &Engine| {
+        landing_page(
+            cfg.listen,
+            engine.hook_set(),
+            path.as_deref(),
+            &service::settings_line(cfg),
+            &dropped.to_string(),
+        )
+    };
     let (tx, mut rx) = mpsc::channel::<Request>(16);
     let state = AppState {
         tx,
-        landing: std::sync::Arc::new(landing_page(cfg.listen, engine.hook_set(), path.as_deref())),
+        landing: std::sync::Arc::new(std::sync::RwLock::new(page(&cfg, &engine))),
     };
+    let landing_text = state.landing.clone();
     let app = Router::new()
         .route("/", get(landing))
         .route("/metrics", get(metrics_handler))
@@ -341,6 +381,7 @@ async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
         cfg.scan_ms,
         if cfg.bpf_stats { "on" } else { "off" },
     );
+    service::ready(&format!("listening on {}", cfg.listen));
 
     let mut discovery = Discovery::new(&cfg.discovery);
     let mut targets: Vec<Target> = Vec::new();
@@ -355,13 +396,28 @@ async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
     let mut decode_seen = 0u64;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sighup = signal(SignalKind::hangup())?;
     let mut scan_failed = false;
+    // After a reload changed `[discovery]`: the next scan's diff is against the targets
+    // watched so far (a new Discovery would report every target as new).
+    let mut rediff = false;
+    let mut unreadable_seen = 0;
     loop {
         tokio::select! {
             r = engine.drain_ready() => r.context("reading the kernel's event ring")?,
             _ = scan.tick() => {
                 let s = match discovery.scan() {
-                    Ok(s) => { scan_failed = false; s }
+                    Ok(mut s) => {
+                        scan_failed = false;
+                        if std::mem::take(&mut rediff) {
+                            s.diff = discovery::diff(&targets, &s.targets);
+                        }
+                        if s.stats.unreadable > unreadable_seen && let Some(h) = privilege::proc_hint() {
+                            warn!("{} /proc file(s) could not be read, such processes are not watched: {h}", s.stats.unreadable);
+                        }
+                        unreadable_seen = s.stats.unreadable;
+                        s
+                    }
                     Err(e) => {
                         if !scan_failed {
                             warn!("process scan failed: {e:#}");
@@ -389,7 +445,7 @@ async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
                         ),
                         Err(e) => {
                             if first {
-                                warn!("cannot watch {} {} (pid {}): {e:#}; retrying at each scan", kind_name(t), t.name, t.pid);
+                                warn!("cannot watch {} {} (pid {}): {}; retrying at each scan", kind_name(t), t.name, t.pid, privilege::explain_watch_error(&e));
                             }
                             pending.push(t.clone());
                         }
@@ -431,10 +487,39 @@ async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
                     let _ = reply.send(());
                 }
             },
+            _ = sighup.recv() => {
+                service::reloading();
+                let file = path.as_ref().map_or("(no config file)".into(), |p| p.display().to_string());
+                match resolve(args) {
+                    Ok((new, _)) => {
+                        let plan = service::Reload::plan(&resolved, &new);
+                        plan.log(&file);
+                        if let Some(d) = plan.sample {
+                            sample = tokio::time::interval(d);
+                            sample.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                        }
+                        if let Some(d) = plan.scan {
+                            scan = tokio::time::interval(d);
+                            scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                        }
+                        if plan.discovery {
+                            discovery = Discovery::new(&new.discovery);
+                            rediff = true;
+                            scan.reset_immediately();
+                        }
+                        cfg = plan.apply(&cfg, &new);
+                        resolved = plan.apply(&resolved, &new);
+                        *landing_text.write().unwrap_or_else(|e| e.into_inner()) = page(&cfg, &engine);
+                    }
+                    Err(e) => warn!("reloading {file} failed, the settings in force stay: {e:#}"),
+                }
+                service::ready(&format!("listening on {}", cfg.listen));
+            }
             _ = sigint.recv() => break,
             _ = sigterm.recv() => break,
         }
     }
+    service::stopping();
     debug!("stopping");
     server.abort();
     Ok(())
@@ -515,7 +600,7 @@ mod tests {
     fn state(tx: mpsc::Sender<Request>) -> AppState {
         AppState {
             tx,
-            landing: std::sync::Arc::new(String::new()),
+            landing: std::sync::Arc::new(std::sync::RwLock::new(String::new())),
         }
     }
 

@@ -3,3 +3,4 @@
 
 pub mod daemon;
 pub mod observe;
+pub mod service;

@@ -5,6 +5,9 @@
 //! relays among the host's processes and reports which started and which exited since the
 //! previous scan. Not here yet: the daemon loop that attaches the observer to what discovery
 //! reports, and the Prometheus exporter.
+//!
+//! [`privilege`]: the capabilities the daemon needs, and the drop after attach.
 
 pub mod discovery;
+pub mod privilege;
 pub mod sockdiag;

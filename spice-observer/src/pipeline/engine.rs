@@ -171,6 +171,8 @@ struct Existing {
 /// sockets in the kernel (reported, never framed: a SPICE stream can only be framed from its
 /// link phase). Must run before the processes are watched, or a busy socket's first traced call
 /// would create its framing state unmarked. Sockets the model already knows are left alone.
+/// Errors: a process's `/proc/PID/fd` exists but may not be read (permissions), or the
+/// kernel maps refuse an update.
 fn prepare_sockets(
     cap: &mut Capture,
     model: &Model,
@@ -178,8 +180,17 @@ fn prepare_sockets(
 ) -> Result<(usize, Vec<Existing>)> {
     let mut owner = HashMap::new();
     for &pid in pids {
-        for inode in sockdiag::socket_inodes(pid).unwrap_or_default() {
-            owner.entry(inode).or_insert(pid);
+        match sockdiag::socket_inodes(pid) {
+            Ok(inodes) => {
+                for inode in inodes {
+                    owner.entry(inode).or_insert(pid);
+                }
+            }
+            // Another user's process without the capabilities to read its /proc/PID/fd:
+            // watching it would silently see none of its sockets.
+            Err(e) if crate::host::privilege::is_permission_error(&e) => return Err(e),
+            // The process exited meanwhile.
+            Err(_) => {}
         }
     }
     let mut ports = 0;
@@ -558,6 +569,12 @@ impl Engine {
     /// Kernel features that were missing and what that costs.
     pub fn degraded(&self) -> &[String] {
         &self.cap.degraded
+    }
+
+    /// Adds a feature the front end could not turn on (e.g. the daemon's `bpf_stats` without
+    /// CAP_SYS_ADMIN) to the degraded list that [`Engine::degraded`] and every snapshot give.
+    pub fn note_degraded(&mut self, what: String) {
+        self.cap.degraded.push(what);
     }
 
     /// Kernel loss/activity counters (config::counter order).
