@@ -45,6 +45,9 @@ pub struct Call {
 #[repr(C)]
 struct LoopCtx {
     st: *mut DirState,
+    /// This direction's [`SockState::msg_bytes`]: header + body bytes of every message
+    /// record emitted, kept in the kernel so that a restarted agent continues byte totals.
+    msg_bytes: *mut u64,
     /// TCP sequence number of stream offset 0 in this direction.
     seq_base: u32,
     hdr: EventHeader,
@@ -221,6 +224,11 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     st.have = have + n;
     if st.have >= st.want_len {
         let out = st.complete(&c.peer);
+        if let Output::Message(m) = &out
+            && !m.already_reported
+        {
+            unsafe { *c.msg_bytes += m.hdr_len as u64 + m.size as u64 };
+        }
         emit(&c.hdr, &out, c.seq_base);
     }
     0
@@ -366,6 +374,7 @@ pub fn on_call(call: &Call) {
                 &EmitCtx {
                     hdr,
                     seq_base: base,
+                    msg_bytes: &mut sock.msg_bytes[d],
                 },
             );
         }
@@ -404,6 +413,7 @@ pub fn on_call(call: &Call) {
             start: call_start,
             end: call_end,
             seq_base: sock.seq_base[d],
+            msg_bytes: &mut sock.msg_bytes[d],
         };
         frame(st, &peer, call, &hdr, &span);
     }
@@ -414,6 +424,8 @@ pub fn on_call(call: &Call) {
 struct EmitCtx {
     hdr: EventHeader,
     seq_base: u32,
+    /// This direction's [`SockState::msg_bytes`].
+    msg_bytes: *mut u64,
 }
 
 /// Stream offsets `[start, end)` of the bytes one call moved, and the direction's TCP sequence
@@ -422,6 +434,8 @@ struct Span {
     start: u64,
     end: u64,
     seq_base: u32,
+    /// This direction's [`SockState::msg_bytes`].
+    msg_bytes: *mut u64,
 }
 
 /// Runs the framing loop over one call's bytes.
@@ -449,6 +463,7 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, hdr: &EventHeader, spa
     };
     let mut ctx = LoopCtx {
         st: st as *mut DirState,
+        msg_bytes: span.msg_bytes,
         seq_base: span.seq_base,
         hdr: *hdr,
         peer: *peer,
@@ -523,6 +538,8 @@ fn peek_eagain(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx) {
         return;
     }
     if let Some(m) = st.peek(&first, avail, peer) {
+        // Counted now, as its record is: the later write that completes it emits none.
+        unsafe { *ec.msg_bytes += m.hdr_len as u64 + m.size as u64 };
         emit_message(&ec.hdr, &m, msg_flags::EAGAIN_START, ec.seq_base);
     }
 }

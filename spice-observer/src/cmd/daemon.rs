@@ -39,7 +39,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::config::{Config, RelayRule};
 use crate::host::discovery::{Discovery, ServerKind, Target, TargetKind};
 use crate::output::metrics::{self, ProgramCost, ScrapeInput};
-use crate::pipeline::{Engine, EngineOptions, monotonic_ns};
+use crate::pipeline::{Engine, EngineOptions, Restart, monotonic_ns};
 
 /// Config file read when `--config` is not given, if it exists.
 pub const DEFAULT_CONFIG: &str = "/etc/spice-observer/spice-observer.toml";
@@ -80,6 +80,14 @@ pub struct DaemonArgs {
     /// `discovery.relays`). Repeatable.
     #[arg(long = "relay-port", value_name = "PORT")]
     pub relay_ports: Vec<u16>,
+    /// Directory on a BPF filesystem where the kernel state is pinned (`pin_dir`, default
+    /// /sys/fs/bpf/spice-observer): a restarted daemon continues from it.
+    #[arg(long, value_name = "DIR")]
+    pub pin_dir: Option<PathBuf>,
+    /// Remove everything pinned under the pin directory (program links first, which detaches
+    /// the programs, then the maps) and exit. Idempotent.
+    #[arg(long)]
+    pub unpin: bool,
 }
 
 /// The effective settings: the config file (`--config`, else [`DEFAULT_CONFIG`] if it
@@ -121,6 +129,12 @@ pub fn resolve(args: &DaemonArgs) -> Result<(Config, Option<PathBuf>)> {
     if args.no_bpf_stats {
         cfg.bpf_stats = false;
     }
+    if let Some(d) = &args.pin_dir {
+        if !d.is_absolute() {
+            bail!("--pin-dir {} must be an absolute path", d.display());
+        }
+        cfg.pin_dir = d.clone();
+    }
     for name in &args.relay_names {
         if name.is_empty() || name.contains('/') {
             bail!("--relay-name {name:?} must be a non-empty program name without '/'");
@@ -142,13 +156,35 @@ pub fn resolve(args: &DaemonArgs) -> Result<(Config, Option<PathBuf>)> {
     Ok((cfg, path))
 }
 
-/// Runs the daemon until SIGINT or SIGTERM.
+/// Runs the daemon until SIGINT or SIGTERM (the pins stay: a restart continues from them),
+/// or with `--unpin` removes the pins and returns.
 pub fn run(args: DaemonArgs) -> Result<()> {
     let (cfg, path) = resolve(&args)?;
+    if args.unpin {
+        return unpin(&cfg.pin_dir);
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(serve(cfg, path))
+}
+
+/// `daemon --unpin`: removes the pin directory's contents and the directory, says what it did.
+fn unpin(dir: &Path) -> Result<()> {
+    let gone = crate::loader::unpin(dir)?;
+    if gone.is_empty() {
+        println!("nothing pinned at {}", dir.display());
+    } else {
+        let links = gone.iter().filter(|n| n.starts_with("link_")).count();
+        println!(
+            "removed {} from {}: {} program link(s) (programs detached unless a running daemon              still holds them) and {} map(s)",
+            gone.len(),
+            dir.display(),
+            links,
+            gone.len() - links
+        );
+    }
+    Ok(())
 }
 
 /// A request from an HTTP handler to the loop.
@@ -310,11 +346,27 @@ async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
-    let mut engine = Engine::start(EngineOptions {
-        sample: Duration::from_millis(cfg.sample_ms),
-        retain_closed: false,
-        bpf_stats: cfg.bpf_stats,
-    })?;
+    let mut engine = Engine::start_pinned(
+        EngineOptions {
+            sample: Duration::from_millis(cfg.sample_ms),
+            retain_closed: false,
+            bpf_stats: cfg.bpf_stats,
+        },
+        &cfg.pin_dir,
+    )?;
+    match engine.restart() {
+        Restart::Continued { sockets } => info!(
+            "continuing the kernel state pinned at {} ({sockets} socket(s) taken over, counts continue)",
+            cfg.pin_dir.display()
+        ),
+        Restart::Reloaded { why } => warn!(
+            "reloaded the kernel programs: the state pinned at {} could not be continued ({why});              connections it was counting are reported `restarted`",
+            cfg.pin_dir.display()
+        ),
+        Restart::Fresh | Restart::Unpinned => {
+            info!("kernel programs loaded and pinned at {}", cfg.pin_dir.display())
+        }
+    }
     for d in engine.degraded() {
         warn!("degraded: {d}");
     }
@@ -453,6 +505,8 @@ mod tests {
             no_bpf_stats: false,
             relay_names: Vec::new(),
             relay_ports: Vec::new(),
+            pin_dir: None,
+            unpin: false,
         }
     }
 
