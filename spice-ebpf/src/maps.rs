@@ -52,7 +52,8 @@ pub static ZERO_SOCK: Array<SockState> = Array::with_max_entries(1, 0);
 /// map values and records. A restarted agent compares it with its own before reusing the
 /// pinned maps.
 #[map]
-pub static LAYOUT: Array<u32> = Array::with_max_entries(spice_ebpf_common::config::layout::COUNT, 0);
+pub static LAYOUT: Array<u32> =
+    Array::with_max_entries(spice_ebpf_common::config::layout::COUNT, 0);
 
 /// Adds 1 to counter `index`.
 #[inline(always)]

@@ -177,7 +177,8 @@ fn unpin(dir: &Path) -> Result<()> {
     } else {
         let links = gone.iter().filter(|n| n.starts_with("link_")).count();
         println!(
-            "removed {} from {}: {} program link(s) (programs detached unless a running daemon              still holds them) and {} map(s)",
+            "removed {} from {}: {} program link(s) (programs detached unless a running daemon \
+             still holds them) and {} map(s)",
             gone.len(),
             dir.display(),
             links,
@@ -360,11 +361,15 @@ async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
             cfg.pin_dir.display()
         ),
         Restart::Reloaded { why } => warn!(
-            "reloaded the kernel programs: the state pinned at {} could not be continued ({why});              connections it was counting are reported `restarted`",
+            "reloaded the kernel programs: the state pinned at {} could not be continued ({why}); \
+             connections it was counting are reported `restarted`",
             cfg.pin_dir.display()
         ),
         Restart::Fresh | Restart::Unpinned => {
-            info!("kernel programs loaded and pinned at {}", cfg.pin_dir.display())
+            info!(
+                "kernel programs loaded and pinned at {}",
+                cfg.pin_dir.display()
+            )
         }
     }
     for d in engine.degraded() {

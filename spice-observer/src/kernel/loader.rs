@@ -130,7 +130,9 @@ pub fn prepare_pin_dir(dir: &Path) -> Result<()> {
     }
     if !on_bpffs(probe)? {
         bail!(
-            "pin directory {} is not on a BPF filesystem ({} is not bpffs): mount one with              `mount -t bpf bpf /sys/fs/bpf` (scripts/setup.sh does), or give --pin-dir /              `pin_dir` a directory on a bpffs",
+            "pin directory {} is not on a BPF filesystem ({} is not bpffs): mount one with \
+             `mount -t bpf bpf /sys/fs/bpf` (scripts/setup.sh does), or give --pin-dir / \
+             `pin_dir` a directory on a bpffs",
             dir.display(),
             probe.display()
         );
@@ -304,16 +306,16 @@ impl Capture {
         // Pinned links: kept here until every pin is made (dropping one closes its fd only).
         let mut links: Vec<PinnedLink> = Vec::new();
         let mut programs: Vec<(String, u32)> = Vec::new();
-        let pin_link = |link: FdLink, name: &str, links: &mut Vec<PinnedLink>| -> Result<()> {
-            if let Some(dir) = pin {
-                let p = dir.join(format!("link_{name}"));
-                links.push(
-                    link.pin(&p)
-                        .with_context(|| format!("pinning the link of {name} at {}", p.display()))?,
-                );
-            }
-            Ok(())
-        };
+        let pin_link =
+            |link: FdLink, name: &str, links: &mut Vec<PinnedLink>| -> Result<()> {
+                if let Some(dir) = pin {
+                    let p = dir.join(format!("link_{name}"));
+                    links.push(link.pin(&p).with_context(|| {
+                        format!("pinning the link of {name} at {}", p.display())
+                    })?);
+                }
+                Ok(())
+            };
         // Pre-5.11 kernels charge BPF maps to RLIMIT_MEMLOCK; harmless elsewhere.
         let rlim = libc::rlimit {
             rlim_cur: libc::RLIM_INFINITY,
@@ -413,7 +415,9 @@ impl Capture {
                             // A bpf_link (Linux ≥ 5.7; aya uses bpf_link_create there), not
                             // a legacy prog attach: only a link can be pinned.
                             let link: FdLink = prog.take_link(id)?.try_into().map_err(|e| {
-                                anyhow!("sockops is attached without a bpf_link, cannot pin it: {e}")
+                                anyhow!(
+                                    "sockops is attached without a bpf_link, cannot pin it: {e}"
+                                )
                             })?;
                             pin_link(link, SOCKOPS, &mut links)?;
                         }
@@ -458,7 +462,11 @@ impl Capture {
         }
         if let Some(dir) = pin {
             // LAYOUT last: a set whose LAYOUT is pinned had every other pin made before it.
-            for name in MAP_NAMES.iter().filter(|n| **n != "LAYOUT").chain(&["LAYOUT"]) {
+            for name in MAP_NAMES
+                .iter()
+                .filter(|n| **n != "LAYOUT")
+                .chain(&["LAYOUT"])
+            {
                 let p = dir.join(name);
                 maps[*name]
                     .pin(&p)
@@ -501,7 +509,8 @@ impl Capture {
         let want = expected_layout();
         if layout[..want.len()] != want {
             return Ok(Pinned::Stale(format!(
-                "pinned layout version {} (SockState {} B, TcpSnapshot {} B, MessageEvent {} B),                  this agent's {} ({} B, {} B, {} B)",
+                "pinned layout version {} (SockState {} B, TcpSnapshot {} B, MessageEvent {} B), \
+             this agent's {} ({} B, {} B, {} B)",
                 layout[0], layout[1], layout[2], layout[3], want[0], want[1], want[2], want[3]
             )));
         }
@@ -563,7 +572,8 @@ impl Capture {
             "tracepoints+sockops".to_string()
         } else {
             degraded.push(
-                "sockops not attached (the pinned set has none): TCP state is read at socket                  calls and by sock_diag only"
+                "sockops not attached (the pinned set has none): TCP state is read at socket \
+             calls and by sock_diag only"
                     .into(),
             );
             "tracepoints".to_string()

@@ -341,9 +341,14 @@ impl Engine {
                 let socks = cap.sockets()?;
                 let addrs: HashMap<u64, (std::net::SocketAddr, std::net::SocketAddr)> =
                     match sockdiag::dump_tcp() {
-                        Ok(v) => v.into_iter().map(|s| (s.cookie, (s.local, s.remote))).collect(),
+                        Ok(v) => v
+                            .into_iter()
+                            .map(|s| (s.cookie, (s.local, s.remote)))
+                            .collect(),
                         Err(e) => {
-                            warn!("sock_diag dump failed ({e:#}): restored sockets have no addresses until their next record");
+                            warn!(
+                                "sock_diag dump failed ({e:#}): restored sockets have no addresses until their next record"
+                            );
                             HashMap::new()
                         }
                     };
@@ -483,8 +488,7 @@ impl Engine {
         } else {
             Vec::new()
         };
-        let (ports, existing) =
-            prepare_sockets(&mut self.cap, &self.model, &tgids, &continued)?;
+        let (ports, existing) = prepare_sockets(&mut self.cap, &self.model, &tgids, &continued)?;
         for &t in &tgids {
             self.cap.watch_pid_under(t, tgid)?;
         }
