@@ -2,6 +2,12 @@
 //! where they sit in user memory, run the shared framing state machine over them and emit
 //! records. Independent of which hooks delivered the call, so other hook sets (fentry/fexit,
 //! kprobes) can feed the same function.
+//!
+//! Every framed data message also goes through spice-server's ACK-window rule
+//! (`spice_ebpf_common::window`), on the socket's [`SockState::window`], before its record is
+//! reserved: the state in `SOCKETS` is exact even when the ring is full. The two directions of
+//! one socket share that state; spice-server, socat and haproxy serve each connection from one
+//! thread, so its send and receive calls never run concurrently.
 
 use core::ffi::c_void;
 
@@ -16,8 +22,9 @@ use spice_ebpf_common::{
         UnparsedEvent, call_kind, dir as dirs, kind, msg_flags, tcp_source,
     },
     framing::{
-        BUF_LEN, DirState, LinkInfo, MAX_WANT, MessageInfo, Output, PeerView, UnparsedReason,
+        BUF_LEN, DirState, LinkInfo, MAX_WANT, MessageInfo, Output, PeerView, Role, UnparsedReason,
     },
+    window::WindowState,
 };
 
 use crate::{
@@ -45,12 +52,7 @@ pub struct Call {
 #[repr(C)]
 struct LoopCtx {
     st: *mut DirState,
-    /// This direction's [`SockState::msg_bytes`]: header + body bytes of every message
-    /// record emitted, kept in the kernel so that a restarted agent continues byte totals.
-    msg_bytes: *mut u64,
-    /// TCP sequence number of stream offset 0 in this direction.
-    seq_base: u32,
-    hdr: EventHeader,
+    ec: EmitCtx,
     peer: PeerView,
     call_start: u64,
     call_end: u64,
@@ -75,33 +77,70 @@ fn header(kind_: u8, dir: u8, cookie: u64, tgid: u32, now: u64) -> EventHeader {
     }
 }
 
-/// Writes the record for one framing output; counts a loss if the ring is full.
+/// Writes the record for one framing output of direction `st` (peer view `peer`); counts a
+/// loss if the ring is full.
 ///
 /// Dispatches to enum-free functions: BTF cannot describe `Output` in a BPF function signature.
 #[inline(always)]
-fn emit(hdr: &EventHeader, out: &Output, seq_base: u32) {
+fn emit(ec: &EmitCtx, out: &Output, st: &DirState, peer: &PeerView) {
     match out {
         Output::None => {}
-        Output::Message(m) => emit_message(hdr, m, 0, seq_base),
-        Output::Link(l) => emit_link(hdr, l),
-        Output::Unparsed { reason, detail, at } => emit_unparsed(hdr, *reason as u8, *detail, *at),
+        Output::Message(m) => emit_message(ec, m, 0, st.role, message_channel_type(st, peer)),
+        Output::Link(l) => emit_link(&ec.hdr, l),
+        Output::Unparsed { reason, detail, at } => {
+            emit_unparsed(&ec.hdr, *reason as u8, *detail, *at)
+        }
     }
 }
 
+/// Writes the record of a [`DirState::stop`] or [`DirState::prepare`] output (of those, only
+/// [`Output::Unparsed`] has one).
+#[inline(always)]
+fn emit_stop(hdr: &EventHeader, out: &Output) {
+    if let Output::Unparsed { reason, detail, at } = out {
+        emit_unparsed(hdr, *reason as u8, *detail, *at);
+    }
+}
+
+/// Channel type of the connection, from the client's link message, as the window rule needs
+/// it for a message of direction `st`: the server → client direction takes it from the other
+/// direction (`peer`), the client → server direction parsed it itself.
+#[inline(always)]
+fn message_channel_type(st: &DirState, peer: &PeerView) -> u8 {
+    if st.role == Role::ServerToClient as u8 {
+        peer.channel_type
+    } else {
+        st.channel_type
+    }
+}
+
+/// Applies one framed data message of a direction with SPICE role `role` ([`DirState::role`])
+/// to the socket's window ([`WindowState::apply`], at the call's `bpf_ktime_get_ns`, the
+/// record's `ts_ns`) and byte total, then writes its record with the window's post-state. A
+/// message [`DirState::peek`] reported already (`already_reported`) was applied then and is
+/// skipped. The window is applied before the record is reserved, so a full ring loses the
+/// record (counted) but never the kernel's state.
+///
 /// Records are written in place in the ring: the BPF stack is 512 bytes for the whole chain.
 #[inline(never)]
-fn emit_message(hdr: &EventHeader, m: &MessageInfo, flags: u8, seq_base: u32) {
+fn emit_message(ec: &EmitCtx, m: &MessageInfo, flags: u8, role: u8, channel_type: u8) {
     if m.already_reported {
         return;
     }
     count(counter::MESSAGES_FRAMED);
+    // SAFETY: both point into the socket's SOCKETS value, looked up by on_call for this call;
+    // neither overlaps the DirState being framed.
+    let w = unsafe { &mut *ec.window };
+    let fx = w.apply(role, ec.hdr.ts_ns, channel_type, m.msg_type, m.prefix);
+    unsafe { *ec.bytes += m.hdr_len as u64 + m.size as u64 };
+    let (mw, in_flight) = (w.messages_window, w.count);
     let Some(mut e) = EVENTS.reserve::<MessageEvent>(0) else {
         count(counter::RING_FULL);
         return;
     };
     let p = e.as_mut_ptr();
     unsafe {
-        (*p).hdr = *hdr;
+        (*p).hdr = ec.hdr;
         (*p).hdr.kind = kind::MESSAGE;
         (*p).at = m.at;
         (*p).index = m.index;
@@ -110,10 +149,10 @@ fn emit_message(hdr: &EventHeader, m: &MessageInfo, flags: u8, seq_base: u32) {
         (*p).hdr_len = m.hdr_len;
         (*p).flags = flags;
         (*p).prefix = m.prefix;
-        (*p).seq = seq_base.wrapping_add(m.at as u32);
-        (*p).win_mw = 0;
-        (*p).win_count = 0;
-        (*p).win_effects = 0;
+        (*p).seq = ec.seq_base.wrapping_add(m.at as u32);
+        (*p).win_mw = mw;
+        (*p).win_count = in_flight;
+        (*p).win_effects = fx;
         (*p)._pad = [0; 3];
     }
     e.submit(0);
@@ -169,14 +208,14 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     }
     // Resolve the element only once its first byte is in this call (see DirState::prepare).
     let out = st.prepare(&c.peer);
-    emit(&c.hdr, &out, c.seq_base);
+    emit_stop(&c.ec.hdr, &out);
     if st.is_unparsed() {
         return 1;
     }
     let (at, remaining) = st.need();
     if at < c.call_start {
         let out = st.stop(UnparsedReason::Internal, 0);
-        emit(&c.hdr, &out, c.seq_base);
+        emit_stop(&c.ec.hdr, &out);
         return 1;
     }
     if at >= c.cur_start + c.cur_len {
@@ -185,7 +224,7 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
         c.cur_iov += 1;
         if c.cur_iov >= c.iov_cnt {
             let out = st.stop(UnparsedReason::Internal, 1);
-            emit(&c.hdr, &out, c.seq_base);
+            emit_stop(&c.ec.hdr, &out);
             return 1;
         }
         let mut iov = [0u64; 2];
@@ -194,7 +233,7 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
         if rc != 0 {
             count(counter::USER_READ_FAULT);
             let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
-            emit(&c.hdr, &out, c.seq_base);
+            emit_stop(&c.ec.hdr, &out);
             return 1;
         }
         c.cur_base = iov[0];
@@ -218,18 +257,13 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     if rc != 0 {
         count(counter::USER_READ_FAULT);
         let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
-        emit(&c.hdr, &out, c.seq_base);
+        emit_stop(&c.ec.hdr, &out);
         return 1;
     }
     st.have = have + n;
     if st.have >= st.want_len {
         let out = st.complete(&c.peer);
-        if let Output::Message(m) = &out
-            && !m.already_reported
-        {
-            unsafe { *c.msg_bytes += m.hdr_len as u64 + m.size as u64 };
-        }
-        emit(&c.hdr, &out, c.seq_base);
+        emit(&c.ec, &out, st, &c.peer);
     }
     0
 }
@@ -256,13 +290,12 @@ fn socket_state(call: &Call, tgid: u32, now: u64) -> Option<*mut SockState> {
         for d in 0..2usize {
             let ds = &mut state.dir[d];
             let out = ds.stop(UnparsedReason::AttachedMidStream, 0);
-            emit(
+            emit_stop(
                 &EventHeader {
                     dir: d as u8,
                     ..hdr
                 },
                 &out,
-                0,
             );
         }
     }
@@ -357,6 +390,8 @@ pub fn on_call(call: &Call) {
 
     let d = (call.dir & 1) as usize;
     let peer = sock.dir[d ^ 1].view();
+    let window = &mut sock.window as *mut WindowState;
+    let bytes = &mut sock.msg_bytes[d] as *mut u64;
     let st = &mut sock.dir[d];
     let hdr = header(kind::MESSAGE, call.dir, call.cookie, tgid, now);
 
@@ -374,7 +409,8 @@ pub fn on_call(call: &Call) {
                 &EmitCtx {
                     hdr,
                     seq_base: base,
-                    msg_bytes: &mut sock.msg_bytes[d],
+                    window,
+                    bytes,
                 },
             );
         }
@@ -399,48 +435,54 @@ pub fn on_call(call: &Call) {
                 UnparsedReason::UntracedBytes,
                 seq_now.wrapping_sub(expected),
             );
-            emit(&hdr, &out, 0);
+            emit_stop(&hdr, &out);
         }
     }
 
     if call.args.kind == call_kind::UNSUPPORTED && !st.is_unparsed() {
         count(counter::UNTRACED_BYTES);
         let out = st.stop(UnparsedReason::UntracedBytes, call.ret as u32);
-        emit(&hdr, &out, 0);
+        emit_stop(&hdr, &out);
     }
     if !st.is_unparsed() {
+        let ec = EmitCtx {
+            hdr,
+            seq_base: sock.seq_base[d],
+            window,
+            bytes,
+        };
         let span = Span {
             start: call_start,
             end: call_end,
-            seq_base: sock.seq_base[d],
-            msg_bytes: &mut sock.msg_bytes[d],
         };
-        frame(st, &peer, call, &hdr, &span);
+        frame(st, &peer, call, &ec, &span);
     }
     st.pos = call_end;
 }
 
-/// Record header and sequence base for emissions outside the loop.
+/// What writing a message record needs besides the message: the record header, the
+/// direction's TCP sequence number of stream offset 0, and where the socket's window and this
+/// direction's byte total live (in its `SOCKETS` value). Plain pointers: BPF functions take at
+/// most five arguments, and BTF cannot describe a reference to a data-carrying enum.
+#[repr(C)]
 struct EmitCtx {
     hdr: EventHeader,
     seq_base: u32,
-    /// This direction's [`SockState::msg_bytes`].
-    msg_bytes: *mut u64,
+    /// [`SockState::window`].
+    window: *mut WindowState,
+    /// [`SockState::msg_bytes`] of this direction.
+    bytes: *mut u64,
 }
 
-/// Stream offsets `[start, end)` of the bytes one call moved, and the direction's TCP sequence
-/// number of stream offset 0.
+/// Stream offsets `[start, end)` of the bytes one call moved.
 struct Span {
     start: u64,
     end: u64,
-    seq_base: u32,
-    /// This direction's [`SockState::msg_bytes`].
-    msg_bytes: *mut u64,
 }
 
 /// Runs the framing loop over one call's bytes.
 #[inline(never)]
-fn frame(st: &mut DirState, peer: &PeerView, call: &Call, hdr: &EventHeader, span: &Span) {
+fn frame(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx, span: &Span) {
     let (call_start, call_end) = (span.start, span.end);
     let (iov_ptr, iov_cnt, cur_base, cur_len) = if call.args.kind == call_kind::IOVEC {
         let mut iov = [0u64; 2];
@@ -454,7 +496,7 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, hdr: &EventHeader, spa
         if rc != 0 {
             count(counter::USER_READ_FAULT);
             let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
-            emit(hdr, &out, 0);
+            emit_stop(&ec.hdr, &out);
             return;
         }
         (call.args.ptr, call.args.len, iov[0], iov[1])
@@ -463,9 +505,12 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, hdr: &EventHeader, spa
     };
     let mut ctx = LoopCtx {
         st: st as *mut DirState,
-        msg_bytes: span.msg_bytes,
-        seq_base: span.seq_base,
-        hdr: *hdr,
+        ec: EmitCtx {
+            hdr: ec.hdr,
+            seq_base: ec.seq_base,
+            window: ec.window,
+            bytes: ec.bytes,
+        },
         peer: *peer,
         call_start,
         call_end,
@@ -489,13 +534,14 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, hdr: &EventHeader, spa
         if at < call_end {
             count(counter::LOOP_LIMIT);
             let out = st.stop(UnparsedReason::LoopLimit, 0);
-            emit(hdr, &out, 0);
+            emit_stop(&ec.hdr, &out);
         }
     }
 }
 
 /// A send that moved nothing (EAGAIN) at a message boundary: spice-server has counted the
-/// message already, and its header is in the rejected buffer. Report it now, once.
+/// message already, and its header is in the rejected buffer. Report it now, once, and apply
+/// it to the window now (the later write that carries it finds it `already_reported`).
 #[inline(never)]
 fn peek_eagain(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx) {
     let _ = st.prepare(peer);
@@ -538,8 +584,7 @@ fn peek_eagain(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx) {
         return;
     }
     if let Some(m) = st.peek(&first, avail, peer) {
-        // Counted now, as its record is: the later write that completes it emits none.
-        unsafe { *ec.msg_bytes += m.hdr_len as u64 + m.size as u64 };
-        emit_message(&ec.hdr, &m, msg_flags::EAGAIN_START, ec.seq_base);
+        let channel_type = message_channel_type(st, peer);
+        emit_message(ec, &m, msg_flags::EAGAIN_START, st.role, channel_type);
     }
 }

@@ -275,6 +275,7 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     if tty && opts.progress {
         eprintln!();
     }
+    engine.read_kernel_state();
     engine.drain();
     // The series is complete: flush it before the report (its error is reported at the end).
     let samples_result = samples_out.map(|w| w.finish());

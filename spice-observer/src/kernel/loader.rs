@@ -675,6 +675,31 @@ impl Capture {
             .ok()
     }
 
+    /// The kernel's state of socket `cookie` (`SOCKETS`: framing, byte totals and ACK window),
+    /// if it has an entry. The map value is copied without a lock while the kernel may be
+    /// writing it, so it is read until two reads in a row agree (at most 3 reads); `None` if
+    /// they never do, or on any error.
+    pub fn sock_state(&mut self, cookie: u64) -> Option<SockState> {
+        let map = self.hash::<u64, SockState>("SOCKETS").ok()?;
+        let same = |a: &SockState, b: &SockState| {
+            a.window == b.window
+                && a.msg_bytes == b.msg_bytes
+                && (0..2).all(|d| {
+                    a.dir[d].msg_count == b.dir[d].msg_count
+                        && a.dir[d].announced_at == b.dir[d].announced_at
+                })
+        };
+        let mut prev = map.get(&cookie, 0).ok()?;
+        for _ in 0..2 {
+            let next = map.get(&cookie, 0).ok()?;
+            if same(&prev, &next) {
+                return Some(next);
+            }
+            prev = next;
+        }
+        None
+    }
+
     /// Stops watching the processes of one watch: every `WATCHED_TGIDS` entry whose key or
     /// value (the watched pid a forked child descends from, `spice-ebpf/src/probes/sched.rs`)
     /// is one of `roots`. Returns the tgids removed.

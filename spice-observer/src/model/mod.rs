@@ -1,7 +1,8 @@
 //! The agent's model of every watched socket: identity, SPICE channel, framing status,
-//! message counts per direction and type, and the replayed ACK window. Built only from kernel
-//! records ([`crate::events::Event`]), in ring order (the ring serialises reservations, so
-//! records of one thread arrive in program order).
+//! message counts per direction and type, and statistics of the ACK window the kernel keeps.
+//! Built from kernel records ([`crate::events::Event`]), in ring order (the ring serialises
+//! reservations, so records of one thread arrive in program order), and checked against the
+//! kernel's own per-socket state when the agent reads it ([`Model::kernel_state`]).
 
 pub mod chain;
 pub mod hist;
@@ -15,7 +16,7 @@ use std::{
 use spice_ebpf_common::{
     event::{EventHeader, LinkEvent, MessageEvent, SockState, TcpSnapshot, dir, kind, msg_flags},
     framing::{Role, UnparsedReason},
-    protocol::{channel, msg_client, msg_server},
+    protocol::{channel, msg_server},
     window::WindowState,
 };
 
@@ -114,10 +115,12 @@ pub struct SocketModel {
     pub closed_ns: Option<u64>,
     /// Indexed by [`dir::SEND`] / [`dir::RECV`].
     pub dirs: [DirStats; 2],
-    /// spice-server's ACK window, replayed on this socket's server → client messages and
-    /// client → server ACK_SYNC / ACK, with this socket's channel type (urgent pairs exist on
-    /// display only). Active only once a SET_ACK was seen: display and cursor channels.
+    /// spice-server's ACK window on this socket, as the kernel keeps it (each record's
+    /// post-message state) plus time statistics. Active only once a SET_ACK was seen: display
+    /// and cursor channels.
     pub window: AckWindow,
+    /// Comparisons of [`Self::window`] and the byte totals with the kernel's `SOCKETS` entry.
+    pub kernel: KernelCheck,
     /// Main INIT session id (main channel), or the link message's connection_id (others).
     pub session_id: Option<u32>,
     /// Last TCP state a kernel hook read (socket calls, sockops, close).
@@ -139,6 +142,7 @@ impl SocketModel {
             closed_ns: None,
             dirs: Default::default(),
             window: AckWindow::default(),
+            kernel: KernelCheck::default(),
             session_id: None,
             tcp: None,
             notsent_max: 0,
@@ -255,24 +259,94 @@ impl SocketModel {
         if ds.first.len() < FINGERPRINT {
             ds.first.push(span);
         }
-        match ds.role {
-            Role::ServerToClient => {
-                let channel_type = self.channel().map(|c| c.0);
-                self.window
-                    .server_message(m.hdr.ts_ns, channel_type, m.msg_type, m.prefix);
-                let is_main = channel_type == Some(channel::MAIN);
-                if is_main && m.msg_type == msg_server::MAIN_INIT && m.size >= 4 {
-                    self.session_id = Some(m.prefix[0]);
-                }
-            }
-            Role::ClientToServer => match m.msg_type {
-                msg_client::ACK_SYNC => self.window.ack_sync(m.hdr.ts_ns, m.prefix[0]),
-                msg_client::ACK => self.window.ack(m.hdr.ts_ns),
-                _ => {}
-            },
-            Role::Unknown => {}
+        let role = ds.role;
+        self.window.record(role, m);
+        if role == Role::ServerToClient
+            && self.channel().map(|c| c.0) == Some(channel::MAIN)
+            && m.msg_type == msg_server::MAIN_INIT
+            && m.size >= 4
+        {
+            self.session_id = Some(m.prefix[0]);
+        }
+        self.compare_kernel();
+    }
+
+    /// Compares the pending kernel read with the record-derived state if exactly the
+    /// messages the kernel had applied at the read have been applied here; drops it if more
+    /// have (it can no longer be compared).
+    fn compare_kernel(&mut self) {
+        let Some(k) = self.kernel.pending else {
+            return;
+        };
+        let applied = [self.dirs[0].last_index, self.dirs[1].last_index];
+        if applied.iter().zip(k.messages).any(|(&a, b)| a > b) {
+            self.kernel.pending = None;
+            return;
+        }
+        if applied != k.messages {
+            return;
+        }
+        let mut diff = self.window.differences(&k.window);
+        if self.dirs[0].bytes != k.bytes[0] {
+            diff.push("bytes_sent");
+        }
+        if self.dirs[1].bytes != k.bytes[1] {
+            diff.push("bytes_received");
+        }
+        self.kernel.compared += 1;
+        if !diff.is_empty() {
+            self.kernel.differed += 1;
+            self.kernel.differences = diff;
+        }
+        self.kernel.last = Some(k);
+        self.kernel.pending = None;
+    }
+}
+
+/// One read of a socket's kernel state (`SOCKETS`), in the terms the model compares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelRead {
+    /// CLOCK_MONOTONIC ns of the read.
+    pub read_ns: u64,
+    /// The kernel's window ([`SockState::window`]).
+    pub window: WindowState,
+    /// Messages the kernel had applied per direction ([`dir`] index): `DirState::msg_count`,
+    /// plus the one an EAGAIN send reported early (`announced_at` ≠ 0), whose record carries
+    /// the next index.
+    pub messages: [u64; 2],
+    /// [`SockState::msg_bytes`]: header + body bytes of those messages.
+    pub bytes: [u64; 2],
+}
+
+impl KernelRead {
+    /// From a `SOCKETS` value read at `read_ns`.
+    pub fn new(st: &SockState, read_ns: u64) -> Self {
+        let applied = |d: usize| st.dir[d].msg_count + u64::from(st.dir[d].announced_at != 0);
+        KernelRead {
+            read_ns,
+            window: st.window,
+            messages: [applied(0), applied(1)],
+            bytes: st.msg_bytes,
         }
     }
+}
+
+/// Comparisons of one socket's record-derived window and byte totals with the kernel's state.
+/// A read is compared when the model has applied exactly the records of the messages the
+/// kernel had applied at the read (per direction, by message index); a read overtaken before
+/// that (a newer read, or a lost record) is dropped uncompared.
+#[derive(Clone, Debug, Default)]
+pub struct KernelCheck {
+    /// The newest read, not compared yet.
+    pub pending: Option<KernelRead>,
+    /// The newest read that was compared.
+    pub last: Option<KernelRead>,
+    /// Reads compared, and those in which some field differed.
+    pub compared: u64,
+    pub differed: u64,
+    /// The fields that differed in the newest read that differed ([`AckWindow::differences`]
+    /// names, `bytes_sent`, `bytes_received`).
+    pub differences: Vec<&'static str>,
 }
 
 /// A process event seen while observing.
@@ -332,12 +406,10 @@ pub struct Restored {
 /// The host window of a connection whose exact state is `w` (from the kernel's socket map),
 /// as of `now_ns`.
 ///
-/// KWINDOW: call `AckWindow::resume_from(w, now_ns)` here once branch `kwindow` provides it
-/// (the kernel runs the window rule there). Until then the kernel leaves `w` zeroed and a
-/// restarted agent cannot continue the window: the connection's window starts inactive.
+/// The kernel runs spice-server's window rule on every framed message and keeps its exact
+/// state in the socket map, so the window continues exactly: [`AckWindow::resume_from`].
 fn resume_window(w: &WindowState, now_ns: u64) -> AckWindow {
-    let _ = (w, now_ns);
-    AckWindow::default()
+    AckWindow::resume_from(w, now_ns)
 }
 
 impl Model {
@@ -592,6 +664,16 @@ impl Model {
         }
     }
 
+    /// Hands the model a read of socket `cookie`'s kernel state (`SOCKETS`) made at `read_ns`:
+    /// compared with the record-derived state at once or when the records it covers have been
+    /// applied ([`KernelCheck`]). Unknown sockets are ignored.
+    pub fn kernel_state(&mut self, cookie: u64, st: &SockState, read_ns: u64) {
+        if let Some(s) = self.sockets.get_mut(&cookie) {
+            s.kernel.pending = Some(KernelRead::new(st, read_ns));
+            s.compare_kernel();
+        }
+    }
+
     /// Records a TCP state sample read from the kernel map.
     pub fn tcp_sample(&mut self, cookie: u64, snap: TcpSnapshot) {
         if let Some(s) = self.sockets.get_mut(&cookie) {
@@ -607,72 +689,103 @@ impl Model {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use spice_ebpf_common::event::dir;
+    use spice_ebpf_common::{event::dir, protocol::msg_client};
 
-    /// One server-end socket (the watched process is spice-server: it reads the link message)
-    /// of channel `channel_type`, fed SET_ACK(1, W=2), ACK_SYNC(1), then `types` as server
-    /// messages.
-    fn server_socket(channel_type: u8, types: &[u16]) -> SocketModel {
-        let mut m = Model::default();
-        let hdr = |d: u8, ts: u64| EventHeader {
+    /// One server-end socket (cookie 7; the watched process is spice-server: it reads the
+    /// link message, so [`dir::SEND`] is server → client) fed as the kernel feeds the agent:
+    /// each message goes through the shared window rule and the message counts of a
+    /// [`SockState`] as `capture.rs` applies them, and its record carries the post-state.
+    struct Feed {
+        m: Model,
+        k: SockState,
+        channel_type: u8,
+    }
+
+    fn hdr(d: u8, ts: u64) -> EventHeader {
+        EventHeader {
             dir: d,
             ts_ns: ts,
             cookie: 7,
             tgid: 1,
             ..Default::default()
-        };
-        m.apply(&Event::Link(LinkEvent {
-            hdr: hdr(dir::RECV, 1),
-            role: Role::ClientToServer as u8,
-            channel_type,
-            ..Default::default()
-        }));
-        m.apply(&Event::Link(LinkEvent {
-            hdr: hdr(dir::SEND, 2),
-            role: Role::ServerToClient as u8,
-            ..Default::default()
-        }));
-        let msg = |d: u8, ts: u64, index: u64, msg_type: u16, prefix: [u32; 2]| {
+        }
+    }
+
+    impl Feed {
+        fn new(channel_type: u8) -> Self {
+            let mut m = Model::default();
+            m.apply(&Event::Link(LinkEvent {
+                hdr: hdr(dir::RECV, 1),
+                role: Role::ClientToServer as u8,
+                channel_type,
+                ..Default::default()
+            }));
+            m.apply(&Event::Link(LinkEvent {
+                hdr: hdr(dir::SEND, 2),
+                role: Role::ServerToClient as u8,
+                ..Default::default()
+            }));
+            Feed {
+                m,
+                k: SockState::default(),
+                channel_type,
+            }
+        }
+
+        /// The kernel applies a message of direction `d` and returns its record (not given to
+        /// the model yet).
+        fn kernel(&mut self, d: u8, ts: u64, msg_type: u16, prefix: [u32; 2]) -> Event {
+            let role = if d == dir::SEND {
+                Role::ServerToClient
+            } else {
+                Role::ClientToServer
+            };
+            let fx = self
+                .k
+                .window
+                .apply(role as u8, ts, self.channel_type, msg_type, prefix);
+            let i = d as usize;
+            self.k.dir[i].msg_count += 1;
+            self.k.msg_bytes[i] += 6 + 10;
             Event::Message(MessageEvent {
                 hdr: hdr(d, ts),
-                index,
+                index: self.k.dir[i].msg_count,
+                size: 10,
                 msg_type,
                 hdr_len: 6,
                 prefix,
+                win_mw: self.k.window.messages_window,
+                win_count: self.k.window.count,
+                win_effects: fx,
                 ..Default::default()
             })
-        };
-        m.apply(&msg(dir::SEND, 10, 1, msg_server::SET_ACK, [1, 2]));
-        m.apply(&msg(dir::RECV, 11, 1, msg_client::ACK_SYNC, [1, 0]));
-        for (i, &t) in types.iter().enumerate() {
-            m.apply(&msg(dir::SEND, 20 + i as u64, 2 + i as u64, t, [0, 0]));
         }
-        m.sockets.remove(&7).unwrap()
-    }
 
-    #[test]
-    fn urgent_exemption_follows_the_link_messages_channel_type() {
-        // W = 2: three draws reach 4 = 2W, a 105 reaches 5 = 2W+1, then one more start.
-        let types = [302, 302, 302, 105, 302];
-        let d = server_socket(channel::DISPLAY, &types);
-        assert_eq!(d.window.count, 6);
-        assert_eq!(
-            (d.window.urgent_pair_peaks, d.window.starts_while_stalled),
-            (1, 0)
-        );
-        // On cursor the same 105 is CURSOR_HIDE: the start after it is not excused.
-        let c = server_socket(channel::CURSOR, &types);
-        assert_eq!(c.window.count, 6);
-        assert_eq!(
-            (c.window.urgent_pair_peaks, c.window.starts_while_stalled),
-            (0, 1)
-        );
+        fn send(&mut self, d: u8, ts: u64, msg_type: u16, prefix: [u32; 2]) {
+            let e = self.kernel(d, ts, msg_type, prefix);
+            self.m.apply(&e);
+        }
+
+        /// SET_ACK(1, W=2), ACK_SYNC(1), then `types` as server messages.
+        fn started(channel_type: u8, types: &[u16]) -> Self {
+            let mut f = Feed::new(channel_type);
+            f.send(dir::SEND, 10, msg_server::SET_ACK, [1, 2]);
+            f.send(dir::RECV, 11, msg_client::ACK_SYNC, [1, 0]);
+            for (i, &t) in types.iter().enumerate() {
+                f.send(dir::SEND, 20 + i as u64, t, [0, 0]);
+            }
+            f
+        }
+
+        fn socket(&self) -> &SocketModel {
+            &self.m.sockets[&7]
+        }
     }
 
     #[test]
     fn inflight_set_holds_the_set_ack_until_the_first_ack() {
         // What chain::inflight() places (README "Stages"): the newest `count` messages.
-        let mut s = server_socket(channel::DISPLAY, &[302, 302, 302]);
+        let mut f = Feed::started(channel::DISPLAY, &[302, 302, 302]);
         let types = |s: &SocketModel| -> Vec<(u64, u16)> {
             chain::inflight(s)
                 .iter()
@@ -680,22 +793,66 @@ mod tests {
                 .collect()
         };
         assert_eq!(
-            types(&s),
+            types(f.socket()),
             [(1, msg_server::SET_ACK), (2, 302), (3, 302), (4, 302)]
         );
         // The first ACK (W = 2) covers the oldest two: the SET_ACK and the first draw.
-        s.message(&MessageEvent {
-            hdr: EventHeader {
-                dir: dir::RECV,
-                ts_ns: 100,
-                cookie: 7,
-                ..Default::default()
-            },
-            index: 2,
-            msg_type: msg_client::ACK,
-            hdr_len: 6,
-            ..Default::default()
-        });
-        assert_eq!(types(&s), [(3, 302), (4, 302)]);
+        f.send(dir::RECV, 100, msg_client::ACK, [0, 0]);
+        assert_eq!(types(f.socket()), [(3, 302), (4, 302)]);
+    }
+
+    #[test]
+    fn kernel_reads_are_compared_once_the_records_catch_up() {
+        let mut f = Feed::started(channel::DISPLAY, &[302, 302]);
+        // Two records still in the ring when the kernel state is read.
+        let held = [
+            f.kernel(dir::SEND, 30, 302, [0, 0]),
+            f.kernel(dir::RECV, 31, msg_client::ACK, [0, 0]),
+        ];
+        f.m.kernel_state(7, &f.k, 40);
+        assert_eq!(f.socket().kernel.compared, 0);
+        assert!(f.socket().kernel.pending.is_some());
+        f.m.apply(&held[0]);
+        assert_eq!(f.socket().kernel.compared, 0);
+        f.m.apply(&held[1]);
+        let k = &f.socket().kernel;
+        assert_eq!((k.compared, k.differed, k.pending), (1, 0, None));
+        assert_eq!(k.last.unwrap().window.acks, 1);
+        // A message an EAGAIN send reported early: applied and recorded with the next index,
+        // DirState::msg_count not advanced yet.
+        let early = f.kernel(dir::SEND, 50, 302, [0, 0]);
+        f.k.dir[dir::SEND as usize].msg_count -= 1;
+        f.k.dir[dir::SEND as usize].announced_at = 1234;
+        f.m.apply(&early);
+        f.m.kernel_state(7, &f.k, 51);
+        assert_eq!(
+            (f.socket().kernel.compared, f.socket().kernel.differed),
+            (2, 0)
+        );
+    }
+
+    #[test]
+    fn a_lost_record_makes_the_kernel_read_differ_or_drops_it() {
+        let mut f = Feed::started(channel::DISPLAY, &[302, 302]);
+        // The kernel applies a draw whose record is lost, then another that arrives.
+        let _lost = f.kernel(dir::SEND, 30, 302, [0, 0]);
+        f.send(dir::SEND, 31, 302, [0, 0]);
+        f.m.kernel_state(7, &f.k, 40);
+        let k = &f.socket().kernel;
+        assert_eq!((k.compared, k.differed), (1, 1));
+        assert_eq!(
+            k.differences,
+            ["messages_after_set_ack", "bytes_sent"],
+            "{:?} vs {:?}",
+            f.socket().window,
+            f.k.window
+        );
+        // A read taken while the host is behind, whose next record is lost: the host jumps
+        // past it, and the read is dropped uncompared.
+        let _lost = f.kernel(dir::SEND, 50, 302, [0, 0]);
+        f.m.kernel_state(7, &f.k, 51);
+        f.send(dir::SEND, 52, 302, [0, 0]);
+        let k = &f.socket().kernel;
+        assert_eq!((k.compared, k.pending), (1, None));
     }
 }

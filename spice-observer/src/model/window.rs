@@ -1,48 +1,51 @@
-//! spice-server's ACK window, replayed from the messages the kernel saw.
+//! Statistics of spice-server's ACK window, derived from the kernel's exact window state.
 //!
-//! The rules are spice-server's own (`server/red-channel-client.cpp`; explained with sources in
-//! `docs/spice-protocol.md` §3):
-//! * SET_ACK (server → client, type 3) carries (generation, window W) and sets the count to 1:
-//!   the SET_ACK counts itself (`send_set_ack` zeroes `messages_window`, then
-//!   `begin_send_message` adds 1).
-//! * Every later server → client message adds 1 when it starts (`begin_send_message`), before
-//!   its first write, even if that write fails with EAGAIN.
-//! * ACK_SYNC (client → server, type 1) records the client's generation.
-//! * ACK (client → server, type 2) subtracts W only if that generation equals the SET_ACK's;
-//!   other ACKs are dropped silently.
-//! * The server starts no new message while the count is above 2W (`waiting_for_ack`), so the
-//!   count peaks at 2W+1, or 2W+2 when an urgent pair (INVAL_LIST or LIST, then the message it
-//!   guards, `dcc-send.cpp` `send_free_list`) straddles the threshold. Urgent pairs exist on
-//!   display connections only (§3.3): on cursor, type 105 is CURSOR_HIDE and LIST is never sent,
-//!   so the exemption is keyed on the channel type.
+//! The kernel runs spice-server's window rule (`spice_ebpf_common::window`, explained with
+//! sources in `docs/spice-protocol.md` §3) on every framed message of a socket, keeps the state
+//! in the socket map `SOCKETS` (`SockState::window`) and puts its post-state in each message
+//! record: the in-flight count ([`MessageEvent::win_count`]), spice-server's `messages_window`
+//! ([`MessageEvent::win_mw`]) and the [`effect`] bits saying what the message did. The agent
+//! does not replay the rule: [`AckWindow`] takes the count from each record, the counters from
+//! the effect bits (and from the record's kind where no bit exists: ACK_SYNCs, server messages
+//! after the first SET_ACK), W and the generation from the SET_ACK record's body prefix, and
+//! adds what the kernel does not keep: time. Records arrive in the order the kernel applied
+//! them (the two directions of a connection are served by one thread, and the ring serialises
+//! reservations), so the count between two records is the first one's post-state.
 //!
-//! Two counts are kept, because spice-server's `messages_window` is a `uint32_t` (§3.5):
+//! Two counts, because spice-server's `messages_window` is a `uint32_t` (§3.5):
 //! * [`AckWindow::messages_window`] is spice-server's value exactly, with its unsigned
 //!   wrap-around. It decides whether the server is waiting for an ACK, as in
 //!   `waiting_for_ack()`.
 //! * [`AckWindow::count`] is the in-flight count reported: messages started and not yet covered
 //!   by an ACK, never below 0. The two are equal unless a surplus ACK arrived (one that found
-//!   fewer than W messages in flight): spice-server's unsigned subtraction then wraps
-//!   `messages_window` to about 2³², which keeps it waiting for good, while nothing is in
-//!   flight. The replay counts such ACKs in [`AckWindow::ack_surplus`], sets the count to 0 and
-//!   keeps `messages_window` wrapped, so the stall spice-server is in shows as stalled time.
+//!   fewer than W messages in flight): the kernel counts those ([`effect::ACK_SURPLUS`]), keeps
+//!   `messages_window` wrapped, and spice-server's wait shows as stalled time.
 //!
 //! Every SET_ACK opens a new generation (spice-server resets `messages_window` in
 //! `send_set_ack`). The time-weighted statistics (histogram, maximum, stalled time, stalls) are
 //! those of the current generation; [`AckWindow::generations`] says how many there were. The
 //! state is bounded: the histogram holds at most [`HISTOGRAM_MAX`] + 1 values, whatever the run
 //! length.
+//!
+//! A restarted agent continues from the kernel's state with [`AckWindow::resume_from`]: the
+//! counters continue exactly, the time statistics start again at the resume.
 
 use std::collections::BTreeMap;
 
-use spice_ebpf_common::protocol::{channel, msg_server};
+use spice_ebpf_common::{
+    event::MessageEvent,
+    framing::Role,
+    protocol::msg_client,
+    window::{WindowState, effect, state_flag},
+};
 
 /// Highest count the time histogram keeps apart; longer stays above it are added to this value.
 /// spice-server's count never exceeds 2W+2 (82 with W = 40, `WIDE_CLIENT_ACK_WINDOW`), so only
 /// a peer that ignores the window reaches it.
 pub const HISTOGRAM_MAX: u32 = 4096;
 
-/// Replayed window state and statistics of one display or cursor connection.
+/// Window state and statistics of one display or cursor connection, derived from the kernel's
+/// post-message window state in each record.
 #[derive(Clone, Debug, Default)]
 pub struct AckWindow {
     /// W from the last SET_ACK, in messages (0 before any SET_ACK).
@@ -52,11 +55,12 @@ pub struct AckWindow {
     /// Generation from the last ACK_SYNC, if any.
     pub client_generation: Option<u32>,
     /// In flight: messages started since the last SET_ACK (the SET_ACK included) and not yet
-    /// covered by a matching ACK, never below 0. Equals [`Self::messages_window`] unless a
-    /// surplus ACK arrived in this generation.
+    /// covered by a matching ACK, never below 0 (the kernel's [`WindowState::count`] after the
+    /// newest record). Equals [`Self::messages_window`] unless a surplus ACK arrived in this
+    /// generation.
     pub count: u32,
     /// spice-server's `messages_window` exactly (a `uint32_t`: increments and subtractions
-    /// wrap around as in C). Decides [`Self::stalled`].
+    /// wrap around as in C), after the newest record. Decides [`Self::stalled`].
     pub messages_window: u32,
     /// SET_ACKs seen (each opens a generation).
     pub set_acks: u64,
@@ -72,7 +76,7 @@ pub struct AckWindow {
     /// Server → client messages counted after the first SET_ACK (SET_ACKs not included).
     pub messages_after_set_ack: u64,
     /// Message starts while spice-server was waiting for an ACK that an urgent pair does not
-    /// explain: spice-server never does this, so a non-zero value means the replay is wrong
+    /// explain: spice-server never does this, so a non-zero value means the rule is wrong
     /// (or the server is not spice-server). All generations.
     pub starts_while_stalled: u64,
     /// Starts at 2W+1 right after an urgent INVAL_LIST / LIST on a display connection
@@ -83,16 +87,20 @@ pub struct AckWindow {
     /// Transitions from not waiting to waiting for an ACK (`messages_window` going above 2W)
     /// in the current generation.
     pub stalls: u64,
+    /// CLOCK_MONOTONIC ns when the current stall began (the record's `ts_ns`, or the kernel's
+    /// [`WindowState::stall_began_ns`] after [`Self::resume_from`]); `None` while not stalled.
+    pub stall_began_ns: Option<u64>,
+    /// CLOCK_MONOTONIC ns of the current generation's SET_ACK.
+    pub generation_began_ns: Option<u64>,
     /// Nanoseconds spent at each in-flight count (clamped to [`HISTOGRAM_MAX`]) in the current
     /// generation.
     time_at: BTreeMap<u32, u64>,
     /// Nanoseconds spent waiting for an ACK in the current generation.
     stalled_ns: u64,
-    /// Timestamp of the current generation's SET_ACK, and of the last event.
+    /// Start of the current generation's time accounting (its SET_ACK, or the resume), and the
+    /// timestamp of the last record.
     since_ns: Option<u64>,
     last_ns: u64,
-    /// Type of the previous server → client message.
-    last_type: u16,
     /// Nanoseconds spent at each in-flight count (clamped to [`HISTOGRAM_MAX`]) over every
     /// generation: the source of [`WindowStats::histogram`].
     time_at_total: BTreeMap<u32, u64>,
@@ -155,6 +163,42 @@ pub fn histogram_bounds(w: u32) -> Vec<u32> {
 }
 
 impl AckWindow {
+    /// A window that continues from the kernel's state `k` at `now_ns` (CLOCK_MONOTONIC): for
+    /// an agent that started while the connection was open and found its `SOCKETS` entry
+    /// (pinned maps after a restart). Every counter, W, the generations, the count and the
+    /// current generation's maximum and stalls continue exactly; the time statistics
+    /// (histogram, stalled time, observed time) start at `now_ns`, and
+    /// [`Self::stall_began_ns`] is the kernel's if it is stalled. Records the kernel wrote
+    /// before `k` was read must not be applied on top (skip messages whose `index` is at or
+    /// below the direction's `DirState::msg_count` read with `k`).
+    pub fn resume_from(k: &WindowState, now_ns: u64) -> Self {
+        let active = k.active();
+        AckWindow {
+            window: k.window,
+            generation: k.generation,
+            client_generation: (k.flags & state_flag::CLIENT_GENERATION != 0)
+                .then_some(k.client_generation),
+            count: k.count,
+            messages_window: k.messages_window,
+            set_acks: k.set_acks,
+            ack_syncs: k.ack_syncs,
+            acks: k.acks,
+            acks_ignored: k.acks_ignored,
+            ack_surplus: k.ack_surplus,
+            messages_after_set_ack: k.messages_after_set_ack,
+            starts_while_stalled: k.starts_while_stalled,
+            urgent_pair_peaks: k.urgent_pair_peaks,
+            max: k.max,
+            stalls: u64::from(k.stalls),
+            stall_began_ns: k.stalled().then_some(k.stall_began_ns),
+            generation_began_ns: active.then_some(k.generation_began_ns),
+            since_ns: active.then_some(now_ns),
+            last_ns: now_ns,
+            stalls_total: k.stalls_total,
+            ..Default::default()
+        }
+    }
+
     /// Whether a SET_ACK has been seen (only then are the other fields meaningful).
     pub fn active(&self) -> bool {
         self.since_ns.is_some()
@@ -178,9 +222,10 @@ impl AckWindow {
     }
 
     /// Whether spice-server is waiting for an ACK: `waiting_for_ack()`, i.e.
-    /// `messages_window > client_window * 2` in unsigned 32-bit arithmetic.
+    /// `messages_window > client_window * 2` in unsigned 32-bit arithmetic, once a SET_ACK
+    /// was seen ([`WindowState::stalled`]).
     pub fn stalled(&self) -> bool {
-        self.messages_window > self.threshold()
+        self.active() && self.messages_window > self.threshold()
     }
 
     fn advance(&mut self, now_ns: u64) {
@@ -200,90 +245,106 @@ impl AckWindow {
         }
     }
 
-    /// Sets both counts (`count` = in flight, `mw` = spice-server's) and the maxima.
-    fn set(&mut self, count: u32, mw: u32) {
-        let was_stalled = self.stalled();
-        self.count = count;
-        self.messages_window = mw;
-        self.max = self.max.max(count);
-        if !was_stalled && self.stalled() {
-            self.stalls += 1;
-            self.stalls_total += 1;
-        }
-    }
-
-    /// A server → client message of type `msg_type` started at `now_ns` on a connection of
-    /// channel type `channel_type` (from the client's link message; `None` if not known). For
-    /// SET_ACK, `prefix` holds (generation, window).
-    pub fn server_message(
-        &mut self,
-        now_ns: u64,
-        channel_type: Option<u8>,
-        msg_type: u16,
-        prefix: [u32; 2],
-    ) {
+    /// Applies one message record of a direction with SPICE role `role` (of this socket,
+    /// either direction, in ring order): the interval since the previous record is charged to
+    /// the previous count, then the record's post-state and effect bits are taken.
+    pub fn record(&mut self, role: Role, m: &MessageEvent) {
+        let now_ns = m.hdr.ts_ns;
         self.advance(now_ns);
-        if self.active() && self.stalled() {
-            // Only the second message of an urgent pair starts without passing the gate: it is
-            // begun from `msg_sent`, right after the urgent INVAL_LIST or LIST (display only).
-            let urgent = channel_type == Some(channel::DISPLAY)
-                && matches!(
-                    self.last_type,
-                    msg_server::DISPLAY_INVAL_LIST | msg_server::LIST
-                );
-            if urgent && self.messages_window == self.threshold() + 1 {
-                self.urgent_pair_peaks += 1;
-            } else {
-                self.starts_while_stalled += 1;
+        let fx = m.win_effects;
+        match role {
+            Role::ServerToClient if fx & effect::NEW_GENERATION != 0 => {
+                self.set_acks += 1;
+                self.generation = m.prefix[0];
+                self.window = m.prefix[1];
+                // A new generation: its statistics start here.
+                self.since_ns = Some(now_ns);
+                self.generation_began_ns = Some(now_ns);
+                self.last_ns = now_ns;
+                self.time_at.clear();
+                self.stalled_ns = 0;
+                self.stalls = 0;
+                self.max = 0;
+            }
+            Role::ServerToClient if self.active() => self.messages_after_set_ack += 1,
+            Role::ClientToServer if m.msg_type == msg_client::ACK_SYNC => {
+                self.ack_syncs += 1;
+                self.client_generation = Some(m.prefix[0]);
+            }
+            _ => {}
+        }
+        let counters = [
+            (effect::ACK_APPLIED, &mut self.acks),
+            (effect::ACK_IGNORED, &mut self.acks_ignored),
+            (effect::ACK_SURPLUS, &mut self.ack_surplus),
+            (
+                effect::STARTED_WHILE_STALLED,
+                &mut self.starts_while_stalled,
+            ),
+            (effect::URGENT_PEAK, &mut self.urgent_pair_peaks),
+            (effect::STALL_BEGAN, &mut self.stalls),
+            (effect::STALL_BEGAN, &mut self.stalls_total),
+        ];
+        for (bit, n) in counters {
+            if fx & bit != 0 {
+                *n += 1;
             }
         }
-        if msg_type == msg_server::SET_ACK {
-            self.set_acks += 1;
-            self.generation = prefix[0];
-            self.window = prefix[1];
-            // A new generation: its statistics start here.
-            self.since_ns = Some(now_ns);
-            self.last_ns = now_ns;
-            self.time_at.clear();
-            self.stalled_ns = 0;
-            self.stalls = 0;
-            self.max = 0;
-            // send_set_ack zeroes messages_window, then the SET_ACK itself counts.
-            self.count = 0;
-            self.messages_window = 0;
-            self.set(1, 1);
-        } else if self.active() {
-            self.messages_after_set_ack += 1;
-            self.set(
-                self.count.saturating_add(1),
-                self.messages_window.wrapping_add(1),
-            );
+        if fx & effect::STALL_ENDED != 0 {
+            self.stall_began_ns = None;
         }
-        self.last_type = msg_type;
+        if fx & effect::STALL_BEGAN != 0 {
+            self.stall_began_ns = Some(now_ns);
+        }
+        self.count = m.win_count;
+        self.messages_window = m.win_mw;
+        if self.active() {
+            self.max = self.max.max(self.count);
+        }
     }
 
-    /// An ACK_SYNC carrying `generation` was read by the server at `now_ns`.
-    pub fn ack_sync(&mut self, now_ns: u64, generation: u32) {
-        self.advance(now_ns);
-        self.ack_syncs += 1;
-        self.client_generation = Some(generation);
-    }
-
-    /// An ACK was read by the server at `now_ns`.
-    pub fn ack(&mut self, now_ns: u64) {
-        self.advance(now_ns);
-        if self.active() && self.client_generation == Some(self.generation) {
-            self.acks += 1;
-            if self.count < self.window {
-                self.ack_surplus += 1;
-            }
-            self.set(
-                self.count.saturating_sub(self.window),
-                self.messages_window.wrapping_sub(self.window),
-            );
-        } else {
-            self.acks_ignored += 1;
-        }
+    /// Fields in which this window differs from the kernel's state `k` (read when exactly the
+    /// records applied here had been applied in the kernel), by name; empty when they agree.
+    /// Compares the count, `messages_window`, W, the generations and every counter.
+    pub fn differences(&self, k: &WindowState) -> Vec<&'static str> {
+        let kc = (k.flags & state_flag::CLIENT_GENERATION != 0).then_some(k.client_generation);
+        let checks = [
+            ("active", self.active() == k.active()),
+            ("count", self.count == k.count),
+            ("messages_window", self.messages_window == k.messages_window),
+            ("window", self.window == k.window),
+            ("generation", self.generation == k.generation),
+            ("client_generation", self.client_generation == kc),
+            ("set_acks", self.set_acks == k.set_acks),
+            ("ack_syncs", self.ack_syncs == k.ack_syncs),
+            ("acks", self.acks == k.acks),
+            ("acks_ignored", self.acks_ignored == k.acks_ignored),
+            ("ack_surplus", self.ack_surplus == k.ack_surplus),
+            (
+                "messages_after_set_ack",
+                self.messages_after_set_ack == k.messages_after_set_ack,
+            ),
+            (
+                "starts_while_stalled",
+                self.starts_while_stalled == k.starts_while_stalled,
+            ),
+            (
+                "urgent_pair_peaks",
+                self.urgent_pair_peaks == k.urgent_pair_peaks,
+            ),
+            ("max", self.max == k.max),
+            ("stalls", self.stalls as u32 == k.stalls),
+            ("stalls_total", self.stalls_total == k.stalls_total),
+            (
+                "stall_began_ns",
+                self.stall_began_ns == k.stalled().then_some(k.stall_began_ns),
+            ),
+        ];
+        checks
+            .into_iter()
+            .filter(|(_, ok)| !ok)
+            .map(|(name, _)| name)
+            .collect()
     }
 
     /// Closes the time accounting at `now_ns` (socket close: no event can follow).
@@ -409,189 +470,196 @@ fn quantile_of(hist: &BTreeMap<u32, u64>, key: u32, extra: u64, q: f64) -> Optio
 #[cfg(test)]
 mod tests {
     use super::*;
-    use spice_ebpf_common::protocol::msg_server::{DISPLAY_INVAL_LIST, LIST, SET_ACK};
+    use spice_ebpf_common::{
+        event::EventHeader,
+        protocol::{
+            channel,
+            msg_server::{DISPLAY_INVAL_LIST, SET_ACK},
+        },
+    };
 
     const DRAW: u16 = 302;
-    /// Cursor HIDE (S→C 105 on cursor, docs/spice-protocol.md §2.5).
-    const CURSOR_HIDE: u16 = 105;
-    const D: Option<u8> = Some(channel::DISPLAY);
-    const C: Option<u8> = Some(channel::CURSOR);
 
-    fn started(w: u32) -> AckWindow {
-        let mut a = AckWindow::default();
-        a.server_message(0, D, SET_ACK, [1, w]);
-        a.ack_sync(1, 1);
-        a
+    /// One connection as the kernel and the agent see it: the shared rule (the kernel's
+    /// [`WindowState`]) applied to each message, its post-state put in a record as
+    /// `capture.rs` does, the record given to an [`AckWindow`]. After every record the
+    /// derived window must agree with the kernel's state.
+    struct Conn {
+        kernel: WindowState,
+        w: AckWindow,
+        channel_type: u8,
+    }
+
+    impl Conn {
+        fn new(channel_type: u8) -> Self {
+            Conn {
+                kernel: WindowState::default(),
+                w: AckWindow::default(),
+                channel_type,
+            }
+        }
+
+        /// SET_ACK(1, w) at t=0, ACK_SYNC(1) at t=1.
+        fn started(w: u32) -> Self {
+            let mut c = Conn::new(channel::DISPLAY);
+            c.server(0, SET_ACK, [1, w]);
+            c.ack_sync(1, 1);
+            c
+        }
+
+        fn message(&mut self, role: Role, t: u64, msg_type: u16, prefix: [u32; 2]) -> MessageEvent {
+            let fx = self
+                .kernel
+                .apply(role as u8, t, self.channel_type, msg_type, prefix);
+            MessageEvent {
+                hdr: EventHeader {
+                    ts_ns: t,
+                    ..Default::default()
+                },
+                msg_type,
+                prefix,
+                win_mw: self.kernel.messages_window,
+                win_count: self.kernel.count,
+                win_effects: fx,
+                ..Default::default()
+            }
+        }
+
+        fn apply(&mut self, role: Role, t: u64, msg_type: u16, prefix: [u32; 2]) {
+            let m = self.message(role, t, msg_type, prefix);
+            self.w.record(role, &m);
+            let d = self.w.differences(&self.kernel);
+            assert!(d.is_empty(), "{d:?}: {:?} vs {:?}", self.w, self.kernel);
+        }
+
+        fn server(&mut self, t: u64, msg_type: u16, prefix: [u32; 2]) {
+            self.apply(Role::ServerToClient, t, msg_type, prefix);
+        }
+
+        fn draw(&mut self, t: u64) {
+            self.server(t, DRAW, [0, 0]);
+        }
+
+        fn ack_sync(&mut self, t: u64, generation: u32) {
+            self.apply(
+                Role::ClientToServer,
+                t,
+                msg_client::ACK_SYNC,
+                [generation, 0],
+            );
+        }
+
+        fn ack(&mut self, t: u64) {
+            self.apply(Role::ClientToServer, t, msg_client::ACK, [0, 0]);
+        }
     }
 
     #[test]
-    fn set_ack_counts_itself_and_acks_subtract_window() {
-        let mut a = started(20);
-        assert_eq!((a.count, a.messages_window), (1, 1));
-        for i in 0..20 {
-            a.server_message(10 + i, D, DRAW, [0, 0]);
+    fn counters_come_from_the_kernels_effect_bits() {
+        let mut c = Conn::started(2);
+        // An ACK_SYNC of another generation, an ignored ACK, then the right one.
+        c.ack_sync(2, 7);
+        c.ack(3);
+        c.ack_sync(4, 1);
+        for i in 0..4u64 {
+            c.draw(10 + i); // 5 = 2W+1 at t=13: stall
         }
-        assert_eq!(a.count, 21);
-        a.ack(100);
+        c.draw(20); // beyond the gate
+        c.ack(30); // 6 - 2 = 4: stall over
+        // Client messages other than ACK_SYNC / ACK change nothing.
+        c.apply(Role::ClientToServer, 31, 3, [0, 0]);
+        let w = &c.w;
         assert_eq!(
-            (a.count, a.acks, a.acks_ignored, a.ack_surplus),
-            (1, 1, 0, 0)
+            (
+                w.set_acks,
+                w.ack_syncs,
+                w.acks,
+                w.acks_ignored,
+                w.ack_surplus
+            ),
+            (1, 3, 1, 1, 0)
         );
-        assert_eq!(a.messages_after_set_ack, 20);
-        assert_eq!(a.messages_window, 1);
-    }
-
-    #[test]
-    fn ack_before_ack_sync_or_wrong_generation_is_ignored() {
-        let mut a = AckWindow::default();
-        a.server_message(0, D, SET_ACK, [2, 20]);
-        a.ack(1);
-        a.ack_sync(2, 1);
-        a.ack(3);
-        assert_eq!((a.acks, a.acks_ignored, a.count), (0, 2, 1));
-        for i in 0..25 {
-            a.server_message(4 + i, D, DRAW, [0, 0]);
-        }
-        a.ack_sync(40, 2);
-        a.ack(41);
-        assert_eq!((a.acks, a.count, a.ack_surplus), (1, 6, 0));
+        assert_eq!(
+            (w.messages_after_set_ack, w.starts_while_stalled, w.max),
+            (5, 1, 6)
+        );
+        assert_eq!(
+            (w.count, w.stalls, w.stalls_total(), w.stall_began_ns),
+            (4, 1, 1, None)
+        );
+        assert_eq!(w.client_generation, Some(1));
     }
 
     #[test]
     fn stall_at_2w_plus_1_and_time_fractions() {
-        let mut a = started(20);
+        let mut c = Conn::started(20);
         for i in 0..40u64 {
-            a.server_message(2 + i, D, DRAW, [0, 0]);
+            c.draw(2 + i);
         }
+        let a = &mut c.w;
         assert_eq!(a.count, 41);
         assert!(a.stalled());
-        assert_eq!(a.stalls, 1);
+        assert_eq!((a.stalls, a.stall_began_ns), (1, Some(41)));
         a.finish(1042);
         // The 40th draw (count 41) starts at t=41: stalled 1001 ns of 1042.
         assert!((a.stalled_fraction() - 1001.0 / 1042.0).abs() < 1e-9);
         assert_eq!(a.quantile(0.5), 41);
         assert_eq!(a.max, 41);
         assert_eq!(a.starts_while_stalled, 0);
-        a.server_message(2000, D, DRAW, [0, 0]);
-        assert_eq!(a.starts_while_stalled, 1);
+        c.draw(2000);
+        assert_eq!(c.w.starts_while_stalled, 1);
     }
 
     #[test]
-    fn urgent_pair_may_reach_2w_plus_2_on_display() {
-        for urgent in [DISPLAY_INVAL_LIST, LIST] {
-            let mut a = started(20);
-            for i in 0..39u64 {
-                a.server_message(2 + i, D, DRAW, [0, 0]);
-            }
-            a.server_message(50, D, urgent, [0, 0]);
-            assert_eq!(a.count, 41);
-            a.server_message(51, D, DRAW, [0, 0]);
-            assert_eq!(
-                (a.count, a.max, a.urgent_pair_peaks, a.starts_while_stalled),
-                (42, 42, 1, 0)
-            );
-            // A third start is beyond anything spice-server does.
-            a.server_message(52, D, DRAW, [0, 0]);
-            assert_eq!((a.urgent_pair_peaks, a.starts_while_stalled), (1, 1));
-        }
-    }
-
-    #[test]
-    fn no_urgent_pair_on_cursor() {
-        // On cursor, 105 is CURSOR_HIDE and 8 would be an ordinary LIST: neither excuses a
-        // start at 2W+1 (docs/spice-protocol.md §3.3).
-        for t in [CURSOR_HIDE, LIST] {
-            let mut a = AckWindow::default();
-            a.server_message(0, C, SET_ACK, [1, 2]);
-            a.ack_sync(1, 1);
-            for i in 0..3u64 {
-                a.server_message(2 + i, C, DRAW, [0, 0]);
-            }
-            a.server_message(10, C, t, [0, 0]);
-            assert_eq!(a.count, 5);
-            a.server_message(11, C, DRAW, [0, 0]);
-            assert_eq!(
-                (a.count, a.urgent_pair_peaks, a.starts_while_stalled),
-                (6, 0, 1)
-            );
-        }
-        // An unknown channel type gets no exemption either.
-        let mut a = AckWindow::default();
-        a.server_message(0, None, SET_ACK, [1, 1]);
-        a.server_message(1, None, DRAW, [0, 0]);
-        a.server_message(2, None, DISPLAY_INVAL_LIST, [0, 0]);
-        a.server_message(3, None, DRAW, [0, 0]);
-        assert_eq!((a.urgent_pair_peaks, a.starts_while_stalled), (0, 1));
-    }
-
-    #[test]
-    fn surplus_ack_wraps_messages_window_but_never_the_count() {
-        let mut a = started(20);
+    fn surplus_ack_keeps_the_server_stalled_with_nothing_in_flight() {
+        let mut c = Conn::started(20);
         for i in 0..5u64 {
-            a.server_message(2 + i, D, DRAW, [0, 0]);
+            c.draw(2 + i);
         }
-        assert_eq!(a.count, 6);
-        a.ack(100);
+        c.ack(100);
+        let a = &mut c.w;
         // spice-server: messages_window (uint32_t) = 6 - 20 wraps; waiting_for_ack() is then
         // true for good. In flight: nothing.
-        assert_eq!(a.ack_surplus, 1);
-        assert_eq!(a.count, 0);
+        assert_eq!((a.ack_surplus, a.count), (1, 0));
         assert_eq!(a.messages_window, 6u32.wrapping_sub(20));
         assert!(a.stalled());
         assert_eq!(a.stalls, 1);
         a.finish(200);
         assert!((a.stalled_fraction() - 100.0 / 200.0).abs() < 1e-9);
         assert_eq!(a.quantile(0.5), 0);
-        // A second matched ACK: spice-server subtracts again (no new wrap); still nothing in
-        // flight, and still a surplus.
-        a.ack(300);
-        assert_eq!((a.ack_surplus, a.count, a.acks), (2, 0, 2));
-        assert_eq!(a.messages_window, 6u32.wrapping_sub(40));
-        // A start now is one spice-server would not make.
-        a.server_message(400, D, DRAW, [0, 0]);
-        assert_eq!((a.count, a.starts_while_stalled), (1, 1));
-        // The next SET_ACK resets both counts.
-        a.server_message(500, D, SET_ACK, [2, 20]);
-        assert_eq!((a.count, a.messages_window, a.ack_surplus), (1, 1, 2));
-        assert!(!a.stalled());
-    }
-
-    #[test]
-    fn html5_cadence_reaches_zero_without_surplus() {
-        // spice-html5 ACKs after W-1 messages following the SET_ACK (§3.8): mw = W - W = 0.
-        let mut a = started(5);
-        for i in 0..4u64 {
-            a.server_message(2 + i, D, DRAW, [0, 0]);
-        }
-        a.ack(10);
-        assert_eq!((a.count, a.messages_window, a.ack_surplus), (0, 0, 0));
+        // The next SET_ACK ends the stall and resets both counts.
+        c.server(500, SET_ACK, [2, 20]);
+        assert_eq!((c.w.count, c.w.messages_window, c.w.ack_surplus), (1, 1, 1));
+        assert!(!c.w.stalled() && c.w.stall_began_ns.is_none());
     }
 
     #[test]
     fn second_set_ack_starts_a_new_generation() {
-        let mut a = started(10);
+        let mut c = Conn::started(10);
         // Generation 1: up to 21 (2W+1), 10 ns there.
         for i in 0..20u64 {
-            a.server_message(2 + i, D, DRAW, [0, 0]);
+            c.draw(2 + i);
         }
-        assert_eq!((a.max, a.stalls), (21, 1));
-        a.ack(31); // 11
-        a.server_message(100, D, SET_ACK, [2, 3]);
+        assert_eq!((c.w.max, c.w.stalls), (21, 1));
+        c.ack(31); // 11
+        c.server(100, SET_ACK, [2, 3]);
+        let a = &c.w;
         assert_eq!(a.generations(), 2);
         assert_eq!(
             (a.generation, a.window, a.count, a.max, a.stalls),
             (2, 3, 1, 1, 0)
         );
-        assert_eq!(a.observed_ns(), 0);
+        assert_eq!((a.observed_ns(), a.generation_began_ns), (0, Some(100)));
         // The client's ACK for generation 1 arrives late: ignored.
-        a.ack(101);
-        assert_eq!((a.acks, a.acks_ignored, a.count), (1, 1, 1));
-        a.ack_sync(102, 2);
+        c.ack(101);
+        assert_eq!((c.w.acks, c.w.acks_ignored, c.w.count), (1, 1, 1));
+        c.ack_sync(102, 2);
         for i in 0..6u64 {
-            a.server_message(110 + i, D, DRAW, [0, 0]);
+            c.draw(110 + i);
         }
-        assert_eq!((a.count, a.max, a.stalls), (7, 7, 1));
-        a.ack(200); // 4, from t=200
+        assert_eq!((c.w.count, c.w.max, c.w.stalls), (7, 7, 1));
+        c.ack(200); // 4, from t=200
+        let a = &mut c.w;
         a.finish(300);
         // Generation 2 only: 200 ns observed; stalled from t=115 to t=200.
         assert_eq!(a.observed_ns(), 200);
@@ -599,46 +667,130 @@ mod tests {
         assert_eq!(a.quantile(0.5), 4);
         assert!(a.histogram_len() <= 8);
         assert_eq!(a.limit(), 7);
+        assert_eq!(a.stalls_total(), 2);
+    }
+
+    #[test]
+    fn urgent_pair_peak_is_counted_from_its_bit() {
+        let mut c = Conn::started(2);
+        for i in 0..3u64 {
+            c.draw(2 + i);
+        }
+        c.server(10, DISPLAY_INVAL_LIST, [0, 0]); // 5 = 2W+1
+        c.draw(11); // 6 = 2W+2, the urgent pair's second
+        assert_eq!(
+            (
+                c.w.count,
+                c.w.max,
+                c.w.urgent_pair_peaks,
+                c.w.starts_while_stalled
+            ),
+            (6, 6, 1, 0)
+        );
+    }
+
+    #[test]
+    fn resume_continues_the_counters_exactly_and_restarts_time() {
+        // One connection observed throughout, and the same connection's kernel state picked up
+        // by a new agent in the middle of a stall.
+        let mut whole = Conn::started(2);
+        let script = |c: &mut Conn, from: u64, to: u64| {
+            for i in from..to {
+                match i % 7 {
+                    6 => c.ack(100 * i),
+                    _ => c.draw(100 * i),
+                }
+            }
+        };
+        script(&mut whole, 1, 12);
+        assert!(whole.w.stalled(), "{:?}", whole.w);
+        let stall_began = whole.kernel.stall_began_ns;
+        let mut resumed = Conn {
+            kernel: whole.kernel,
+            w: AckWindow::resume_from(&whole.kernel, 1250),
+            channel_type: channel::DISPLAY,
+        };
+        assert!(resumed.w.differences(&resumed.kernel).is_empty());
+        assert_eq!(resumed.w.stall_began_ns, Some(stall_began));
+        script(&mut whole, 12, 40);
+        script(&mut resumed, 12, 40);
+        let (a, b) = (&whole.w, &resumed.w);
+        assert!(b.differences(&whole.kernel).is_empty());
+        assert_eq!(
+            (
+                a.count,
+                a.acks,
+                a.set_acks,
+                a.messages_after_set_ack,
+                a.stalls_total()
+            ),
+            (
+                b.count,
+                b.acks,
+                b.set_acks,
+                b.messages_after_set_ack,
+                b.stalls_total()
+            )
+        );
+        // Time: the resumed window observed from 1250 on only.
+        assert_eq!(a.observed_ns(), 3900);
+        assert_eq!(b.observed_ns(), 3900 - 1250);
+        // An inactive state resumes inactive.
+        let idle = AckWindow::resume_from(&WindowState::default(), 5);
+        assert!(!idle.active() && idle.differences(&WindowState::default()).is_empty());
+    }
+
+    #[test]
+    fn a_lost_record_shows_as_a_difference() {
+        let mut c = Conn::started(20);
+        c.draw(2);
+        // The kernel applies a draw whose record never reaches the agent (ring full).
+        let _lost = c.message(Role::ServerToClient, 3, DRAW, [0, 0]);
+        assert_eq!(
+            c.w.differences(&c.kernel),
+            ["count", "messages_window", "messages_after_set_ack", "max"]
+        );
     }
 
     #[test]
     fn state_stays_bounded_whatever_the_run_length() {
         // A peer that ignores the window (no ACKs at all): the count climbs without end, the
         // histogram does not.
-        let mut a = started(20);
+        let mut c = Conn::started(20);
         for i in 0..20_000u64 {
-            a.server_message(2 + i, D, DRAW, [0, 0]);
+            c.draw(2 + i);
         }
-        a.finish(1_000_000);
-        assert_eq!(a.count, 20_001);
-        assert!(a.histogram_len() <= HISTOGRAM_MAX as usize + 1);
-        assert_eq!(a.quantile(0.5), HISTOGRAM_MAX);
+        c.w.finish(1_000_000);
+        assert_eq!(c.w.count, 20_001);
+        assert!(c.w.histogram_len() <= HISTOGRAM_MAX as usize + 1);
+        assert_eq!(c.w.quantile(0.5), HISTOGRAM_MAX);
         // Many generations: only the current one's histogram is kept.
-        let mut a = started(2);
+        let mut c = Conn::started(2);
         for g in 0..10_000u64 {
             let t = 10 + g * 10;
-            a.server_message(t, D, SET_ACK, [g as u32 + 2, 2]);
-            a.server_message(t + 1, D, DRAW, [0, 0]);
+            c.server(t, SET_ACK, [g as u32 + 2, 2]);
+            c.draw(t + 1);
         }
-        assert_eq!(a.generations(), 10_001);
-        assert!(a.histogram_len() <= 2);
+        assert_eq!(c.w.generations(), 10_001);
+        assert!(c.w.histogram_len() <= 2);
     }
 
     #[test]
     fn quantile_is_time_weighted() {
-        let mut a = started(20);
-        a.server_message(10, D, DRAW, [0, 0]); // count 2 from t=10
-        a.finish(1000); // count 1 for 10 ns, 2 for 990 ns
-        assert_eq!(a.quantile(0.5), 2);
-        assert_eq!(a.quantile(0.005), 1);
+        let mut c = Conn::started(20);
+        c.draw(10); // count 2 from t=10
+        c.w.finish(1000); // count 1 for 10 ns, 2 for 990 ns
+        assert_eq!(c.w.quantile(0.5), 2);
+        assert_eq!(c.w.quantile(0.005), 1);
     }
 
     #[test]
     fn stats_at_is_pure_and_adds_the_open_interval() {
-        let mut a = started(2);
+        let mut c = Conn::started(2);
         for i in 0..4u64 {
-            a.server_message(10 + i, D, DRAW, [0, 0]); // count 5 = 2W+1 from t=13: stalled
+            c.draw(10 + i); // count 5 = 2W+1 from t=13: stalled
         }
+        let a = &c.w;
         let before = a.clone();
         let s1 = a.stats_at(1013);
         let s2 = a.stats_at(1013);
@@ -656,13 +808,13 @@ mod tests {
         assert_eq!(s1.p50, 5);
         // A record timestamped before the snapshot's instant, applied after it, is charged
         // where it belongs: an ACK at t=513 (count 3 from then on).
-        a.ack(513);
-        let s3 = a.stats_at(1013);
+        c.ack(513);
+        let s3 = c.w.stats_at(1013);
         assert_eq!(s3.observed_ns, 1013);
         assert!((s3.stalled_seconds_total - 500e-9).abs() < 1e-15);
         assert_eq!(s3.p50, 3);
         // A now before the last event adds nothing.
-        assert_eq!(a.stats_at(0).observed_ns, a.observed_ns());
+        assert_eq!(c.w.stats_at(0).observed_ns, c.w.observed_ns());
     }
 
     #[test]
@@ -670,14 +822,17 @@ mod tests {
         assert_eq!(histogram_bounds(40), vec![0, 10, 20, 40, 60, 80, 81, 82]);
         assert_eq!(histogram_bounds(1), vec![0, 1, 2, 3, 4]);
         assert_eq!(histogram_bounds(0), vec![0, 1, 2]);
-        let mut a = started(4); // count 1 from t=0
-        a.server_message(100, D, DRAW, [0, 0]); // 2 from t=100
+        let mut c = Conn::new(channel::DISPLAY);
+        c.server(0, SET_ACK, [1, 4]); // count 1 from t=0
+        c.draw(100); // 2 from t=100
         for i in 0..7u64 {
-            a.server_message(200 + i, D, DRAW, [0, 0]); // 9 = 2W+1 from t=206
+            c.draw(200 + i); // 9 = 2W+1 from t=206
         }
-        a.ack(1206); // 5 from t=1206
+        c.ack_sync(1000, 1);
+        c.ack(1206); // 5 from t=1206
         // Generation 2: the counts start again; the histogram keeps both generations.
-        a.server_message(2206, D, SET_ACK, [2, 4]); // 1 from t=2206
+        c.server(2206, SET_ACK, [2, 4]); // 1 from t=2206
+        let a = &c.w;
         let h = a.stats_at(3206).histogram;
         assert_eq!(h.le, vec![0, 1, 2, 4, 6, 8, 9, 10]);
         let ns = |v: f64| (v * 1e9).round() as u64;

@@ -826,7 +826,7 @@ mod tests {
         let more = json!({
             "in_flight_now": 5, "in_flight_p50": 3, "in_flight_max": 9, "in_flight_limit": 41,
             "stalled_fraction": 0.0, "stalls": 0, "starts_while_stalled": 0,
-            "urgent_pair_peaks": 0, "records_lost": 0, "observed_s": 1.0, "closed": false,
+            "urgent_pair_peaks": 0, "records_lost": 0, "kernel_window": null, "observed_s": 1.0, "closed": false,
             "tcp": {"srtt_us": 1500, "cwnd_segments": 10, "notsent_bytes": 0,
                 "notsent_max_bytes": 0, "unacked_segments": 0, "total_retrans": 2,
                 "recv_queue_bytes": 0, "source": "sock_diag", "delivery_rate_bytes_per_s": 1000},

@@ -220,6 +220,10 @@ pub struct ChannelReport {
     pub urgent_pair_peaks: u64,
     /// Message records lost between kernel and agent for this socket.
     pub records_lost: u64,
+    /// The kernel's own state of this socket (`SOCKETS`) at the newest read the agent could
+    /// compare with the record-derived figures above; null if no read was compared (the
+    /// socket closed before a sample read it, or it carried no message).
+    pub kernel_window: Option<KernelWindowReport>,
     /// Seconds this socket was observed.
     pub observed_s: f64,
     pub closed: bool,
@@ -240,6 +244,81 @@ pub struct ChannelReport {
     pub window_ceiling_msgs_per_s: Option<f64>,
     /// One-line judgement (display channels).
     pub verdict: Option<String>,
+}
+
+/// The kernel's window state and byte totals of one socket, as read from its `SOCKETS` entry
+/// (`spice_ebpf_common::window::WindowState`, `SockState::msg_bytes`), and how the agent's
+/// record-derived figures compared with such reads. Field meanings as in [`ChannelReport`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KernelWindowReport {
+    /// Seconds after the socket was first seen of the read shown.
+    pub read_at_s: f64,
+    /// The kernel's in-flight count and spice-server's `messages_window` (`uint32_t`).
+    pub count: u32,
+    pub messages_window: u32,
+    /// W and generation of the last SET_ACK (0 before any), generation of the last ACK_SYNC.
+    pub window: u32,
+    pub generation: u32,
+    pub ack_sync_generation: Option<u32>,
+    pub set_acks: u64,
+    pub ack_syncs: u64,
+    pub acks: u64,
+    pub acks_ignored: u64,
+    pub ack_surplus: u64,
+    /// Highest count of the current generation.
+    pub max: u32,
+    pub stalls_total: u64,
+    pub starts_while_stalled: u64,
+    pub urgent_pair_peaks: u64,
+    pub messages_after_set_ack: u64,
+    /// Messages the kernel had applied in each direction, and their bytes (headers
+    /// included): written and read by the watched process.
+    pub messages_sent: u64,
+    pub messages_received: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// Reads compared with the record-derived state, and those that differed.
+    pub compared: u64,
+    pub differed: u64,
+    /// Fields that differed in the newest read that differed (empty if none did).
+    pub differences: Vec<String>,
+}
+
+impl KernelWindowReport {
+    /// From a socket's comparisons (its newest compared read); `None` if none was compared.
+    /// `first_ns`: when the socket was first seen (CLOCK_MONOTONIC ns).
+    pub fn new(k: &crate::model::KernelCheck, first_ns: u64) -> Option<Self> {
+        let r = k.last?;
+        let w = &r.window;
+        Some(KernelWindowReport {
+            read_at_s: r.read_ns.saturating_sub(first_ns) as f64 / 1e9,
+            count: w.count,
+            messages_window: w.messages_window,
+            window: w.window,
+            generation: w.generation,
+            ack_sync_generation: (w.flags
+                & spice_ebpf_common::window::state_flag::CLIENT_GENERATION
+                != 0)
+                .then_some(w.client_generation),
+            set_acks: w.set_acks,
+            ack_syncs: w.ack_syncs,
+            acks: w.acks,
+            acks_ignored: w.acks_ignored,
+            ack_surplus: w.ack_surplus,
+            max: w.max,
+            stalls_total: w.stalls_total,
+            starts_while_stalled: w.starts_while_stalled,
+            urgent_pair_peaks: w.urgent_pair_peaks,
+            messages_after_set_ack: w.messages_after_set_ack,
+            messages_sent: r.messages[0],
+            messages_received: r.messages[1],
+            bytes_sent: r.bytes[0],
+            bytes_received: r.bytes[1],
+            compared: k.compared,
+            differed: k.differed,
+            differences: k.differences.iter().map(|d| d.to_string()).collect(),
+        })
+    }
 }
 
 /// A watched pid.
@@ -548,6 +627,7 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         starts_while_stalled: w.starts_while_stalled,
         urgent_pair_peaks: w.urgent_pair_peaks,
         records_lost: s.lost_records(),
+        kernel_window: KernelWindowReport::new(&s.kernel, s.first_ns),
         observed_s,
         closed: s.closed_ns.is_some(),
         tcp,
@@ -1200,6 +1280,7 @@ mod tests {
             starts_while_stalled: 0,
             urgent_pair_peaks: 0,
             records_lost: 0,
+            kernel_window: None,
             observed_s: 10.0,
             closed: false,
             tcp: None,
@@ -1339,6 +1420,7 @@ mod tests {
         event::{EventHeader, LinkEvent, MessageEvent, dir},
         framing::Role,
         protocol::{msg_client, msg_server},
+        window::WindowState,
     };
 
     fn hdr(d: u8, ts: u64) -> EventHeader {
@@ -1351,7 +1433,23 @@ mod tests {
         }
     }
 
-    fn msg(d: u8, ts: u64, index: u64, msg_type: u16, prefix: [u32; 2]) -> Event {
+    /// A message record of a display socket whose watched process is spice-server
+    /// ([`dir::SEND`] is server → client), with the post-state of the kernel's window `k`
+    /// after the shared rule applied the message (as `spice-ebpf/src/capture.rs` does).
+    fn msg(
+        k: &mut WindowState,
+        d: u8,
+        ts: u64,
+        index: u64,
+        msg_type: u16,
+        prefix: [u32; 2],
+    ) -> Event {
+        let role = if d == dir::SEND {
+            Role::ServerToClient
+        } else {
+            Role::ClientToServer
+        };
+        let fx = k.apply(role as u8, ts, channel::DISPLAY, msg_type, prefix);
         Event::Message(MessageEvent {
             hdr: hdr(d, ts),
             index,
@@ -1360,14 +1458,18 @@ mod tests {
             size: 100,
             at: index * 106,
             prefix,
+            win_mw: k.messages_window,
+            win_count: k.count,
+            win_effects: fx,
             ..Default::default()
         })
     }
 
     /// spice-server's display socket with W = 2: SET_ACK, ACK_SYNC, then 4 draws (count 5 =
     /// 2W+1, stalled from t = 1013 ns).
-    fn display_model() -> Model {
+    fn display_model() -> (Model, WindowState) {
         let mut m = Model::default();
+        let mut k = WindowState::default();
         m.apply(&Event::Link(LinkEvent {
             hdr: hdr(dir::RECV, 1),
             role: Role::ClientToServer as u8,
@@ -1379,12 +1481,26 @@ mod tests {
             role: Role::ServerToClient as u8,
             ..Default::default()
         }));
-        m.apply(&msg(dir::SEND, 1000, 1, msg_server::SET_ACK, [1, 2]));
-        m.apply(&msg(dir::RECV, 1001, 1, msg_client::ACK_SYNC, [1, 0]));
+        m.apply(&msg(
+            &mut k,
+            dir::SEND,
+            1000,
+            1,
+            msg_server::SET_ACK,
+            [1, 2],
+        ));
+        m.apply(&msg(
+            &mut k,
+            dir::RECV,
+            1001,
+            1,
+            msg_client::ACK_SYNC,
+            [1, 0],
+        ));
         for i in 0..4u64 {
-            m.apply(&msg(dir::SEND, 1010 + i, 2 + i, 302, [0, 0]));
+            m.apply(&msg(&mut k, dir::SEND, 1010 + i, 2 + i, 302, [0, 0]));
         }
-        m
+        (m, k)
     }
 
     fn snapshot(m: &Model, now: u64) -> serde_json::Value {
@@ -1409,7 +1525,7 @@ mod tests {
 
     #[test]
     fn snapshots_are_pure_reads() {
-        let mut m = display_model();
+        let (mut m, mut k) = display_model();
         let a = snapshot(&m, 2013);
         assert_eq!(a, snapshot(&m, 2013));
         let c = &a["channels"][0];
@@ -1420,10 +1536,10 @@ mod tests {
         // An ACK timestamped before the first snapshot's instant but applied after it is
         // charged from its own time: count 3 from t = 1513, stalled 500 ns in all. A model that
         // was never snapshotted gives exactly the same report.
-        m.apply(&msg(dir::RECV, 1513, 2, msg_client::ACK, [0, 0]));
+        m.apply(&msg(&mut k, dir::RECV, 1513, 2, msg_client::ACK, [0, 0]));
         let b = snapshot(&m, 2013);
-        let mut fresh = display_model();
-        fresh.apply(&msg(dir::RECV, 1513, 2, msg_client::ACK, [0, 0]));
+        let (mut fresh, mut fk) = display_model();
+        fresh.apply(&msg(&mut fk, dir::RECV, 1513, 2, msg_client::ACK, [0, 0]));
         assert_eq!(b, snapshot(&fresh, 2013));
         let c = &b["channels"][0];
         assert_eq!(c["in_flight_now"], 3);

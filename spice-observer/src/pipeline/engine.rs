@@ -581,8 +581,30 @@ impl Engine {
             return Vec::new();
         };
         self.drain();
+        self.read_kernel_state();
         let taken = sampler::place(&self.model, &mut self.chains, pos);
         crate::samples::lines(&self.model, &taken, self.started_ns)
+    }
+
+    /// Reads the kernel's state (`SOCKETS`) of every open socket that carried messages and
+    /// hands it to the model, which compares it with the record-derived window and byte totals
+    /// once it has applied exactly the records the kernel had written at the read
+    /// ([`crate::model::KernelCheck`]; report `kernel_window`). Called by [`Engine::sample`];
+    /// call it before the last [`Engine::drain`] for a comparison at the end.
+    pub fn read_kernel_state(&mut self) {
+        let now = monotonic_ns();
+        let open: Vec<u64> = self
+            .model
+            .sockets
+            .values()
+            .filter(|s| s.closed_ns.is_none() && s.dirs.iter().any(|d| d.messages > 0))
+            .map(|s| s.cookie)
+            .collect();
+        for cookie in open {
+            if let Some(st) = self.cap.sock_state(cookie) {
+                self.model.kernel_state(cookie, &st, now);
+            }
+        }
     }
 
     /// A pure read of the current state and cumulative statistics up to `now_ns` (does not
