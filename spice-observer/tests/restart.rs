@@ -247,11 +247,12 @@ fn write_config(rig: &Rig) -> Result<std::path::PathBuf> {
     Ok(path)
 }
 
-/// The client's data messages in a captured connection: (type, first 4 body bytes) in order.
+/// The client's data messages in a captured connection: (type, first 4 body bytes, bytes
+/// with the header) in order.
 /// Link message (16 + H_c), then the auth mechanism word if the client's common caps have
 /// PROTOCOL_AUTH_SELECTION (bit 0), then the 128-byte ticket (docs/spice-protocol.md §1.5),
 /// then headers of 6 (mini) or 18 bytes (§1.9).
-fn c2s_messages(c: &oracle::SpiceConn) -> Result<Vec<(u16, u32)>> {
+fn c2s_messages(c: &oracle::SpiceConn) -> Result<Vec<(u16, u32, u64)>> {
     let b = &c.conn.c2s.bytes;
     let u32le = |at: usize| -> Result<u32> {
         let s = b
@@ -278,7 +279,7 @@ fn c2s_messages(c: &oracle::SpiceConn) -> Result<Vec<(u16, u32)>> {
             )
         };
         let first = if size >= 4 { u32le(pos + hdr)? } else { 0 };
-        out.push((ty, first));
+        out.push((ty, first, (hdr + size as usize) as u64));
         pos += hdr + size as usize;
     }
     Ok(out)
@@ -310,7 +311,7 @@ fn capture_in_flight(c: &oracle::SpiceConn) -> Result<(i64, i64)> {
     let started = (c.messages.len() - i) as i64;
     let mut synced = false;
     let mut acks = 0i64;
-    for (ty, first) in c2s_messages(c)? {
+    for (ty, first, _) in c2s_messages(c)? {
         match ty {
             1 => synced = first == generation,
             2 if synced => acks += 1,
@@ -380,8 +381,10 @@ fn restart_continues_counts_exactly() -> Result<()> {
     let _client = Client::start("spice://127.0.0.1:6955", 60, &[], None)?;
 
     let mut last = BTreeMap::new();
-    let mut restarts = 0;
-    for (at, signal) in [(4u64, libc::SIGKILL), (8, libc::SIGTERM)] {
+    for (restarts, (at, signal)) in [(4u64, libc::SIGKILL), (8, libc::SIGTERM)]
+        .into_iter()
+        .enumerate()
+    {
         thread::sleep(Duration::from_secs(at).saturating_sub(t0.elapsed()));
         let before = Scrape::take()?;
         before.check_run()?;
@@ -421,7 +424,6 @@ fn restart_continues_counts_exactly() -> Result<()> {
             disp(&a)
         );
         last = a;
-        restarts += 1;
     }
 
     // The animation ends at 12 s; 3 s later the session is idle.
@@ -447,30 +449,40 @@ fn restart_continues_counts_exactly() -> Result<()> {
     for c in &conns {
         let ty = oracle::type_name(c.channel_type);
         let id = c.channel_id.to_string();
-        let s2c = c
+        let complete: Vec<&oracle::Message> = c
             .messages
             .iter()
             .filter(|m| m.last < c.conn.s2c.bytes.len() as u64)
-            .count();
-        let c2s = c2s_messages(c)?.len();
-        for (dir, want) in [("server_to_client", s2c), ("client_to_server", c2s)] {
+            .collect();
+        let s2c = (
+            complete.len() as u64,
+            complete.iter().map(|m| m.last + 1 - m.start).sum::<u64>(),
+        );
+        let client = c2s_messages(c)?;
+        let c2s = (client.len() as u64, client.iter().map(|m| m.2).sum::<u64>());
+        for (dir, (msgs, bytes)) in [("server_to_client", s2c), ("client_to_server", c2s)] {
             for leg in ["server", "relay_backend", "relay_client"] {
-                let got = totals
-                    .get(&(
-                        "spice_observer_messages_total".to_string(),
-                        leg.to_string(),
-                        ty.to_string(),
-                        id.clone(),
-                        dir.to_string(),
-                    ))
-                    .copied()
-                    .ok_or_else(|| anyhow!("no {leg} {ty} {id} {dir} total"))?;
-                println!("{ty} {id} {dir} {leg}: daemon {got}, capture {want}");
-                ensure!(
-                    got == want as f64,
-                    "{ty} {id} {dir} {leg}: daemon {got}, capture {want}"
-                );
-                compared += 1;
+                for (metric, want) in [
+                    ("spice_observer_messages_total", msgs),
+                    ("spice_observer_bytes_total", bytes),
+                ] {
+                    let got = totals
+                        .get(&(
+                            metric.to_string(),
+                            leg.to_string(),
+                            ty.to_string(),
+                            id.clone(),
+                            dir.to_string(),
+                        ))
+                        .copied()
+                        .ok_or_else(|| anyhow!("no {metric} {leg} {ty} {id} {dir}"))?;
+                    println!("{metric} {ty} {id} {dir} {leg}: daemon {got}, capture {want}");
+                    ensure!(
+                        got == want as f64,
+                        "{metric} {ty} {id} {dir} {leg}: daemon {got}, capture {want}"
+                    );
+                    compared += 1;
+                }
             }
         }
         if ty == "display" || ty == "cursor" {
@@ -499,7 +511,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
             .any(|c| c.channel_type == 2 && c.messages.len() > 100),
         "display traffic in the capture"
     );
-    ensure!(compared >= 24, "compared {compared} totals");
+    ensure!(compared >= 48, "compared {compared} totals");
 
     // SIGTERM leaves the pins, and the programs stay loaded; --unpin removes everything.
     d.stop(libc::SIGTERM)?;

@@ -363,7 +363,7 @@ impl Capture {
             .context("attaching raw_tracepoint/sys_enter")?;
         programs.push(("spice_sys_enter".into(), prog.info()?.id()));
         if pin.is_some() {
-            let link: FdLink = prog.take_link(id)?.try_into()?;
+            let link: FdLink = prog.take_link(id)?.into();
             pin_link(link, "spice_sys_enter", &mut links)?;
         }
 
@@ -382,7 +382,7 @@ impl Capture {
                 .with_context(|| format!("attaching tp_btf/{tp}"))?;
             programs.push((name.into(), prog.info()?.id()));
             if pin.is_some() {
-                let link: FdLink = prog.take_link(id)?.try_into()?;
+                let link: FdLink = prog.take_link(id)?.into();
                 pin_link(link, name, &mut links)?;
             }
         }

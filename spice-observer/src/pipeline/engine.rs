@@ -379,6 +379,9 @@ impl Engine {
                     PriorWatch::None,
                 )?;
                 e.model = model;
+                // Pair the relay legs now, so that the first snapshot already labels them
+                // with their chain's VM (chains are otherwise formed at the first sample).
+                e.sample(monotonic_ns());
                 Ok(e)
             }
             found => {
