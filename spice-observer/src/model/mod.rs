@@ -801,6 +801,86 @@ mod tests {
         assert_eq!(types(f.socket()), [(3, 302), (4, 302)]);
     }
 
+    /// A restarted agent: the old model consumed the ring up to some record; the new one
+    /// restores from the kernel state (SockState) read while records were still queued, then
+    /// gets the ring from before the old agent's last record (one duplicate) on, and new
+    /// records after. Its totals, byte totals and window equal those of a model that saw
+    /// every record once, and nothing counts as lost.
+    #[test]
+    fn restore_then_ring_counts_each_message_once() {
+        let mut f = Feed::started(channel::DISPLAY, &[302, 302, 302]);
+        f.k.dir[dir::RECV as usize].role = Role::ClientToServer as u8;
+        f.k.dir[dir::RECV as usize].caps_known = 1;
+        f.k.dir[dir::RECV as usize].channel_type = channel::DISPLAY;
+        f.k.dir[dir::SEND as usize].role = Role::ServerToClient as u8;
+        f.k.dir[dir::SEND as usize].caps_known = 1;
+        f.k.dir[dir::SEND as usize].channel_type = channel::DISPLAY;
+        // Records the old agent took last (it dies after applying the first), and those
+        // still in the ring.
+        let mut ring = vec![f.kernel(dir::SEND, 30, 302, [0, 0])];
+        f.m.apply(&ring[0]);
+        ring.push(f.kernel(dir::RECV, 31, msg_client::ACK, [0, 0]));
+        ring.push(f.kernel(dir::SEND, 32, 302, [0, 0]));
+        // The new agent reads the map now; two more messages follow before it drains.
+        let at_restart = f.k;
+        ring.push(f.kernel(dir::SEND, 40, 302, [0, 0]));
+        ring.push(f.kernel(dir::RECV, 41, msg_client::ACK, [0, 0]));
+        let mut reference = f.m.clone();
+        for e in &ring[1..] {
+            reference.apply(e);
+        }
+        let mut m = Model::default();
+        m.restore(
+            &Restored {
+                cookie: 7,
+                state: at_restart,
+                comm: "Xorg".into(),
+                local: None,
+                remote: None,
+                tcp: None,
+            },
+            35,
+        );
+        m.restored_at(35);
+        for e in &ring {
+            m.apply(e);
+        }
+        let (a, b) = (&m.sockets[&7], &reference.sockets[&7]);
+        for d in 0..2 {
+            assert_eq!(a.dirs[d].messages, b.dirs[d].messages, "dir {d}");
+            assert_eq!(a.dirs[d].bytes, b.dirs[d].bytes, "dir {d}");
+            assert_eq!(a.dirs[d].lost_records, 0);
+        }
+        assert_eq!(a.dirs[0].messages, 7);
+        assert_eq!(a.window.count, b.window.count);
+        assert_eq!(a.window.acks, b.window.acks);
+        assert_eq!(a.window.window, 2);
+        assert_eq!(a.channel(), Some((channel::DISPLAY, 0)));
+        assert!(a.unparsed().is_none());
+    }
+
+    /// A socket unknown at the restore (destroyed while no agent ran) whose first record in
+    /// the ring predates the restore and is not its SOCKET record: reported `restarted`,
+    /// no lost records.
+    #[test]
+    fn orphan_records_before_a_restore_are_restarted() {
+        let mut m = Model::default();
+        m.restored_at(100);
+        m.apply(&Event::Message(MessageEvent {
+            hdr: hdr(dir::SEND, 50),
+            index: 40,
+            hdr_len: 6,
+            msg_type: 302,
+            ..Default::default()
+        }));
+        let s = &m.sockets[&7];
+        assert_eq!(
+            s.unparsed().map(|u| u.reason),
+            Some(UnparsedReason::Restarted)
+        );
+        assert_eq!(s.lost_records(), 0);
+    }
+
     #[test]
     fn kernel_reads_are_compared_once_the_records_catch_up() {
         let mut f = Feed::started(channel::DISPLAY, &[302, 302]);
