@@ -548,7 +548,8 @@ fn restart_continues_counts_exactly() -> Result<()> {
 
 /// A daemon of another layout version (the test-only override) finds the pins of this one:
 /// it removes them, loads afresh and reports every connection the old set was counting
-/// `restarted` (never `attached_mid_stream`, never with counts).
+/// `restarted` (never `attached_mid_stream`, never with counts). A second daemon on the same
+/// pins is then refused.
 #[test]
 fn restart_layout_mismatch_marks_restarted() -> Result<()> {
     const T: &str = "restart_layout_mismatch_marks_restarted";
@@ -620,6 +621,18 @@ fn restart_layout_mismatch_marks_restarted() -> Result<()> {
     ensure!(
         std::fs::read_dir(&pins.path)?.count() >= 18,
         "the reload did not pin a full set"
+    );
+    // A second daemon on the same pins is refused while this one runs (another listen
+    // address, so that only the pin lock can refuse it).
+    let second = Command::new(env!("CARGO_BIN_EXE_spice-observer"))
+        .args(["daemon", "--listen", "127.0.0.1:19594", "--pin-dir"])
+        .arg(&pins.path)
+        .output()?;
+    let said = String::from_utf8_lossy(&second.stderr);
+    ensure!(
+        !second.status.success() && said.contains("another spice-observer daemon"),
+        "second daemon on the same pins: {} {said}",
+        second.status
     );
     d.stop(libc::SIGTERM)?;
     Ok(())

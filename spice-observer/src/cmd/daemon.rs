@@ -171,7 +171,14 @@ pub fn run(args: DaemonArgs) -> Result<()> {
 
 /// `daemon --unpin`: removes the pin directory's contents and the directory, says what it did.
 fn unpin(dir: &Path) -> Result<()> {
+    let running = crate::loader::PinLock::held(dir);
     let gone = crate::loader::unpin(dir)?;
+    if running {
+        println!(
+            "a daemon is still running on {}: its programs stay attached until it exits",
+            dir.display()
+        );
+    }
     if gone.is_empty() {
         println!("nothing pinned at {}", dir.display());
     } else {
@@ -385,7 +392,10 @@ async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(healthz))
         .with_state(state);
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    // The HTTP server starts after the first scan (connections wait in the listen backlog
+    // until then), so that no scrape sees sockets without their targets (VM names, legs).
+    let mut http = Some((listener, app));
+    let mut server = None;
     info!(
         "spice-observer daemon {}: listening on http://{} (hook set {}, config {}, sample {} ms, scan {} ms, bpf_stats {})",
         env!("CARGO_PKG_VERSION"),
@@ -424,6 +434,9 @@ async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
                             warn!("process scan failed: {e:#}");
                         }
                         scan_failed = true;
+                        if let Some((listener, app)) = http.take() {
+                            server = Some(tokio::spawn(async move { axum::serve(listener, app).await }));
+                        }
                         continue;
                     }
                 };
@@ -453,6 +466,9 @@ async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
                     }
                 }
                 targets = s.targets;
+                if let Some((listener, app)) = http.take() {
+                    server = Some(tokio::spawn(async move { axum::serve(listener, app).await }));
+                }
             }
             _ = sample.tick() => {
                 engine.sample(monotonic_ns());
@@ -493,7 +509,9 @@ async fn serve(cfg: Config, path: Option<PathBuf>) -> Result<()> {
         }
     }
     debug!("stopping");
-    server.abort();
+    if let Some(s) = server {
+        s.abort();
+    }
     Ok(())
 }
 

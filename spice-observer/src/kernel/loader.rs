@@ -140,10 +140,50 @@ pub fn prepare_pin_dir(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))
 }
 
-/// Removes a pin directory: the program links first (which detaches the programs, unless a
-/// running process still holds them), then the maps, then the directory. Idempotent: a
-/// missing directory removes nothing. Returns the names removed.
-pub fn unpin(dir: &Path) -> Result<Vec<String>> {
+/// An exclusive `flock(2)` on a pin directory, held by the daemon that uses it for as long as
+/// it runs (released when dropped or when the process dies, SIGKILL included), so that two
+/// daemons never drain one pinned ring. Other programs can test it ([`PinLock::held`]).
+pub struct PinLock {
+    _dir: File,
+}
+
+impl PinLock {
+    /// Takes the lock on `dir` (which must exist) without waiting. Errors when another
+    /// process holds it (the message names the directory), or `dir` cannot be opened.
+    pub fn take(dir: &Path) -> Result<PinLock> {
+        use std::os::fd::AsRawFd as _;
+        let f = File::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+        // SAFETY: flock on an fd we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                bail!(
+                    "another spice-observer daemon is using the pin directory {} (it holds its \
+                     lock); stop it first, or give this one another --pin-dir",
+                    dir.display()
+                );
+            }
+            return Err(e).with_context(|| format!("locking {}", dir.display()));
+        }
+        Ok(PinLock { _dir: f })
+    }
+
+    /// Whether a running process holds the lock of `dir` (false if `dir` does not exist).
+    pub fn held(dir: &Path) -> bool {
+        match File::open(dir) {
+            Ok(f) => {
+                use std::os::fd::AsRawFd as _;
+                // SAFETY: flock on an fd we own; the lock, if taken, goes with `f`.
+                unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) != 0 }
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+/// Removes everything pinned in `dir` (program links first, then maps) but keeps the
+/// directory (and so a [`PinLock`] on it). Returns the names removed.
+pub fn unpin_contents(dir: &Path) -> Result<Vec<String>> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -159,6 +199,14 @@ pub fn unpin(dir: &Path) -> Result<Vec<String>> {
         let p = dir.join(n);
         std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
     }
+    Ok(names)
+}
+
+/// Removes a pin directory: the program links first (which detaches the programs, unless a
+/// running process still holds them), then the maps, then the directory. Idempotent: a
+/// missing directory removes nothing. Returns the names removed.
+pub fn unpin(dir: &Path) -> Result<Vec<String>> {
+    let names = unpin_contents(dir)?;
     match std::fs::remove_dir(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

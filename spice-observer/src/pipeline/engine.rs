@@ -150,6 +150,8 @@ pub struct Engine {
     _stats_fd: Option<std::os::fd::OwnedFd>,
     restart: Restart,
     prior: PriorWatch,
+    /// The pin directory's lock, held for the engine's life ([`Engine::start_pinned`]).
+    _pin_lock: Option<loader::PinLock>,
 }
 
 /// Applies every record waiting in `ring` to `model` (and the dump file).
@@ -328,7 +330,10 @@ impl Engine {
     /// ([`Capture::load_pinned`]); connections the old set was counting are then reported
     /// `restarted` when their process is watched. [`Engine::restart`] says which happened.
     ///
-    /// Errors as [`Engine::start`], and when `dir` is not on a BPF filesystem.
+    /// The engine holds the directory's [`loader::PinLock`] for its life.
+    ///
+    /// Errors as [`Engine::start`], when `dir` is not on a BPF filesystem, and when another
+    /// process holds its lock (another daemon on the same pins).
     pub fn start_pinned(opts: EngineOptions, dir: &Path) -> Result<Engine> {
         let stats_fd = if opts.bpf_stats {
             Some(loader::enable_run_time_stats()?)
@@ -336,6 +341,17 @@ impl Engine {
             None
         };
         loader::prepare_pin_dir(dir)?;
+        let lock = loader::PinLock::take(dir)?;
+        let mut e = Self::start_on_pins(opts, dir, stats_fd)?;
+        e._pin_lock = Some(lock);
+        Ok(e)
+    }
+
+    fn start_on_pins(
+        opts: EngineOptions,
+        dir: &Path,
+        stats_fd: Option<std::os::fd::OwnedFd>,
+    ) -> Result<Engine> {
         match Capture::open_pinned(dir)? {
             loader::Pinned::Reusable(mut cap) => {
                 let socks = cap.sockets()?;
@@ -394,7 +410,7 @@ impl Engine {
                                 PriorWatch::Unknown
                             }
                         };
-                        let gone = loader::unpin(dir)?;
+                        let gone = loader::unpin_contents(dir)?;
                         debug!("removed {} pin(s) from {}", gone.len(), dir.display());
                         (Restart::Reloaded { why }, prior)
                     }
@@ -447,6 +463,7 @@ impl Engine {
             _stats_fd: stats_fd,
             restart,
             prior,
+            _pin_lock: None,
         })
     }
 
