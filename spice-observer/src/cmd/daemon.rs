@@ -9,6 +9,10 @@
 //! are then released. The HTTP server (axum on the same tokio runtime) asks the loop over a
 //! channel, so scrapes are serialised with sampling and never see a half-applied state.
 //!
+//! Kernel state is pinned under `pin_dir` ([`Engine::start_pinned`]): a restarted daemon
+//! continues it (README "Restarts and pinned state"); SIGINT and SIGTERM leave the pins,
+//! `--unpin` removes them.
+//!
 //! HTTP paths: `/` (a landing page naming the paths, the version and the hook set),
 //! `/metrics` (Prometheus text format 0.0.4), `/healthz` (`200 ok` while the loop answers;
 //! `503` with the reason when it does not answer within [`HEALTH_TIMEOUT`] or has stopped).
