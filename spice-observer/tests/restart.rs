@@ -329,6 +329,32 @@ fn capture_in_flight(c: &oracle::SpiceConn, until: f64) -> Result<(i64, i64)> {
     Ok(((started - w * acks).max(0), w))
 }
 
+/// (restart, scrape request and answer times in epoch seconds, (channel, in-flight count)).
+type InFlightAt = (usize, f64, f64, Vec<(String, f64)>);
+
+/// The lowest and highest in-flight count of [`capture_in_flight`] between `from` and `to`
+/// (epoch seconds): at both ends and at every captured message header in between.
+fn in_flight_range(c: &oracle::SpiceConn, from: f64, to: f64) -> Result<(i64, i64)> {
+    let mut times = vec![from, to];
+    let inside = |t: Option<f64>| t.filter(|t| (from..=to).contains(t));
+    times.extend(
+        c.messages
+            .iter()
+            .filter_map(|m| inside(c.conn.s2c.first_seen(m.start))),
+    );
+    for m in c2s_messages(c)? {
+        times.extend(inside(c.conn.c2s.first_seen(m.3)));
+    }
+    let mut lo = i64::MAX;
+    let mut hi = i64::MIN;
+    for t in times {
+        let (n, _) = capture_in_flight(c, t)?;
+        lo = lo.min(n);
+        hi = hi.max(n);
+    }
+    Ok((lo, hi))
+}
+
 /// Programs named `spice_*` loaded in the kernel (`bpftool prog show`).
 fn spice_programs() -> Result<Vec<String>> {
     let out = common::sh(Command::new("bpftool").args(["prog", "show"]))?;
@@ -390,7 +416,16 @@ fn restart_continues_counts_exactly() -> Result<()> {
     let t0 = Instant::now();
     let _client = Client::start("spice://127.0.0.1:6955", 60, &[], None)?;
 
+    let epoch = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
     let mut last = BTreeMap::new();
+    // (restart, scrape request time, answer time, display and cursor in-flight counts) of
+    // the first scrape after each restart during traffic, checked against the capture.
+    let mut mid: Vec<InFlightAt> = Vec::new();
     for (restarts, (at, signal)) in [(4u64, libc::SIGKILL), (8, libc::SIGTERM)]
         .into_iter()
         .enumerate()
@@ -414,7 +449,23 @@ fn restart_continues_counts_exactly() -> Result<()> {
             Duration::ZERO,
         )?;
         println!("restart {restarts}: {line}");
+        let t_a = epoch();
         let after = Scrape::take()?;
+        let t_b = epoch();
+        let mut counts = Vec::new();
+        for ty in ["display", "cursor"] {
+            let n = after.one(
+                "spice_observer_in_flight_now_messages",
+                &[
+                    ("vm", vm),
+                    ("leg", "server"),
+                    ("channel", ty),
+                    ("channel_id", "0"),
+                ],
+            )?;
+            counts.push((ty.to_string(), n));
+        }
+        mid.push((restarts, t_a, t_b, counts));
         after.check_run()?;
         let a = after.totals(vm);
         continues(&b, &a, &format!("restart {restarts} (signal {signal})"))?;
@@ -449,12 +500,6 @@ fn restart_continues_counts_exactly() -> Result<()> {
     )?;
     // One sample after the restart.
     thread::sleep(Duration::from_millis(150));
-    let epoch = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs_f64()
-    };
     let t_a = epoch();
     let end = Scrape::take()?;
     let t_b = epoch();
@@ -564,6 +609,29 @@ fn restart_continues_counts_exactly() -> Result<()> {
             );
         }
     }
+    // In flight right after each restart during traffic: within the range the capture shows
+    // over the scrape's request-to-answer interval (±50 ms), plus one message either way.
+    for (restart, t_a, t_b, counts) in &mid {
+        for (ty, got) in counts {
+            let c = conns
+                .iter()
+                .find(|c| oracle::type_name(c.channel_type) == ty && c.channel_id == 0)
+                .ok_or_else(|| anyhow!("no {ty} connection in the capture"))?;
+            let (lo, hi) = in_flight_range(c, t_a - SLACK, t_b + SLACK)?;
+            let line = format!(
+                "restart {restart}: {ty} in flight {got} right after, capture {lo}..={hi} over the scrape"
+            );
+            println!("{line}");
+            if *got < (lo - 1) as f64 || *got > (hi + 1) as f64 {
+                wrong.push(line);
+            }
+        }
+    }
+    ensure!(
+        wrong.is_empty(),
+        "differences from the capture:\n{}",
+        wrong.join("\n")
+    );
     ensure!(
         conns
             .iter()
