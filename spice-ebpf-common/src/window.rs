@@ -59,7 +59,7 @@ pub mod effect {
     pub const ACK_SURPLUS: u8 = 128;
 }
 
-/// spice-server's window state of one connection, replayed exactly. Plain data, all zero =
+/// spice-server's window state of one connection, kept exactly. Plain data, all zero =
 /// no SET_ACK seen yet. 120 bytes; kept per socket in the kernel map `SOCKETS`
 /// ([`crate::event::SockState::window`]).
 #[repr(C)]
@@ -400,6 +400,81 @@ mod tests {
         );
         assert_eq!((a.count, a.messages_window, a.stalls, a.max), (1, 1, 0, 1));
         assert!(!a.stalled());
+    }
+
+    #[test]
+    fn no_urgent_pair_on_an_unknown_channel_type() {
+        let mut a = WindowState::default();
+        a.server_message(0, 0, SET_ACK, [1, 1]);
+        a.server_message(1, 0, DRAW, [0, 0]);
+        a.server_message(2, 0, DISPLAY_INVAL_LIST, [0, 0]);
+        assert_eq!(
+            a.server_message(3, 0, DRAW, [0, 0]),
+            effect::STARTED_WHILE_STALLED
+        );
+        assert_eq!((a.urgent_pair_peaks, a.starts_while_stalled), (0, 1));
+    }
+
+    #[test]
+    fn a_second_surplus_ack_subtracts_again_without_a_new_stall() {
+        let mut a = started(20);
+        for i in 0..5u64 {
+            a.server_message(2 + i, D, DRAW, [0, 0]);
+        }
+        a.ack(100);
+        // spice-server subtracts again (no new wrap of its own); still nothing in flight.
+        assert_eq!(a.ack(300), effect::ACK_APPLIED | effect::ACK_SURPLUS);
+        assert_eq!((a.ack_surplus, a.count, a.acks, a.stalls), (2, 0, 2, 1));
+        assert_eq!(a.messages_window, 6u32.wrapping_sub(40));
+        // A start now is one spice-server would not make.
+        assert_eq!(
+            a.server_message(400, D, DRAW, [0, 0]),
+            effect::STARTED_WHILE_STALLED
+        );
+        assert_eq!((a.count, a.starts_while_stalled), (1, 1));
+    }
+
+    #[test]
+    fn html5_cadence_reaches_zero_without_surplus() {
+        // spice-html5 ACKs after W-1 messages following the SET_ACK (§3.8): mw = W - W = 0.
+        let mut a = started(5);
+        for i in 0..4u64 {
+            a.server_message(2 + i, D, DRAW, [0, 0]);
+        }
+        assert_eq!(a.ack(10), effect::ACK_APPLIED);
+        assert_eq!((a.count, a.messages_window, a.ack_surplus), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_second_set_ack_starts_a_new_generation() {
+        let mut a = started(10);
+        for i in 0..20u64 {
+            a.server_message(2 + i, D, DRAW, [0, 0]);
+        }
+        assert_eq!((a.max, a.stalls, a.count), (21, 1, 21));
+        a.ack(31); // 11
+        assert_eq!(
+            a.server_message(100, D, SET_ACK, [2, 3]),
+            effect::NEW_GENERATION
+        );
+        assert_eq!(
+            (a.generation, a.window, a.count, a.max, a.stalls),
+            (2, 3, 1, 1, 0)
+        );
+        assert_eq!(
+            (a.set_acks, a.generation_began_ns, a.stalls_total),
+            (2, 100, 1)
+        );
+        // The client's ACK for generation 1 arrives late: ignored.
+        assert_eq!(a.ack(101), effect::ACK_IGNORED);
+        assert_eq!((a.acks, a.acks_ignored, a.count), (1, 1, 1));
+        a.ack_sync(2);
+        for i in 0..6u64 {
+            a.server_message(110 + i, D, DRAW, [0, 0]);
+        }
+        assert_eq!((a.count, a.max, a.stalls, a.stall_began_ns), (7, 7, 1, 115));
+        assert_eq!(a.ack(200), effect::ACK_APPLIED | effect::STALL_ENDED);
+        assert_eq!((a.count, a.acks, a.stalls_total), (4, 2, 2));
     }
 
     #[test]

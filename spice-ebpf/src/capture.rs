@@ -6,8 +6,10 @@
 //! Every framed data message also goes through spice-server's ACK-window rule
 //! (`spice_ebpf_common::window`), on the socket's [`SockState::window`], before its record is
 //! reserved: the state in `SOCKETS` is exact even when the ring is full. The two directions of
-//! one socket share that state; spice-server, socat and haproxy serve each connection from one
-//! thread, so its send and receive calls never run concurrently.
+//! one socket share that state without a lock (a BPF spin lock needs a BTF-described map
+//! value, which these maps are not): spice-server, socat and haproxy serve each connection from
+//! one thread at a time, so its send and receive calls do not run concurrently. A process that
+//! sent and received on one socket from two threads at the same instant could lose an update.
 
 use core::ffi::c_void;
 
@@ -465,6 +467,7 @@ pub fn on_call(call: &Call) {
 /// direction's byte total live (in its `SOCKETS` value). Plain pointers: BPF functions take at
 /// most five arguments, and BTF cannot describe a reference to a data-carrying enum.
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct EmitCtx {
     hdr: EventHeader,
     seq_base: u32,
@@ -505,12 +508,7 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx, span: &S
     };
     let mut ctx = LoopCtx {
         st: st as *mut DirState,
-        ec: EmitCtx {
-            hdr: ec.hdr,
-            seq_base: ec.seq_base,
-            window: ec.window,
-            bytes: ec.bytes,
-        },
+        ec: *ec,
         peer: *peer,
         call_start,
         call_end,

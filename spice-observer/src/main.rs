@@ -1,8 +1,8 @@
 //! spice-observer: an eBPF observer of SPICE remote-display sockets.
 //!
 //! Kernel programs find SPICE message boundaries in the byte streams of the watched processes'
-//! TCP sockets and read each socket's TCP state; this agent replays spice-server's ACK window
-//! per display and cursor channel from them. See README.md.
+//! TCP sockets, run spice-server's ACK-window rule on them and read each socket's TCP state;
+//! this agent derives the window's statistics per display and cursor channel. See README.md.
 
 use std::{path::PathBuf, time::Duration};
 

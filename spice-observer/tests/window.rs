@@ -1,5 +1,6 @@
-//! Privileged tests of the ACK-window replay (`model/window.rs`) on the real kernel path and on a
-//! real session:
+//! Privileged tests of the ACK window the kernel keeps (`spice_ebpf_common::window`, run in
+//! `spice-ebpf/src/capture.rs`) and the statistics the agent derives from it
+//! (`model/window.rs`), on the real kernel path and on a real session:
 //!
 //! * scripted peers (`spice-peer`, real processes over loopback ports 5980–5984) that do what
 //!   spice-server and spice-gtk allow but rarely do: a second SET_ACK (a new generation), a
@@ -12,6 +13,12 @@
 //!   keeps no such count.
 //! * a real Xspice session (port 5985) with spice-gtk, whose client stops reading for a while:
 //!   one generation per connection, no surplus ACK, the ACK count spice-gtk's cadence gives.
+//!
+//! Both also check the kernel's own state (report `kernel_window`, the socket's `SOCKETS` entry
+//! read while it was open): every read the agent compared agreed with the record-derived
+//! figures, and where the read came after the socket's last message (the surplus pair's final
+//! wait, the idle end of the Xspice session) its counts are compared with the peer's
+//! `SUMMARY` or spice-gtk's cadence directly.
 //!
 //! Run serially (`--test-threads=1`) and under the machine's privileged-test lock.
 
@@ -26,7 +33,7 @@ use common::{
     privileged,
     summary::PeerSummary,
 };
-use spice_observer::report::{ChannelReport, Report};
+use spice_observer::report::{ChannelReport, KernelWindowReport, Report};
 
 /// A finished pair: the server's SUMMARY and pid.
 struct Pair {
@@ -118,6 +125,53 @@ fn brief(c: &ChannelReport) -> String {
         c.starts_while_stalled,
         c.urgent_pair_peaks
     )
+}
+
+/// The kernel's own window state of `c` (`kernel_window`): read at least once while the
+/// socket was open, every compared read agreed with the record-derived state, and none was
+/// ahead of the records. If the read shown covers every message of the report, its counts must
+/// equal the report's; returns it and whether it does.
+fn kernel_state<'a>(c: &'a ChannelReport, d: &str) -> Result<(&'a KernelWindowReport, bool)> {
+    let k = c
+        .kernel_window
+        .as_ref()
+        .ok_or_else(|| anyhow!("no kernel read was compared: {d}"))?;
+    ensure!(
+        k.compared >= 1 && k.differed == 0 && k.differences.is_empty(),
+        "kernel and record-derived state differ in {:?} ({} of {} reads): {k:?}: {d}",
+        k.differences,
+        k.differed,
+        k.compared
+    );
+    ensure!(
+        k.messages_sent <= c.messages_sent
+            && k.messages_received <= c.messages_received
+            && k.bytes_sent <= c.bytes_sent
+            && k.bytes_received <= c.bytes_received,
+        "kernel read ahead of the report: {k:?}: {d}"
+    );
+    let last = k.messages_sent == c.messages_sent && k.messages_received == c.messages_received;
+    if last {
+        ensure!(
+            k.bytes_sent == c.bytes_sent
+                && k.bytes_received == c.bytes_received
+                && Some(i64::from(k.count)) == c.in_flight_now
+                && Some(i64::from(k.max)) == c.in_flight_max
+                && Some(k.window) == c.window
+                && Some(k.generation) == c.ack_generation
+                && k.ack_sync_generation == c.ack_sync_generation
+                && k.set_acks == c.set_acks
+                && k.ack_syncs == c.ack_syncs
+                && k.acks == c.acks
+                && k.acks_ignored == c.acks_ignored
+                && k.ack_surplus == c.ack_surplus
+                && k.stalls_total == c.stalls_total
+                && k.starts_while_stalled == c.starts_while_stalled
+                && k.urgent_pair_peaks == c.urgent_pair_peaks,
+            "kernel read after the last message, but the report differs: {k:?}: {d}"
+        );
+    }
+    Ok((k, last))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -238,8 +292,28 @@ fn peer_generations_surplus_ack_and_type_105() -> Result<()> {
             c.in_flight_now == Some(a.final_count.max(0)),
             "in_flight_now: {d}"
         );
+        // The short pairs may close before any sample reads their kernel state.
+        if matches!(p.name, "surplus" | "generations") || c.kernel_window.is_some() {
+            kernel_state(c, &d)?;
+        }
         match p.name {
             "surplus" => {
+                // The server's last 600 ms are a wait with nothing sent or read: the kernel
+                // state read then is final, and is the peer's.
+                let (k, last) = kernel_state(c, &d)?;
+                ensure!(last, "no kernel read during the final wait: {k:?}: {d}");
+                ensure!(
+                    k.messages_sent == p.server.sent.messages
+                        && k.set_acks == a.set_acks
+                        && k.ack_syncs == a.ack_syncs
+                        && k.acks == a.acks_matched
+                        && k.acks_ignored == a.acks - a.acks_matched
+                        && k.ack_surplus == a.ack_surplus
+                        && i64::from(k.count) == a.final_count.max(0)
+                        && k.messages_window == a.messages_window
+                        && i64::from(k.max) == a.max_count,
+                    "kernel state is not the peer's: {k:?}: {d}"
+                );
                 ensure!(
                     a.ack_surplus == 1 && a.final_count < 0 && a.stalled_timeout,
                     "the peer did not get its surplus ACK and stall: {d}"
@@ -357,6 +431,12 @@ fn xspice_one_generation_no_surplus() -> Result<()> {
         let d = brief(c);
         let w = c.window.ok_or_else(|| anyhow!("no SET_ACK: {d}"))?;
         ensure!(c.set_acks == 1 && c.generations == 1, "generations: {d}");
+        // Open at the end, and idle: the kernel state read then covers every message.
+        let (kw, last) = kernel_state(c, &d)?;
+        ensure!(
+            last,
+            "the kernel read at the end missed messages: {kw:?}: {d}"
+        );
         ensure!(c.ack_surplus == 0, "surplus ACK from spice-gtk: {d}");
         ensure!(c.acks_ignored == 0, "acks_ignored: {d}");
         ensure!(c.starts_while_stalled == 0, "starts above 2W: {d}");

@@ -26,7 +26,7 @@
 //! and `proxy_recv_queue` can be placed; the rest are counted as unplaced.
 //!
 //! Which messages are in flight ([`inflight`]): the newest `count` server → client messages of
-//! spice-server's socket, `count` being the replayed in-flight count of `model/window.rs`
+//! spice-server's socket, `count` being the kernel's in-flight count (`model/window.rs`)
 //! (SET_ACK included, since the SET_ACK counts itself: `docs/spice-protocol.md` §3.2). So the
 //! SET_ACK message itself is in the set, as its oldest member, from the moment it starts until
 //! the first matching ACK subtracts W, which drops the oldest W: the SET_ACK and the W − 1
@@ -279,7 +279,8 @@ pub struct ChainSample {
     pub t_ns: u64,
     /// spice-server's in-flight count (its `messages_window`).
     pub in_flight: i64,
-    /// The count a relay-side observer would report (the relay's own replay), if a relay.
+    /// The count a relay-side observer would report (the window rule on the relay's leg
+    /// toward spice-server), if a relay.
     pub relay_visible: Option<i64>,
     /// Where the in-flight messages are; `None` when the sockets' TCP positions were not
     /// available (e.g. a socket in another network namespace).

@@ -84,7 +84,7 @@ pub const METRICS: &[MetricDef] = &[
         "in_flight_now_messages",
         Gauge,
         CH,
-        "Messages spice-server has in flight on this channel now (its messages_window, replayed exactly; on relay legs the same rule on what the relay read and wrote)."
+        "Messages spice-server has in flight on this channel now (its messages_window, kept exactly by the kernel; on relay legs the same rule on what the relay read and wrote)."
     ),
     def!(
         "in_flight_stage_messages",
@@ -157,6 +157,12 @@ pub const METRICS: &[MetricDef] = &[
         Counter,
         CH,
         "Times spice-server began waiting for an ACK, all generations."
+    ),
+    def!(
+        "records_lost_total",
+        Counter,
+        CH,
+        "Message records of this socket lost between the kernel and the daemon (gaps in the record index, both directions); 0 unless something is wrong."
     ),
     // --- per channel: TCP state of the leg ---
     def!(
@@ -667,6 +673,11 @@ pub fn families(input: &ScrapeInput<'_>) -> Vec<MetricFamily> {
                 c.stalls_total as f64,
             );
         }
+        b.put(
+            "spice_observer_records_lost_total",
+            &l,
+            c.records_lost as f64,
+        );
         if let Some(t) = &c.tcp {
             b.put(
                 "spice_observer_tcp_srtt_seconds",
@@ -1058,6 +1069,7 @@ mod tests {
         assert!(t.contains("spice_observer_in_flight_relay_visible_messages{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\"} 4"));
         assert!(t.contains("spice_observer_tcp_srtt_seconds{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\"} 0.0015"));
         assert!(t.contains("spice_observer_window_wait_seconds_total{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\"} 0.25"));
+        assert!(t.contains("spice_observer_records_lost_total{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\"} 0"));
         // Histogram in milliseconds.
         assert!(t.contains("spice_observer_in_flight_messages_bucket{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\",le=\"5\"} 500"), "{t}");
         assert!(t.contains("spice_observer_in_flight_messages_count{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\"} 1000"));

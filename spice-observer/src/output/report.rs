@@ -1217,7 +1217,7 @@ pub fn render(r: &Report) -> String {
         if c.starts_while_stalled > 0 {
             let _ = writeln!(
                 out,
-                "  WARNING: {} message(s) started above 2W without an urgent pair: the replay disagrees with spice-server's rule",
+                "  WARNING: {} message(s) started above 2W without an urgent pair: these messages disagree with spice-server's rule",
                 c.starts_while_stalled
             );
         }

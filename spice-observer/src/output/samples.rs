@@ -85,10 +85,11 @@ pub struct SampleLine {
     pub channel_type: String,
     /// Channel id from the client's link message.
     pub channel_id: u8,
-    /// spice-server's in-flight count (`messages_window`, replayed) at the sample.
+    /// spice-server's in-flight count (`messages_window`, as the kernel keeps it) at the
+    /// sample.
     pub in_flight: u64,
-    /// The count a relay-side observer reports at the sample (the relay leg's own replay of
-    /// the window); `None` without a relay leg with a SET_ACK seen. For front ends in process
+    /// The count a relay-side observer reports at the sample (the window rule on the relay
+    /// leg's own messages); `None` without a relay leg with a SET_ACK seen. For front ends in process
     /// (the plot's relay line): not part of the `--samples` file (never written, read as
     /// `None`).
     #[serde(skip)]
