@@ -55,6 +55,24 @@ pub struct KernelConfig {
 /// and marks the open channels `restarted` instead of misreading the old state.
 pub const LAYOUT_VERSION: u32 = 2;
 
+/// Indexes into the `LAYOUT` array map, which records what a pinned set of maps holds.
+pub mod layout {
+    /// [`super::LAYOUT_VERSION`] of the agent that loaded the programs.
+    pub const VERSION: u32 = 0;
+    /// `size_of::<SockState>()` (map `SOCKETS` values).
+    pub const SOCK_STATE_SIZE: u32 = 1;
+    /// `size_of::<TcpSnapshot>()` (map `TCP_STATE` values).
+    pub const TCP_SNAPSHOT_SIZE: u32 = 2;
+    /// `size_of::<MessageEvent>()` (ring records).
+    pub const MESSAGE_EVENT_SIZE: u32 = 3;
+    /// Bit 0: the sock_ops program was attached (its pinned link belongs to the set).
+    pub const HOOKS: u32 = 4;
+    /// Number of entries.
+    pub const COUNT: u32 = 5;
+    /// [`HOOKS`] bit: sock_ops attached.
+    pub const HOOK_SOCKOPS: u32 = 1;
+}
+
 /// Indexes into the per-CPU counter array `COUNTERS`.
 pub mod counter {
     /// A ring-buffer record could not be reserved (ring full).

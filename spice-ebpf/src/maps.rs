@@ -47,6 +47,14 @@ pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::C
 #[map]
 pub static ZERO_SOCK: Array<SockState> = Array::with_max_entries(1, 0);
 
+/// What the pinned state is (written by the agent after loading, never by the programs):
+/// `spice_ebpf_common::config::layout` indexes, e.g. the layout version and the sizes of the
+/// map values and records. A restarted agent compares it with its own before reusing the
+/// pinned maps.
+#[map]
+pub static LAYOUT: Array<u32> =
+    Array::with_max_entries(spice_ebpf_common::config::layout::COUNT, 0);
+
 /// Adds 1 to counter `index`.
 #[inline(always)]
 pub fn count(index: u32) {

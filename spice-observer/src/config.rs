@@ -27,7 +27,7 @@
 //! ```
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use serde::Deserialize;
@@ -44,6 +44,10 @@ use serde::Deserialize;
 /// from SPICE/VNC's 5900+N, and not in this Debian host's `/etc/services`. Not registered on
 /// the wiki page.
 pub const DEFAULT_PORT: u16 = 19590;
+
+/// Default pin directory of the daemon's kernel state: `/sys/fs/bpf/spice-observer` (on the
+/// BPF filesystem's usual mount point).
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/spice-observer";
 
 /// The daemon's settings. Every key is optional; [`Config::default`] gives the value of a
 /// missing one. Unknown keys are an error.
@@ -69,6 +73,10 @@ pub struct Config {
     /// observer's own kernel-side cost. The accounting costs two clock reads per program
     /// run, for every BPF program on the host while enabled. Default true.
     pub bpf_stats: bool,
+    /// `pin_dir`: directory on a BPF filesystem (bpffs) where the daemon pins its maps and
+    /// program links, so that a restarted daemon continues the counts exactly (README,
+    /// "Restarts and pinned state"). Default [`DEFAULT_PIN_DIR`]; must be absolute.
+    pub pin_dir: PathBuf,
     /// `[discovery]`: what to look for.
     pub discovery: DiscoveryConfig,
 }
@@ -123,6 +131,7 @@ impl Default for Config {
             sample_ms: 100,
             scan_ms: 500,
             bpf_stats: true,
+            pin_dir: PathBuf::from(DEFAULT_PIN_DIR),
             discovery: DiscoveryConfig::default(),
         }
     }
@@ -168,6 +177,9 @@ impl Config {
         }
         if self.scan_ms == 0 {
             bail!("scan_ms must be > 0");
+        }
+        if !self.pin_dir.is_absolute() {
+            bail!("pin_dir {:?} must be an absolute path", self.pin_dir);
         }
         for (i, rule) in self.discovery.relays.iter().enumerate() {
             let at = format!("discovery.relays[{i}]");

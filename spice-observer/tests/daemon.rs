@@ -34,14 +34,20 @@ struct Daemon {
     /// it arrives).
     log: mpsc::Receiver<(Instant, String)>,
     lines: Vec<(Instant, String)>,
+    /// Its own pin directory, unpinned after the daemon stopped (fields drop after `drop`).
+    _pins: common::PinDir,
 }
 
 impl Daemon {
-    /// Starts the daemon with `config` and waits for its start line.
-    fn start(config: &Path) -> Result<Daemon> {
+    /// Starts the daemon with `config` and its own pin directory (`test` names it), and waits
+    /// for its start line.
+    fn start(config: &Path, test: &str) -> Result<Daemon> {
+        let pins = common::PinDir::new(test)?;
         let mut child = Command::new(env!("CARGO_BIN_EXE_spice-observer"))
             .args(["daemon", "--config"])
             .arg(config)
+            .arg("--pin-dir")
+            .arg(&pins.path)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -60,6 +66,7 @@ impl Daemon {
             child,
             log: rx,
             lines: Vec::new(),
+            _pins: pins,
         };
         d.wait_line(
             |l| l.contains("listening on http://"),
@@ -404,7 +411,7 @@ fn daemon_two_sessions_relay_and_churn() -> Result<()> {
     }
     let mut rig = Rig::new(T)?;
     let config = write_config(&rig, "")?;
-    let mut daemon = Daemon::start(&config)?;
+    let mut daemon = Daemon::start(&config, T)?;
     // Scrapes the daemon every second from now on, for the dashboard's queries.
     let prom = Prom::start(&rig.state)?;
     let (code, health) = get("/healthz")?;
@@ -656,7 +663,7 @@ fn daemon_memory_flat_over_churn() -> Result<()> {
     }
     let mut rig = Rig::new(T)?;
     let config = write_config(&rig, "")?;
-    let mut daemon = Daemon::start(&config)?;
+    let mut daemon = Daemon::start(&config, T)?;
     let relay = rig.relay("socat", "127.0.0.1", 6978, "127.0.0.1", 5978)?;
     let _ = relay;
     thread::sleep(Duration::from_secs(2));

@@ -9,6 +9,10 @@
 //! are then released. The HTTP server (axum on the same tokio runtime) asks the loop over a
 //! channel, so scrapes are serialised with sampling and never see a half-applied state.
 //!
+//! Kernel state is pinned under `pin_dir` ([`Engine::start_pinned`]): a restarted daemon
+//! continues it (README "Restarts and pinned state"); SIGINT and SIGTERM leave the pins,
+//! `--unpin` removes them.
+//!
 //! HTTP paths: `/` (a landing page naming the paths, the version and the hook set),
 //! `/metrics` (Prometheus text format 0.0.4), `/healthz` (`200 ok` while the loop answers;
 //! `503` with the reason when it does not answer within [`HEALTH_TIMEOUT`] or has stopped).
@@ -45,7 +49,7 @@ use crate::config::{Config, RelayRule};
 use crate::host::discovery::{self, Discovery, ServerKind, Target, TargetKind};
 use crate::host::privilege;
 use crate::output::metrics::{self, ProgramCost, ScrapeInput};
-use crate::pipeline::{Engine, EngineOptions, monotonic_ns};
+use crate::pipeline::{Engine, EngineOptions, Restart, monotonic_ns};
 
 /// Config file read when `--config` is not given, if it exists.
 pub const DEFAULT_CONFIG: &str = "/etc/spice-observer/spice-observer.toml";
@@ -86,6 +90,14 @@ pub struct DaemonArgs {
     /// `discovery.relays`). Repeatable.
     #[arg(long = "relay-port", value_name = "PORT")]
     pub relay_ports: Vec<u16>,
+    /// Directory on a BPF filesystem where the kernel state is pinned (`pin_dir`, default
+    /// /sys/fs/bpf/spice-observer): a restarted daemon continues from it.
+    #[arg(long, value_name = "DIR")]
+    pub pin_dir: Option<PathBuf>,
+    /// Remove everything pinned under the pin directory (program links first, which detaches
+    /// the programs, then the maps) and exit. Idempotent.
+    #[arg(long)]
+    pub unpin: bool,
 }
 
 /// The effective settings: the config file (`--config`, else [`DEFAULT_CONFIG`] if it
@@ -127,6 +139,12 @@ pub fn resolve(args: &DaemonArgs) -> Result<(Config, Option<PathBuf>)> {
     if args.no_bpf_stats {
         cfg.bpf_stats = false;
     }
+    if let Some(d) = &args.pin_dir {
+        if !d.is_absolute() {
+            bail!("--pin-dir {} must be an absolute path", d.display());
+        }
+        cfg.pin_dir = d.clone();
+    }
     for name in &args.relay_names {
         if name.is_empty() || name.contains('/') {
             bail!("--relay-name {name:?} must be a non-empty program name without '/'");
@@ -148,14 +166,44 @@ pub fn resolve(args: &DaemonArgs) -> Result<(Config, Option<PathBuf>)> {
     Ok((cfg, path))
 }
 
-/// Runs the daemon until SIGINT or SIGTERM; SIGHUP re-reads the config
-/// ([`crate::cmd::service`]).
+/// Runs the daemon until SIGINT or SIGTERM (the pins stay: a restart continues from them);
+/// SIGHUP re-reads the config ([`crate::cmd::service`]). With `--unpin` it removes the pins
+/// and returns.
 pub fn run(args: DaemonArgs) -> Result<()> {
     let (cfg, path) = resolve(&args)?;
+    if args.unpin {
+        return unpin(&cfg.pin_dir);
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(serve(cfg, path, &args))
+}
+
+/// `daemon --unpin`: removes the pin directory's contents and the directory, says what it did.
+fn unpin(dir: &Path) -> Result<()> {
+    let running = crate::loader::PinLock::held(dir);
+    let gone = crate::loader::unpin(dir)?;
+    if running {
+        println!(
+            "a daemon is still running on {}: its programs stay attached until it exits",
+            dir.display()
+        );
+    }
+    if gone.is_empty() {
+        println!("nothing pinned at {}", dir.display());
+    } else {
+        let links = gone.iter().filter(|n| n.starts_with("link_")).count();
+        println!(
+            "removed {} from {}: {} program link(s) (programs detached unless a running daemon \
+             still holds them) and {} map(s)",
+            gone.len(),
+            dir.display(),
+            links,
+            gone.len() - links
+        );
+    }
+    Ok(())
 }
 
 /// A request from an HTTP handler to the loop.
@@ -333,14 +381,34 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     if stats_refused.is_some() {
         cfg.bpf_stats = false;
     }
-    let mut engine = Engine::start(EngineOptions {
-        sample: Duration::from_millis(cfg.sample_ms),
-        retain_closed: false,
-        bpf_stats: cfg.bpf_stats,
-    })
+    let mut engine = Engine::start_pinned(
+        EngineOptions {
+            sample: Duration::from_millis(cfg.sample_ms),
+            retain_closed: false,
+            bpf_stats: cfg.bpf_stats,
+        },
+        &cfg.pin_dir,
+    )
     .map_err(privilege::explain_start_error)?;
     if let Some(why) = stats_refused {
         engine.note_degraded(why);
+    }
+    match engine.restart() {
+        Restart::Continued { sockets } => info!(
+            "continuing the kernel state pinned at {} ({sockets} socket(s) taken over, counts continue)",
+            cfg.pin_dir.display()
+        ),
+        Restart::Reloaded { why } => warn!(
+            "reloaded the kernel programs: the state pinned at {} could not be continued ({why}); \
+             connections it was counting are reported `restarted`",
+            cfg.pin_dir.display()
+        ),
+        Restart::Fresh | Restart::Unpinned => {
+            info!(
+                "kernel programs loaded and pinned at {}",
+                cfg.pin_dir.display()
+            )
+        }
     }
     for d in engine.degraded() {
         warn!("degraded: {d}");
@@ -368,7 +436,10 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(healthz))
         .with_state(state);
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    // The HTTP server starts after the first scan (connections wait in the listen backlog
+    // until then), so that no scrape sees sockets without their targets (VM names, legs).
+    let mut http = Some((listener, app));
+    let mut server = None;
     info!(
         "spice-observer daemon {}: listening on http://{} (hook set {}, config {}, sample {} ms, scan {} ms, bpf_stats {})",
         env!("CARGO_PKG_VERSION"),
@@ -423,6 +494,9 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                             warn!("process scan failed: {e:#}");
                         }
                         scan_failed = true;
+                        if let Some((listener, app)) = http.take() {
+                            server = Some(tokio::spawn(async move { axum::serve(listener, app).await }));
+                        }
                         continue;
                     }
                 };
@@ -452,6 +526,9 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                     }
                 }
                 targets = s.targets;
+                if let Some((listener, app)) = http.take() {
+                    server = Some(tokio::spawn(async move { axum::serve(listener, app).await }));
+                }
             }
             _ = sample.tick() => {
                 engine.sample(monotonic_ns());
@@ -521,7 +598,9 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     }
     service::stopping();
     debug!("stopping");
-    server.abort();
+    if let Some(s) = server {
+        s.abort();
+    }
     Ok(())
 }
 
@@ -538,6 +617,8 @@ mod tests {
             no_bpf_stats: false,
             relay_names: Vec::new(),
             relay_ports: Vec::new(),
+            pin_dir: None,
+            unpin: false,
         }
     }
 

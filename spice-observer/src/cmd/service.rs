@@ -112,8 +112,16 @@ impl Reload {
                 old.bpf_stats, new.bpf_stats
             ));
         }
+        if new.pin_dir != old.pin_dir {
+            r.need_restart.push(format!(
+                "pin_dir ({} -> {})",
+                old.pin_dir.display(),
+                new.pin_dir.display()
+            ));
+        }
         // Any other key: what is left once the ones above are made equal.
         let mut rest = new.clone();
+        rest.pin_dir = old.pin_dir.clone();
         rest.sample_ms = old.sample_ms;
         rest.scan_ms = old.scan_ms;
         rest.discovery = old.discovery.clone();

@@ -13,21 +13,26 @@
 //! every other failure (permission, a verifier rejection, an attach error, a probe that could
 //! not decide) is a hard error with the kernel's message, never that phrase.
 
-use std::{fs::File, path::PathBuf};
+use std::{
+    collections::HashMap as StdHashMap,
+    fs::File,
+    path::{Path, PathBuf},
+};
 
 use anyhow::{Context, Result, anyhow, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf},
     programs::{
-        BtfTracePoint, ProgramError, ProgramType, RawTracePoint, SockOps, links::CgroupAttachMode,
+        BtfTracePoint, ProgramError, ProgramType, RawTracePoint, SockOps,
+        links::{CgroupAttachMode, FdLink, PinnedLink},
     },
     sys::is_program_supported,
 };
 use log::{debug, warn};
 use spice_ebpf_common::{
-    config::{KernelConfig, counter},
-    event::{SockState, TcpSnapshot},
+    config::{KernelConfig, LAYOUT_VERSION, counter, layout},
+    event::{MessageEvent, SockState, TcpSnapshot},
 };
 
 use crate::btf::{KernelBtf, VMLINUX_BTF};
@@ -52,9 +57,193 @@ pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd> {
         .map_err(|e| anyhow!("enabling BPF run-time statistics (BPF_ENABLE_STATS): {e}"))
 }
 
-/// Loaded and attached kernel programs.
+/// Every map of the object the agent uses, by name: what a pin directory holds (one file per
+/// map, named after it), besides one `link_<program>` file per attached program. The object's
+/// global-data section (`.rodata`, holding [`KernelConfig`]) is not pinned: the programs hold
+/// it, and nothing reads it after the load.
+pub const MAP_NAMES: [&str; 10] = [
+    "WATCHED_TGIDS",
+    "PENDING_CALLS",
+    "SOCKETS",
+    "TCP_STATE",
+    "WATCH_PORTS",
+    "PREEXISTING",
+    "EVENTS",
+    "COUNTERS",
+    "ZERO_SOCK",
+    "LAYOUT",
+];
+
+/// The sock_ops program's name (its link is pinned only when it was attached).
+const SOCKOPS: &str = "spice_sockops";
+
+/// Environment variable read at run time by [`layout_version`], for tests only: a decimal
+/// number that replaces [`LAYOUT_VERSION`], so that a test can play a daemon of another
+/// layout without a second build. Never set it in production: a wrong value makes the daemon
+/// reload (and mark every open channel `restarted`) at each start.
+pub const LAYOUT_VERSION_OVERRIDE_ENV: &str = "SPICE_OBSERVER_LAYOUT_VERSION_OVERRIDE";
+
+/// The layout version this agent writes into and expects from a pinned set:
+/// [`LAYOUT_VERSION`], unless [`LAYOUT_VERSION_OVERRIDE_ENV`] holds a number (tests).
+pub fn layout_version() -> u32 {
+    std::env::var(LAYOUT_VERSION_OVERRIDE_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(LAYOUT_VERSION)
+}
+
+/// What this agent writes into the pinned `LAYOUT` map (indexes of
+/// [`spice_ebpf_common::config::layout`]), without the hook bits.
+fn expected_layout() -> [u32; layout::HOOKS as usize] {
+    [
+        layout_version(),
+        std::mem::size_of::<SockState>() as u32,
+        std::mem::size_of::<TcpSnapshot>() as u32,
+        std::mem::size_of::<MessageEvent>() as u32,
+    ]
+}
+
+/// `statfs(2)` magic number of the BPF filesystem (`BPF_FS_MAGIC`, include/uapi/linux/magic.h).
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+
+/// Whether `path` (which must exist) lies on a BPF filesystem.
+fn on_bpffs(path: &Path) -> Result<bool> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid out-buffer.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("statfs {}", path.display()));
+    }
+    Ok(st.f_type as i64 == BPF_FS_MAGIC)
+}
+
+/// Checks that `dir` is (or would be created) on a BPF filesystem, and creates it.
+///
+/// Errors: the nearest existing ancestor of `dir` is not on a bpffs (the message says how to
+/// mount one), or `dir` cannot be created.
+pub fn prepare_pin_dir(dir: &Path) -> Result<()> {
+    let mut probe = dir;
+    while !probe.exists() {
+        probe = probe.parent().unwrap_or(Path::new("/"));
+    }
+    if !on_bpffs(probe)? {
+        bail!(
+            "pin directory {} is not on a BPF filesystem ({} is not bpffs): mount one with \
+             `mount -t bpf bpf /sys/fs/bpf` (scripts/setup.sh does), or give --pin-dir / \
+             `pin_dir` a directory on a bpffs",
+            dir.display(),
+            probe.display()
+        );
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))
+}
+
+/// An exclusive `flock(2)` on a pin directory, held by the daemon that uses it for as long as
+/// it runs (released when dropped or when the process dies, SIGKILL included), so that two
+/// daemons never drain one pinned ring. Other programs can test it ([`PinLock::held`]).
+pub struct PinLock {
+    _dir: File,
+}
+
+impl PinLock {
+    /// Takes the lock on `dir` (which must exist) without waiting. Errors when another
+    /// process holds it (the message names the directory), or `dir` cannot be opened.
+    pub fn take(dir: &Path) -> Result<PinLock> {
+        use std::os::fd::AsRawFd as _;
+        let f = File::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+        // SAFETY: flock on an fd we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                bail!(
+                    "another spice-observer daemon is using the pin directory {} (it holds its \
+                     lock); stop it first, or give this one another --pin-dir",
+                    dir.display()
+                );
+            }
+            return Err(e).with_context(|| format!("locking {}", dir.display()));
+        }
+        Ok(PinLock { _dir: f })
+    }
+
+    /// Whether a running process holds the lock of `dir` (false if `dir` does not exist).
+    pub fn held(dir: &Path) -> bool {
+        match File::open(dir) {
+            Ok(f) => {
+                use std::os::fd::AsRawFd as _;
+                // SAFETY: flock on an fd we own; the lock, if taken, goes with `f`.
+                unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) != 0 }
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+/// Removes everything pinned in `dir` (program links first, then maps) but keeps the
+/// directory (and so a [`PinLock`] on it). Returns the names removed.
+pub fn unpin_contents(dir: &Path) -> Result<Vec<String>> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", dir.display())),
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    // Links before maps.
+    names.sort_by_key(|n| (!n.starts_with("link_"), n.clone()));
+    for n in &names {
+        let p = dir.join(n);
+        std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
+    }
+    Ok(names)
+}
+
+/// Removes a pin directory: the program links first (which detaches the programs, unless a
+/// running process still holds them), then the maps, then the directory. Idempotent: a
+/// missing directory removes nothing. Returns the names removed.
+pub fn unpin(dir: &Path) -> Result<Vec<String>> {
+    let names = unpin_contents(dir)?;
+    match std::fs::remove_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("removing {}", dir.display())),
+    }
+    Ok(names)
+}
+
+/// The processes (`WATCHED_TGIDS` keys) of the set pinned under `dir`, read without trusting
+/// its layout beyond that map's key and value sizes (4 and 4 bytes). Errors when the map is
+/// missing or of another shape.
+pub fn pinned_watched(dir: &Path) -> Result<std::collections::HashSet<u32>> {
+    let data = MapData::from_pin(dir.join("WATCHED_TGIDS"))?;
+    let map: HashMap<MapData, u32, u32> = HashMap::try_from(Map::from_map_data(data)?)?;
+    Ok(map.keys().filter_map(|k| k.ok()).collect())
+}
+
+/// What a pin directory held when an agent started.
+pub enum Pinned {
+    /// Nothing pinned there (no directory, or an empty one).
+    Absent,
+    /// A complete set of this agent's layout: the maps opened, the programs left running.
+    Reusable(Capture),
+    /// Something this agent cannot continue: another layout, or a partial set. The text
+    /// says which. The caller removes it ([`unpin`]) and loads afresh.
+    Stale(String),
+}
+
+/// Loaded and attached kernel programs, and their maps.
 pub struct Capture {
-    ebpf: Ebpf,
+    /// The loaded object, holding the programs and (when not pinned) their links; `None` when
+    /// the programs are a pinned set loaded by an earlier agent.
+    _ebpf: Option<Ebpf>,
+    /// The maps in use, by name ([`MAP_NAMES`]; `EVENTS` leaves with [`Capture::take_ring`]).
+    maps: StdHashMap<String, Map>,
+    /// (program name in the object, kernel program id) of each attached program.
+    programs: Vec<(String, u32)>,
     /// Name of the active hook set, for reports (`hook_set` in JSON).
     pub hook_set: String,
     /// Kernel features that were missing and what that costs (empty when all present).
@@ -149,6 +338,32 @@ impl Capture {
     /// a kernel without the `sock_ops` program type only disables sockops (listed in
     /// [`Capture::degraded`]).
     pub fn load() -> Result<Self> {
+        Self::load_into(None)
+    }
+
+    /// [`Capture::load`], then pins every map of [`MAP_NAMES`] and one link per attached
+    /// program (`link_<program>`) under `dir` (see [`prepare_pin_dir`]), and records this
+    /// agent's layout in the `LAYOUT` map. The programs stay attached after this process
+    /// exits, until the pins are removed ([`unpin`]). `dir` must hold no pins.
+    pub fn load_pinned(dir: &Path) -> Result<Self> {
+        prepare_pin_dir(dir)?;
+        Self::load_into(Some(dir))
+    }
+
+    fn load_into(pin: Option<&Path>) -> Result<Self> {
+        // Pinned links: kept here until every pin is made (dropping one closes its fd only).
+        let mut links: Vec<PinnedLink> = Vec::new();
+        let mut programs: Vec<(String, u32)> = Vec::new();
+        let pin_link =
+            |link: FdLink, name: &str, links: &mut Vec<PinnedLink>| -> Result<()> {
+                if let Some(dir) = pin {
+                    let p = dir.join(format!("link_{name}"));
+                    links.push(link.pin(&p).with_context(|| {
+                        format!("pinning the link of {name} at {}", p.display())
+                    })?);
+                }
+                Ok(())
+            };
         // Pre-5.11 kernels charge BPF maps to RLIMIT_MEMLOCK; harmless elsewhere.
         let rlim = libc::rlimit {
             rlim_cur: libc::RLIM_INFINITY,
@@ -191,8 +406,14 @@ impl Capture {
             .try_into()?;
         prog.load()
             .map_err(|e| load_error("spice_sys_enter", "raw_tracepoint/sys_enter", e))?;
-        prog.attach("sys_enter")
+        let id = prog
+            .attach("sys_enter")
             .context("attaching raw_tracepoint/sys_enter")?;
+        programs.push(("spice_sys_enter".into(), prog.info()?.id()));
+        if pin.is_some() {
+            let link: FdLink = prog.take_link(id)?.into();
+            pin_link(link, "spice_sys_enter", &mut links)?;
+        }
 
         // No program-type probe for tp_btf: aya's probe for BPF_PROG_TYPE_TRACING attaches an
         // fentry trampoline, which the kernels this was built on refuse while tp_btf works.
@@ -204,8 +425,14 @@ impl Capture {
                 .try_into()?;
             prog.load(tp, &btf)
                 .map_err(|e| load_error(name, &format!("tp_btf/{tp}"), e))?;
-            prog.attach()
+            let id = prog
+                .attach()
                 .with_context(|| format!("attaching tp_btf/{tp}"))?;
+            programs.push((name.into(), prog.info()?.id()));
+            if pin.is_some() {
+                let link: FdLink = prog.take_link(id)?.into();
+                pin_link(link, name, &mut links)?;
+            }
         }
 
         let mut hook_set = String::from("tracepoints");
@@ -229,7 +456,20 @@ impl Capture {
                 // AllowMultiple (bpf_link_create with BPF_F_ALLOW_MULTI) is refused on the
                 // kernels this was tested on; the default single mode works.
                 match prog.attach(dir, CgroupAttachMode::default()) {
-                    Ok(_) => hook_set.push_str("+sockops"),
+                    Ok(id) => {
+                        hook_set.push_str("+sockops");
+                        programs.push((SOCKOPS.into(), prog.info()?.id()));
+                        if pin.is_some() {
+                            // A bpf_link (Linux ≥ 5.7; aya uses bpf_link_create there), not
+                            // a legacy prog attach: only a link can be pinned.
+                            let link: FdLink = prog.take_link(id)?.try_into().map_err(|e| {
+                                anyhow!(
+                                    "sockops is attached without a bpf_link, cannot pin it: {e}"
+                                )
+                            })?;
+                            pin_link(link, SOCKOPS, &mut links)?;
+                        }
+                    }
                     Err(e) => {
                         warn!("sockops not attached to {}: {e}", cg.display());
                         degraded.push(format!("sockops not attached ({e}): TCP state is read at socket calls and by sock_diag only"));
@@ -246,22 +486,204 @@ impl Capture {
                 .ok_or_else(|| anyhow!("map ZERO_SOCK"))?,
         )?;
         zero.set(0, SockState::default(), 0)?;
+        {
+            let lay: &mut Array<&mut MapData, u32> = &mut Array::try_from(
+                ebpf.map_mut("LAYOUT")
+                    .ok_or_else(|| anyhow!("map LAYOUT missing from the object"))?,
+            )?;
+            for (i, v) in expected_layout().into_iter().enumerate() {
+                lay.set(i as u32, v, 0)?;
+            }
+            let hooks = if hook_set.ends_with("+sockops") {
+                layout::HOOK_SOCKOPS
+            } else {
+                0
+            };
+            lay.set(layout::HOOKS, hooks, 0)?;
+        }
+        let mut maps = StdHashMap::new();
+        for name in MAP_NAMES {
+            let m = ebpf
+                .take_map(name)
+                .ok_or_else(|| anyhow!("map {name} missing from the object"))?;
+            maps.insert(name.to_string(), m);
+        }
+        if let Some(dir) = pin {
+            // LAYOUT last: a set whose LAYOUT is pinned had every other pin made before it.
+            for name in MAP_NAMES
+                .iter()
+                .filter(|n| **n != "LAYOUT")
+                .chain(&["LAYOUT"])
+            {
+                let p = dir.join(name);
+                maps[*name]
+                    .pin(&p)
+                    .with_context(|| format!("pinning map {name} at {}", p.display()))?;
+            }
+        }
+        drop(links);
         Ok(Self {
-            ebpf,
+            _ebpf: Some(ebpf),
+            maps,
+            programs,
             hook_set,
             degraded,
         })
+    }
+
+    /// Opens the set pinned under `dir` by an earlier agent, without loading anything: the
+    /// programs keep running as they have since that agent loaded them.
+    ///
+    /// [`Pinned::Reusable`] needs the `LAYOUT` map to record this agent's
+    /// [`layout_version`] and the sizes of `SockState`, `TcpSnapshot` and `MessageEvent`, and
+    /// every map of [`MAP_NAMES`] and every program link the set recorded (sock_ops only if
+    /// it was attached) to be pinned. Errors only when the directory cannot be read.
+    pub fn open_pinned(dir: &Path) -> Result<Pinned> {
+        let present: Vec<String> = match std::fs::read_dir(dir) {
+            Ok(e) => e
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Pinned::Absent),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", dir.display())),
+        };
+        if present.is_empty() {
+            return Ok(Pinned::Absent);
+        }
+        let layout = match read_layout(&dir.join("LAYOUT")) {
+            Ok(l) => l,
+            Err(e) => return Ok(Pinned::Stale(format!("no readable LAYOUT map ({e:#})"))),
+        };
+        let want = expected_layout();
+        if layout[..want.len()] != want {
+            return Ok(Pinned::Stale(format!(
+                "pinned layout version {} (SockState {} B, TcpSnapshot {} B, MessageEvent {} B), \
+             this agent's {} ({} B, {} B, {} B)",
+                layout[0], layout[1], layout[2], layout[3], want[0], want[1], want[2], want[3]
+            )));
+        }
+        let sockops = layout[layout::HOOKS as usize] & layout::HOOK_SOCKOPS != 0;
+        let mut links: Vec<&str> = std::iter::once("spice_sys_enter")
+            .chain(BTF_TRACEPOINTS.iter().map(|(n, _)| *n))
+            .collect();
+        if sockops {
+            links.push(SOCKOPS);
+        }
+        let missing: Vec<String> = MAP_NAMES
+            .iter()
+            .map(|m| m.to_string())
+            .chain(links.iter().map(|l| format!("link_{l}")))
+            .filter(|n| !present.contains(n))
+            .collect();
+        if !missing.is_empty() {
+            return Ok(Pinned::Stale(format!(
+                "partial set, missing {}",
+                missing.join(", ")
+            )));
+        }
+        let mut maps = StdHashMap::new();
+        for name in MAP_NAMES {
+            let p = dir.join(name);
+            let m = MapData::from_pin(&p)
+                .map_err(anyhow::Error::from)
+                .and_then(|d| Map::from_map_data(d).map_err(anyhow::Error::from));
+            match m {
+                Ok(m) => {
+                    maps.insert(name.to_string(), m);
+                }
+                Err(e) => {
+                    return Ok(Pinned::Stale(format!(
+                        "map {} cannot be opened ({e:#})",
+                        p.display()
+                    )));
+                }
+            }
+        }
+        let mut programs = Vec::new();
+        for name in links {
+            let p = dir.join(format!("link_{name}"));
+            match PinnedLink::from_pin(&p)
+                .map_err(anyhow::Error::from)
+                .and_then(|l| FdLink::from(l).info().map_err(anyhow::Error::from))
+            {
+                Ok(info) => programs.push((name.to_string(), info.program_id())),
+                Err(e) => {
+                    return Ok(Pinned::Stale(format!(
+                        "link {} cannot be opened ({e:#})",
+                        p.display()
+                    )));
+                }
+            }
+        }
+        let mut degraded = Vec::new();
+        let hook_set = if sockops {
+            "tracepoints+sockops".to_string()
+        } else {
+            degraded.push(
+                "sockops not attached (the pinned set has none): TCP state is read at socket \
+             calls and by sock_diag only"
+                    .into(),
+            );
+            "tracepoints".to_string()
+        };
+        Ok(Pinned::Reusable(Self {
+            _ebpf: None,
+            maps,
+            programs,
+            hook_set,
+            degraded,
+        }))
+    }
+
+    fn map_mut(&mut self, name: &str) -> Result<&mut Map> {
+        self.maps
+            .get_mut(name)
+            .ok_or_else(|| anyhow!("map {name} missing"))
     }
 
     fn hash<K: aya::Pod, V: aya::Pod>(
         &mut self,
         name: &str,
     ) -> Result<HashMap<&mut MapData, K, V>> {
-        Ok(HashMap::try_from(
-            self.ebpf
-                .map_mut(name)
-                .ok_or_else(|| anyhow!("map {name} missing"))?,
-        )?)
+        Ok(HashMap::try_from(self.map_mut(name)?)?)
+    }
+
+    /// Every entry of the kernel's `SOCKETS` map: (cookie, state). The programs update a
+    /// value in place while this reads it (no lock), so each value is read until two reads in
+    /// a row are equal (up to 8 times; a socket still changing then is read once more and
+    /// taken as is, which [`crate::model::Model::restore`] tolerates for messages: see there).
+    /// Sockets destroyed between the key walk and the read are left out.
+    pub fn sockets(&mut self) -> Result<Vec<(u64, SockState)>> {
+        let map = self.hash::<u64, SockState>("SOCKETS")?;
+        let keys: Vec<u64> = map.keys().filter_map(|k| k.ok()).collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            let Ok(mut a) = map.get(&k, 0) else { continue };
+            for _ in 0..8 {
+                let Ok(b) = map.get(&k, 0) else { break };
+                if pod_bytes(&a) == pod_bytes(&b) {
+                    break;
+                }
+                a = b;
+            }
+            out.push((k, a));
+        }
+        Ok(out)
+    }
+
+    /// Whether `tgid` is in the kernel's `WATCHED_TGIDS` (watched by this agent, or by the
+    /// earlier agent whose pinned set this one continues).
+    pub fn is_watched(&mut self, tgid: u32) -> bool {
+        self.hash::<u32, u32>("WATCHED_TGIDS")
+            .ok()
+            .is_some_and(|m| m.get(&tgid, 0).is_ok())
+    }
+
+    /// Whether `cookie` was marked as existing before its process was watched.
+    pub fn is_preexisting(&mut self, cookie: u64) -> bool {
+        self.hash::<u64, u8>("PREEXISTING")
+            .ok()
+            .is_some_and(|m| m.get(&cookie, 0).is_ok())
     }
 
     /// Starts watching process `tgid` (its threads, and children it forks from now on).
@@ -348,13 +770,18 @@ impl Capture {
     /// (program name in the object, run time ns, run count). Zeros unless the kernel's
     /// statistics are on (`BPF_ENABLE_STATS`, see [`enable_run_time_stats`]).
     pub fn program_stats(&self) -> Vec<(String, u64, u64)> {
+        let infos: StdHashMap<u32, aya::programs::ProgramInfo> = aya::programs::loaded_programs()
+            .filter_map(|p| p.ok())
+            .filter(|p| self.programs.iter().any(|(_, id)| *id == p.id()))
+            .map(|p| (p.id(), p))
+            .collect();
         let mut out: Vec<(String, u64, u64)> = self
-            .ebpf
-            .programs()
-            .filter_map(|(name, p)| {
-                let info = p.info().ok()?;
+            .programs
+            .iter()
+            .filter_map(|(name, id)| {
+                let info = infos.get(id)?;
                 Some((
-                    name.to_string(),
+                    name.clone(),
                     info.run_time().as_nanos() as u64,
                     info.run_count(),
                 ))
@@ -367,8 +794,8 @@ impl Capture {
     /// Sum over CPUs of each kernel counter (`spice_ebpf_common::config::counter`).
     pub fn counters(&self) -> Result<[u64; counter::COUNT as usize]> {
         let map: PerCpuArray<&MapData, u64> = PerCpuArray::try_from(
-            self.ebpf
-                .map("COUNTERS")
+            self.maps
+                .get("COUNTERS")
                 .ok_or_else(|| anyhow!("map COUNTERS"))?,
         )?;
         let mut out = [0u64; counter::COUNT as usize];
@@ -381,11 +808,29 @@ impl Capture {
     /// Takes the event ring (call once).
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
         Ok(RingBuf::try_from(
-            self.ebpf
-                .take_map("EVENTS")
+            self.maps
+                .remove("EVENTS")
                 .ok_or_else(|| anyhow!("map EVENTS already taken"))?,
         )?)
     }
+}
+
+/// The bytes of a plain-data value, to compare two reads of it.
+fn pod_bytes<T: aya::Pod>(v: &T) -> &[u8] {
+    // SAFETY: `T: Pod` is plain `repr(C)` data; reading its bytes is sound (padding included:
+    // both values were copied whole from the same kernel map value).
+    unsafe { std::slice::from_raw_parts(v as *const T as *const u8, std::mem::size_of::<T>()) }
+}
+
+/// Reads the pinned `LAYOUT` map at `path`: its [`layout::COUNT`] entries.
+fn read_layout(path: &Path) -> Result<[u32; layout::COUNT as usize]> {
+    let map = Map::from_map_data(MapData::from_pin(path)?)?;
+    let arr: Array<MapData, u32> = Array::try_from(map)?;
+    let mut out = [0u32; layout::COUNT as usize];
+    for (i, slot) in out.iter_mut().enumerate() {
+        *slot = arr.get(&(i as u32), 0)?;
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

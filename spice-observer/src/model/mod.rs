@@ -14,7 +14,7 @@ use std::{
 };
 
 use spice_ebpf_common::{
-    event::{EventHeader, LinkEvent, MessageEvent, SockState, TcpSnapshot, dir, msg_flags},
+    event::{EventHeader, LinkEvent, MessageEvent, SockState, TcpSnapshot, dir, kind, msg_flags},
     framing::{Role, UnparsedReason},
     protocol::{channel, msg_server},
     window::WindowState,
@@ -82,6 +82,10 @@ pub struct DirStats {
     pub recent: VecDeque<MsgSpan>,
     /// The first [`FINGERPRINT`] messages.
     pub first: Vec<MsgSpan>,
+    /// Messages counted from the kernel's socket map when a restarted agent took this socket
+    /// over ([`Model::restore`]): ring records with an ordinal up to this one are already in
+    /// [`Self::messages`] and [`Self::bytes`] and are not counted again. 0 otherwise.
+    pub restored_upto: u64,
 }
 
 impl DirStats {
@@ -199,6 +203,32 @@ impl SocketModel {
     fn message(&mut self, m: &MessageEvent) {
         let d = (m.hdr.dir & 1) as usize;
         let ds = &mut self.dirs[d];
+        if m.index <= ds.restored_upto {
+            // Counted from the kernel's map at the restart (index = 1-based ordinal: equal
+            // means counted), and already in the window state taken from there. Only its span
+            // is kept, for stage placement, and a main channel's session id.
+            let bytes = m.hdr_len as u64 + m.size as u64;
+            if ds.recent.back().is_none_or(|b| b.index < m.index) {
+                if ds.recent.len() == RECENT {
+                    ds.recent.pop_front();
+                }
+                ds.recent.push_back(MsgSpan {
+                    index: m.index,
+                    at: m.at,
+                    end: m.at + bytes,
+                    msg_type: m.msg_type,
+                });
+            }
+            ds.seq_base.get_or_insert(m.seq.wrapping_sub(m.at as u32));
+            if ds.role == Role::ServerToClient
+                && self.channel().map(|c| c.0) == Some(channel::MAIN)
+                && m.msg_type == msg_server::MAIN_INIT
+                && m.size >= 4
+            {
+                self.session_id = Some(m.prefix[0]);
+            }
+            return;
+        }
         if m.index > ds.last_index + 1 {
             ds.lost_records += m.index - ds.last_index - 1;
         }
@@ -352,6 +382,34 @@ pub struct Model {
     pub exits: u64,
     /// Records of any kind decoded.
     pub records: u64,
+    /// When a restarted agent rebuilt this model from the kernel's pinned socket map
+    /// ([`Model::restore`]), CLOCK_MONOTONIC ns; `None` for a model built from the ring only.
+    pub restored_ns: Option<u64>,
+}
+
+/// One entry of the kernel's socket map and what the host knows about it, for
+/// [`Model::restore`].
+#[derive(Clone, Debug)]
+pub struct Restored {
+    pub cookie: u64,
+    /// The map value (framing state of both directions, message bytes, window).
+    pub state: SockState,
+    /// `comm` of the owning process (`/proc/PID/comm`), empty if it is gone.
+    pub comm: String,
+    /// Addresses from sock_diag (by cookie); `None` if the socket is no longer in the dump.
+    pub local: Option<SocketAddr>,
+    pub remote: Option<SocketAddr>,
+    /// The socket's `TCP_STATE` entry, if any.
+    pub tcp: Option<TcpSnapshot>,
+}
+
+/// The host window of a connection whose exact state is `w` (from the kernel's socket map),
+/// as of `now_ns`.
+///
+/// The kernel runs spice-server's window rule on every framed message and keeps its exact
+/// state in the socket map, so the window continues exactly: [`AckWindow::resume_from`].
+fn resume_window(w: &WindowState, now_ns: u64) -> AckWindow {
+    AckWindow::resume_from(w, now_ns)
 }
 
 impl Model {
@@ -368,9 +426,128 @@ impl Model {
         self.processes.push_back(n);
     }
 
+    /// Rebuilds the model of socket `r.cookie` from the kernel's socket map, for an agent that
+    /// continues a pinned set after a restart: link info, roles, header length, unparsed
+    /// state and TCP sequence bases from the framing state; message totals from
+    /// `DirState::msg_count` (plus one for a message already reported from an EAGAIN send and
+    /// not counted there yet, `announced_at`); byte totals from `SockState::msg_bytes`; the
+    /// window from `SockState::window`. Ring records of messages up to those totals are then
+    /// skipped ([`DirStats::restored_upto`]), so the totals are exact whatever the previous
+    /// agent had consumed of the ring. Per-type counts, first and recent messages and the
+    /// time statistics start empty. Call [`Model::restored_at`] once every socket is in.
+    ///
+    /// A value read while the kernel was updating it may be torn; [`crate::loader::Capture::sockets`]
+    /// reads until two reads agree, and the message totals stay exact even for a torn read
+    /// (`msg_count` and the ring record of each message are written by the same program run,
+    /// the count first: whichever the read saw, the record is either counted or skipped).
+    pub fn restore(&mut self, r: &Restored, now_ns: u64) {
+        let st = &r.state;
+        let hdr = EventHeader {
+            tgid: st.tgid,
+            ts_ns: now_ns,
+            cookie: r.cookie,
+            ..Default::default()
+        };
+        let s = self.socket(&hdr);
+        s.comm = r.comm.clone();
+        s.local = r.local;
+        s.remote = r.remote;
+        s.tcp = r.tcp;
+        for d in 0..2 {
+            let k = &st.dir[d];
+            let ds = &mut s.dirs[d];
+            ds.role = Role::from_u8(k.role);
+            if k.caps_known != 0 {
+                // The link message (or reply) was parsed: what its LINK record carried.
+                ds.link = Some(LinkEvent {
+                    hdr: EventHeader {
+                        kind: kind::LINK,
+                        dir: d as u8,
+                        ..hdr
+                    },
+                    role: k.role,
+                    channel_type: k.channel_type,
+                    channel_id: k.channel_id,
+                    _pad: 0,
+                    link_size: k.link_size,
+                    connection_id: k.connection_id,
+                    common_caps: k.common_caps,
+                    end: 16 + k.link_size as u64,
+                });
+            }
+            ds.hdr_len = k.hdr_len;
+            let taken = k.msg_count + u64::from(k.announced_at != 0);
+            ds.messages = taken;
+            ds.bytes = st.msg_bytes[d];
+            ds.last_index = taken;
+            ds.restored_upto = taken;
+            if k.is_unparsed() {
+                ds.unparsed = Some(Unparsed {
+                    reason: UnparsedReason::from_u8(k.reason),
+                    detail: k.detail,
+                    at: k.want_at,
+                });
+            }
+            if st.seq_init[d] != 0 {
+                ds.seq_base = Some(st.seq_base[d]);
+            }
+        }
+        if let Some(i) = s.c2s()
+            && let Some(l) = s.dirs[i].link
+            && l.channel_type != channel::MAIN
+        {
+            s.session_id = Some(l.connection_id);
+        }
+        s.window = resume_window(&st.window, now_ns);
+    }
+
+    /// Marks the model as rebuilt from the kernel's map at `now_ns` (after the last
+    /// [`Model::restore`]): a socket the map no longer held (destroyed while no agent ran)
+    /// whose records in the ring begin before `now_ns` without its SOCKET record is reported
+    /// `restarted`, its earlier counts being gone with the old agent.
+    pub fn restored_at(&mut self, now_ns: u64) {
+        self.restored_ns = Some(now_ns);
+    }
+
+    /// Marks `cookie`'s directions unparsed with `reason` (first reason wins).
+    fn mark(&mut self, cookie: u64, reason: UnparsedReason) {
+        if let Some(s) = self.sockets.get_mut(&cookie) {
+            for d in s.dirs.iter_mut() {
+                d.unparsed.get_or_insert(Unparsed {
+                    reason,
+                    detail: 0,
+                    at: 0,
+                });
+            }
+        }
+    }
+
+    /// A record of a socket not in the model, from before the restart, that is not the
+    /// socket's first record: the socket's beginning went with the old agent.
+    fn orphan_before_restart(&mut self, ev: &Event) {
+        let Some(t) = self.restored_ns else { return };
+        let hdr = match ev {
+            Event::Link(l) => &l.hdr,
+            Event::Message(m) => &m.hdr,
+            Event::Unparsed { hdr, .. } => hdr,
+            _ => return,
+        };
+        if hdr.ts_ns >= t || self.sockets.contains_key(&hdr.cookie) {
+            return;
+        }
+        self.socket(hdr);
+        self.mark(hdr.cookie, UnparsedReason::Restarted);
+        if let (Event::Message(m), Some(s)) = (ev, self.sockets.get_mut(&hdr.cookie)) {
+            // Its earlier messages are not lost records: they were the old agent's.
+            let ds = &mut s.dirs[(m.hdr.dir & 1) as usize];
+            ds.last_index = m.index.saturating_sub(1);
+        }
+    }
+
     /// Applies one kernel record.
     pub fn apply(&mut self, ev: &Event) {
         self.records += 1;
+        self.orphan_before_restart(ev);
         match ev {
             Event::Socket {
                 hdr,
@@ -448,6 +625,27 @@ impl Model {
         remote: SocketAddr,
         now_ns: u64,
     ) {
+        self.add_existing_as(
+            cookie,
+            pid,
+            local,
+            remote,
+            now_ns,
+            UnparsedReason::AttachedMidStream,
+        )
+    }
+
+    /// [`Model::add_existing`] with another reason: [`UnparsedReason::Restarted`] for a
+    /// connection an earlier agent was counting, whose pinned state this one could not reuse.
+    pub fn add_existing_as(
+        &mut self,
+        cookie: u64,
+        pid: u32,
+        local: SocketAddr,
+        remote: SocketAddr,
+        now_ns: u64,
+        reason: UnparsedReason,
+    ) {
         let hdr = EventHeader {
             tgid: pid,
             ts_ns: now_ns,
@@ -459,7 +657,7 @@ impl Model {
         s.remote = Some(remote);
         for d in s.dirs.iter_mut() {
             d.unparsed.get_or_insert(Unparsed {
-                reason: UnparsedReason::AttachedMidStream,
+                reason,
                 detail: 0,
                 at: 0,
             });
@@ -601,6 +799,86 @@ mod tests {
         // The first ACK (W = 2) covers the oldest two: the SET_ACK and the first draw.
         f.send(dir::RECV, 100, msg_client::ACK, [0, 0]);
         assert_eq!(types(f.socket()), [(3, 302), (4, 302)]);
+    }
+
+    /// A restarted agent: the old model consumed the ring up to some record; the new one
+    /// restores from the kernel state (SockState) read while records were still queued, then
+    /// gets the ring from before the old agent's last record (one duplicate) on, and new
+    /// records after. Its totals, byte totals and window equal those of a model that saw
+    /// every record once, and nothing counts as lost.
+    #[test]
+    fn restore_then_ring_counts_each_message_once() {
+        let mut f = Feed::started(channel::DISPLAY, &[302, 302, 302]);
+        f.k.dir[dir::RECV as usize].role = Role::ClientToServer as u8;
+        f.k.dir[dir::RECV as usize].caps_known = 1;
+        f.k.dir[dir::RECV as usize].channel_type = channel::DISPLAY;
+        f.k.dir[dir::SEND as usize].role = Role::ServerToClient as u8;
+        f.k.dir[dir::SEND as usize].caps_known = 1;
+        f.k.dir[dir::SEND as usize].channel_type = channel::DISPLAY;
+        // Records the old agent took last (it dies after applying the first), and those
+        // still in the ring.
+        let mut ring = vec![f.kernel(dir::SEND, 30, 302, [0, 0])];
+        f.m.apply(&ring[0]);
+        ring.push(f.kernel(dir::RECV, 31, msg_client::ACK, [0, 0]));
+        ring.push(f.kernel(dir::SEND, 32, 302, [0, 0]));
+        // The new agent reads the map now; two more messages follow before it drains.
+        let at_restart = f.k;
+        ring.push(f.kernel(dir::SEND, 40, 302, [0, 0]));
+        ring.push(f.kernel(dir::RECV, 41, msg_client::ACK, [0, 0]));
+        let mut reference = f.m.clone();
+        for e in &ring[1..] {
+            reference.apply(e);
+        }
+        let mut m = Model::default();
+        m.restore(
+            &Restored {
+                cookie: 7,
+                state: at_restart,
+                comm: "Xorg".into(),
+                local: None,
+                remote: None,
+                tcp: None,
+            },
+            35,
+        );
+        m.restored_at(35);
+        for e in &ring {
+            m.apply(e);
+        }
+        let (a, b) = (&m.sockets[&7], &reference.sockets[&7]);
+        for d in 0..2 {
+            assert_eq!(a.dirs[d].messages, b.dirs[d].messages, "dir {d}");
+            assert_eq!(a.dirs[d].bytes, b.dirs[d].bytes, "dir {d}");
+            assert_eq!(a.dirs[d].lost_records, 0);
+        }
+        assert_eq!(a.dirs[0].messages, 7);
+        assert_eq!(a.window.count, b.window.count);
+        assert_eq!(a.window.acks, b.window.acks);
+        assert_eq!(a.window.window, 2);
+        assert_eq!(a.channel(), Some((channel::DISPLAY, 0)));
+        assert!(a.unparsed().is_none());
+    }
+
+    /// A socket unknown at the restore (destroyed while no agent ran) whose first record in
+    /// the ring predates the restore and is not its SOCKET record: reported `restarted`,
+    /// no lost records.
+    #[test]
+    fn orphan_records_before_a_restore_are_restarted() {
+        let mut m = Model::default();
+        m.restored_at(100);
+        m.apply(&Event::Message(MessageEvent {
+            hdr: hdr(dir::SEND, 50),
+            index: 40,
+            hdr_len: 6,
+            msg_type: 302,
+            ..Default::default()
+        }));
+        let s = &m.sockets[&7];
+        assert_eq!(
+            s.unparsed().map(|u| u.reason),
+            Some(UnparsedReason::Restarted)
+        );
+        assert_eq!(s.lost_records(), 0);
     }
 
     #[test]

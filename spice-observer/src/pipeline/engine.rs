@@ -14,7 +14,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use aya::maps::{MapData, RingBuf};
 use log::{debug, warn};
-use spice_ebpf_common::{config::counter, protocol::channel};
+use spice_ebpf_common::{config::counter, framing::UnparsedReason, protocol::channel};
 use tokio::io::{Interest, unix::AsyncFd};
 
 use super::monotonic_ns;
@@ -90,6 +90,35 @@ pub struct Progress {
     pub lost: u64,
 }
 
+/// How an engine started on a pin directory ([`Engine::start_pinned`]) found it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Restart {
+    /// Not pinned ([`Engine::start`]).
+    Unpinned,
+    /// Nothing was pinned: the programs were loaded and pinned.
+    Fresh,
+    /// A complete set of this layout was pinned: reused without loading anything; `sockets`
+    /// entries of the kernel's socket map were taken over, counts continuing exactly.
+    Continued { sockets: usize },
+    /// Something else was pinned (`why`: another layout, or a partial set): removed (which
+    /// detached the old programs), loaded and pinned afresh. Connections the old set was
+    /// counting are reported `restarted`.
+    Reloaded { why: String },
+}
+
+/// Which already-open connections [`Engine::watch`] reports `restarted` rather than
+/// `attached_mid_stream`: those of processes the replaced pinned set watched.
+#[derive(Clone, Debug)]
+enum PriorWatch {
+    /// No earlier set was replaced.
+    None,
+    /// The replaced set's `WATCHED_TGIDS` keys.
+    Tgids(HashSet<u32>),
+    /// The replaced set's watched processes could not be read: every connection open at a
+    /// watch is taken to be one it counted.
+    Unknown,
+}
+
 /// One watch: the process given and the tgids watched for it at the start.
 #[derive(Clone, Debug)]
 struct Root {
@@ -119,6 +148,10 @@ pub struct Engine {
     /// Closed sockets the newest snapshot included.
     reported_closed: Mutex<Vec<u64>>,
     _stats_fd: Option<std::os::fd::OwnedFd>,
+    restart: Restart,
+    prior: PriorWatch,
+    /// The pin directory's lock, held for the engine's life ([`Engine::start_pinned`]).
+    _pin_lock: Option<loader::PinLock>,
 }
 
 /// Applies every record waiting in `ring` to `model` (and the dump file).
@@ -173,10 +206,16 @@ struct Existing {
 /// would create its framing state unmarked. Sockets the model already knows are left alone.
 /// Errors: a process's `/proc/PID/fd` exists but may not be read (permissions), or the
 /// kernel maps refuse an update.
+///
+/// With `continued` (the kernel has been watching these processes since an earlier agent
+/// of a pinned set), an open socket the model does not know moved no byte since that watch:
+/// it is listed only if the kernel marked it pre-existing then, and never marked again (a
+/// fresh connection is framed from its start).
 fn prepare_sockets(
     cap: &mut Capture,
     model: &Model,
     pids: &[u32],
+    continued: &[u32],
 ) -> Result<(usize, Vec<Existing>)> {
     let mut owner = HashMap::new();
     for &pid in pids {
@@ -207,7 +246,13 @@ fn prepare_sockets(
                 } else if (s.state == TCP_ESTABLISHED || s.state == TCP_CLOSE_WAIT)
                     && !model.sockets.contains_key(&s.cookie)
                 {
-                    cap.mark_preexisting(s.cookie)?;
+                    if continued.contains(&pid) {
+                        if !cap.is_preexisting(s.cookie) {
+                            continue;
+                        }
+                    } else {
+                        cap.mark_preexisting(s.cookie)?;
+                    }
                     existing.push(Existing {
                         cookie: s.cookie,
                         pid,
@@ -284,7 +329,117 @@ impl Engine {
         } else {
             None
         };
-        let mut cap = Capture::load()?;
+        let cap = Capture::load()?;
+        Self::with_capture(opts, cap, stats_fd, Restart::Unpinned, PriorWatch::None)
+    }
+
+    /// Starts on the pin directory `dir` (the daemon): continues the set pinned there if it
+    /// is complete and of this agent's layout ([`Capture::open_pinned`]): nothing is loaded,
+    /// the model is rebuilt from the kernel's socket map ([`Model::restore`]: sock_diag gives
+    /// the addresses, /proc the comm) and the pinned ring is drained from where the old agent
+    /// left it. Otherwise removes what is there ([`loader::unpin`]) and loads and pins afresh
+    /// ([`Capture::load_pinned`]); connections the old set was counting are then reported
+    /// `restarted` when their process is watched. [`Engine::restart`] says which happened.
+    ///
+    /// The engine holds the directory's [`loader::PinLock`] for its life.
+    ///
+    /// Errors as [`Engine::start`], when `dir` is not on a BPF filesystem, and when another
+    /// process holds its lock (another daemon on the same pins).
+    pub fn start_pinned(opts: EngineOptions, dir: &Path) -> Result<Engine> {
+        let stats_fd = if opts.bpf_stats {
+            Some(loader::enable_run_time_stats()?)
+        } else {
+            None
+        };
+        loader::prepare_pin_dir(dir)?;
+        let lock = loader::PinLock::take(dir)?;
+        let mut e = Self::start_on_pins(opts, dir, stats_fd)?;
+        e._pin_lock = Some(lock);
+        Ok(e)
+    }
+
+    fn start_on_pins(
+        opts: EngineOptions,
+        dir: &Path,
+        stats_fd: Option<std::os::fd::OwnedFd>,
+    ) -> Result<Engine> {
+        match Capture::open_pinned(dir)? {
+            loader::Pinned::Reusable(mut cap) => {
+                let socks = cap.sockets()?;
+                let addrs: HashMap<u64, (std::net::SocketAddr, std::net::SocketAddr)> =
+                    match sockdiag::dump_tcp() {
+                        Ok(v) => v
+                            .into_iter()
+                            .map(|s| (s.cookie, (s.local, s.remote)))
+                            .collect(),
+                        Err(e) => {
+                            warn!(
+                                "sock_diag dump failed ({e:#}): restored sockets have no addresses until their next record"
+                            );
+                            HashMap::new()
+                        }
+                    };
+                let now = monotonic_ns();
+                let mut model = Model::default();
+                for (cookie, state) in &socks {
+                    let a = addrs.get(cookie);
+                    model.restore(
+                        &crate::model::Restored {
+                            cookie: *cookie,
+                            state: *state,
+                            comm: sockdiag::comm(state.tgid).unwrap_or_default(),
+                            local: a.map(|a| a.0),
+                            remote: a.map(|a| a.1),
+                            tcp: cap.tcp_state(*cookie),
+                        },
+                        now,
+                    );
+                }
+                model.restored_at(now);
+                let mut e = Self::with_capture(
+                    opts,
+                    cap,
+                    stats_fd,
+                    Restart::Continued {
+                        sockets: socks.len(),
+                    },
+                    PriorWatch::None,
+                )?;
+                e.model = model;
+                // Pair the relay legs now, so that the first snapshot already labels them
+                // with their chain's VM (chains are otherwise formed at the first sample).
+                e.sample(monotonic_ns());
+                Ok(e)
+            }
+            found => {
+                let (restart, prior) = match found {
+                    loader::Pinned::Stale(why) => {
+                        let prior = match loader::pinned_watched(dir) {
+                            Ok(t) => PriorWatch::Tgids(t),
+                            Err(e) => {
+                                debug!("reading the old set's watched processes: {e:#}");
+                                PriorWatch::Unknown
+                            }
+                        };
+                        let gone = loader::unpin_contents(dir)?;
+                        debug!("removed {} pin(s) from {}", gone.len(), dir.display());
+                        (Restart::Reloaded { why }, prior)
+                    }
+                    _ => (Restart::Fresh, PriorWatch::None),
+                };
+                let cap = Capture::load_pinned(dir)?;
+                Self::with_capture(opts, cap, stats_fd, restart, prior)
+            }
+        }
+    }
+
+    fn with_capture(
+        opts: EngineOptions,
+        mut cap: Capture,
+        stats_fd: Option<std::os::fd::OwnedFd>,
+        restart: Restart,
+        prior: PriorWatch,
+    ) -> Result<Engine> {
         // Loading parsed the kernel's BTF twice (tens of MB, freed now): give the freed heap
         // back to the system, or it stays in the resident set for the engine's life.
         // SAFETY: malloc_trim only releases free memory of glibc's heap.
@@ -317,7 +472,15 @@ impl Engine {
             last_snapshot_ns: AtomicU64::new(0),
             reported_closed: Mutex::new(Vec::new()),
             _stats_fd: stats_fd,
+            restart,
+            prior,
+            _pin_lock: None,
         })
+    }
+
+    /// How this engine found its pin directory ([`Restart::Unpinned`] without one).
+    pub fn restart(&self) -> &Restart {
+        &self.restart
     }
 
     /// Writes every decoded kernel record to `path` from now on, one per line (debugging the
@@ -347,14 +510,33 @@ impl Engine {
                 tgids.push(child);
             }
         }
-        let (ports, existing) = prepare_sockets(&mut self.cap, &self.model, &tgids)?;
+        let continued: Vec<u32> = if self.model.restored_ns.is_some() {
+            tgids
+                .iter()
+                .copied()
+                .filter(|&t| self.cap.is_watched(t))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let (ports, existing) = prepare_sockets(&mut self.cap, &self.model, &tgids, &continued)?;
         for &t in &tgids {
             self.cap.watch_pid_under(t, tgid)?;
         }
         let now = monotonic_ns();
         for e in &existing {
+            let counted_before = match &self.prior {
+                PriorWatch::None => false,
+                PriorWatch::Tgids(t) => t.contains(&e.pid),
+                PriorWatch::Unknown => true,
+            };
+            let reason = if counted_before {
+                UnparsedReason::Restarted
+            } else {
+                UnparsedReason::AttachedMidStream
+            };
             self.model
-                .add_existing(e.cookie, e.pid, e.local, e.remote, now);
+                .add_existing_as(e.cookie, e.pid, e.local, e.remote, now, reason);
         }
         let watched = Watched {
             pid: tgid,

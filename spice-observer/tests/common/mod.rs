@@ -538,3 +538,45 @@ pub fn check_run(r: &Report) -> Result<()> {
     );
     Ok(())
 }
+
+/// A per-test pin directory for `spice-observer daemon` (`--pin-dir`), so that no test sees
+/// another's pinned kernel state: `/sys/fs/bpf/spice-observer-test-NAME`. Mounts the BPF
+/// filesystem on /sys/fs/bpf if nothing is mounted there (as scripts/setup.sh does), removes
+/// what an earlier run left, and `daemon --unpin`s it when dropped.
+pub struct PinDir {
+    pub path: PathBuf,
+}
+
+impl PinDir {
+    pub fn new(name: &str) -> Result<Self> {
+        let mounted = Command::new("mountpoint")
+            .args(["-q", "/sys/fs/bpf"])
+            .status()
+            .context("running mountpoint")?
+            .success();
+        if !mounted {
+            sh(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]))?;
+        }
+        let p = PinDir {
+            path: PathBuf::from(format!("/sys/fs/bpf/spice-observer-test-{name}")),
+        };
+        p.unpin()?;
+        Ok(p)
+    }
+
+    /// `spice-observer daemon --pin-dir PATH --unpin`; returns its stdout.
+    pub fn unpin(&self) -> Result<String> {
+        sh(Command::new(env!("CARGO_BIN_EXE_spice-observer"))
+            .args(["daemon", "--pin-dir"])
+            .arg(&self.path)
+            .arg("--unpin"))
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        if let Err(e) = self.unpin() {
+            eprintln!("unpinning {}: {e:#}", self.path.display());
+        }
+    }
+}

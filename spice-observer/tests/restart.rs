@@ -1,0 +1,766 @@
+//! Privileged tests of the daemon's pinned kernel state (README "Restarts and pinned state"):
+//! a real Xspice session through socat with a spice-gtk client, the daemon killed (SIGKILL)
+//! and stopped (SIGTERM) and started again while it runs. Scrapes of /metrics are read into
+//! typed samples (the `prometheus-parse` crate); the totals are compared with the relay's legs
+//! and with a packet capture of the server leg, framed by this test's own SPICE parser
+//! (`tests/common/oracle.rs` for the server → client messages, [`c2s_messages`] here for the
+//! client's), which shares no code with the observer.
+//!
+//! Ports 5955/6955 and 5956/6956, displays :55 and :56, daemon on 127.0.0.1:19593. Each test
+//! has its own pin directory (`common::PinDir`). Run serially under the machine-wide lock
+//! (`--test-threads=1`).
+
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Read, Write},
+    net::TcpStream,
+    path::Path,
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use common::{Client, PinDir, Rig, oracle, privileged};
+
+const LISTEN: &str = "127.0.0.1:19593";
+
+/// The test-only layout override (`spice_observer::loader::LAYOUT_VERSION_OVERRIDE_ENV`).
+const OVERRIDE: &str = spice_observer::loader::LAYOUT_VERSION_OVERRIDE_ENV;
+
+/// A running daemon on [`LISTEN`] with pin directory `pins`; SIGKILLed if still running when
+/// dropped (the test stops it explicitly otherwise).
+struct Daemon {
+    child: Child,
+    log: mpsc::Receiver<String>,
+    lines: Vec<String>,
+}
+
+impl Daemon {
+    /// Starts `daemon --config CONFIG --pin-dir PINS` with `env`; waits for its start line.
+    fn start(config: &Path, pins: &Path, env: &[(&str, &str)]) -> Result<Daemon> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_spice-observer"))
+            .args(["daemon", "--config"])
+            .arg(config)
+            .arg("--pin-dir")
+            .arg(pins)
+            .envs(env.iter().copied())
+            .env("RUST_LOG", "warn,spice_observer=info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting spice-observer daemon")?;
+        let (tx, rx) = mpsc::channel();
+        let err = child.stderr.take().unwrap();
+        thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                eprintln!("daemon! {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut d = Daemon {
+            child,
+            log: rx,
+            lines: Vec::new(),
+        };
+        d.wait_line(
+            |l| l.contains("listening on http://"),
+            Duration::from_secs(60),
+        )?;
+        Ok(d)
+    }
+
+    /// Waits for a log line matching `f` (also among the lines read so far).
+    fn wait_line(&mut self, f: impl Fn(&str) -> bool, timeout: Duration) -> Result<String> {
+        if let Some(l) = self.lines.iter().find(|l| f(l)) {
+            return Ok(l.clone());
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < timeout {
+            match self.log.recv_timeout(Duration::from_millis(20)) {
+                Ok(line) => {
+                    self.lines.push(line.clone());
+                    if f(&line) {
+                        return Ok(line);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    bail!("daemon exited:\n{}", self.lines.join("\n"))
+                }
+            }
+        }
+        bail!(
+            "no such line within {timeout:?}:\n{}",
+            self.lines.join("\n")
+        )
+    }
+
+    /// Sends `signal` and waits for the exit; returns the exit status.
+    fn stop(mut self, signal: i32) -> Result<std::process::ExitStatus> {
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(10) {
+            if let Some(st) = self.child.try_wait()? {
+                return Ok(st);
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        bail!("daemon did not exit within 10 s of signal {signal}")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A parsed `/metrics` scrape: (metric name, labels, value) of every sample.
+struct Scrape {
+    samples: Vec<(String, BTreeMap<String, String>, f64)>,
+}
+
+impl Scrape {
+    fn take() -> Result<Scrape> {
+        let mut s = TcpStream::connect(LISTEN).with_context(|| format!("connecting {LISTEN}"))?;
+        s.set_read_timeout(Some(Duration::from_secs(15)))?;
+        write!(s, "GET /metrics HTTP/1.0\r\nHost: {LISTEN}\r\n\r\n")?;
+        let mut raw = String::new();
+        s.read_to_string(&mut raw)?;
+        let (head, body) = raw
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| anyhow!("no HTTP header end"))?;
+        ensure!(head.contains(" 200 "), "/metrics: {head}");
+        let parsed = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))?;
+        let mut samples = Vec::new();
+        for s in parsed.samples {
+            let labels = s
+                .labels
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            match s.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => samples.push((s.metric, labels, v)),
+                _ => {}
+            }
+        }
+        Ok(Scrape { samples })
+    }
+
+    fn find(&self, name: &str, with: &[(&str, &str)]) -> Vec<(&BTreeMap<String, String>, f64)> {
+        self.samples
+            .iter()
+            .filter(|(n, l, _)| {
+                n == name
+                    && with
+                        .iter()
+                        .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+            })
+            .map(|(_, l, v)| (l, *v))
+            .collect()
+    }
+
+    /// The one sample of `name` with labels `with`; an error if none or several.
+    fn one(&self, name: &str, with: &[(&str, &str)]) -> Result<f64> {
+        match self.find(name, with)[..] {
+            [(_, v)] => Ok(v),
+            [] => bail!("no sample {name} {with:?}"),
+            ref many => bail!("{} samples {name} {with:?}: {many:?}", many.len()),
+        }
+    }
+
+    /// Every `spice_observer_messages_total` and `_bytes_total` of `vm`: (metric, leg,
+    /// channel, channel_id, direction) → value.
+    fn totals(&self, vm: &str) -> BTreeMap<(String, String, String, String, String), f64> {
+        let mut out = BTreeMap::new();
+        for m in [
+            "spice_observer_messages_total",
+            "spice_observer_bytes_total",
+        ] {
+            for (l, v) in self.find(m, &[("vm", vm)]) {
+                out.insert(
+                    (
+                        m.to_string(),
+                        l["leg"].clone(),
+                        l["channel"].clone(),
+                        l["channel_id"].clone(),
+                        l["direction"].clone(),
+                    ),
+                    v,
+                );
+            }
+        }
+        out
+    }
+
+    /// The run checks (as `common::check_run` for a report): the expected hook set, nothing
+    /// degraded, every information-lost counter 0.
+    fn check_run(&self) -> Result<()> {
+        let hook = common::expected_hook_set();
+        ensure!(
+            self.one("spice_observer_hook_set_info", &[("hook_set", &hook)])? == 1.0,
+            "hook set is not {hook}"
+        );
+        ensure!(self.one("spice_observer_degraded_features", &[])? == 0.0);
+        let lost = self.find("spice_observer_information_lost_total", &[]);
+        ensure!(lost.len() >= 9, "loss counters: {lost:?}");
+        for (l, v) in lost {
+            ensure!(v == 0.0, "information lost: {l:?} {v}");
+        }
+        Ok(())
+    }
+}
+
+/// `later` continues `earlier`: the same series, none smaller (no reset).
+fn continues(
+    earlier: &BTreeMap<(String, String, String, String, String), f64>,
+    later: &BTreeMap<(String, String, String, String, String), f64>,
+    what: &str,
+) -> Result<()> {
+    for (k, v) in earlier {
+        let w = later
+            .get(k)
+            .ok_or_else(|| anyhow!("{what}: series {k:?} gone"))?;
+        ensure!(w >= v, "{what}: {k:?} went from {v} to {w} (reset)");
+    }
+    Ok(())
+}
+
+fn write_config(rig: &Rig) -> Result<std::path::PathBuf> {
+    let path = rig.state.join("spice-observer.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "listen = \"{LISTEN}\"\nsample_ms = 100\nscan_ms = 500\nbpf_stats = false\n\
+             [discovery]\nqemu = false\nxspice = true\nrelays = [{{ name = \"socat\" }}]\n"
+        ),
+    )?;
+    Ok(path)
+}
+
+/// The client's data messages in a captured connection: (type, first 4 body bytes, bytes
+/// with the header, stream offset of the header) in order.
+/// Link message (16 + H_c), then the auth mechanism word if the client's common caps have
+/// PROTOCOL_AUTH_SELECTION (bit 0), then the 128-byte ticket (docs/spice-protocol.md §1.5),
+/// then headers of 6 (mini) or 18 bytes (§1.9).
+fn c2s_messages(c: &oracle::SpiceConn) -> Result<Vec<(u16, u32, u64, u64)>> {
+    let b = &c.conn.c2s.bytes;
+    let u32le = |at: usize| -> Result<u32> {
+        let s = b
+            .get(at..at + 4)
+            .ok_or_else(|| anyhow!("client stream ends before {}", at + 4))?;
+        Ok(u32::from_le_bytes(s.try_into().unwrap()))
+    };
+    let h_c = u32le(12)? as usize;
+    let common = if u32le(22)? > 0 {
+        u32le(16 + u32le(30)? as usize)?
+    } else {
+        0
+    };
+    let mut pos = 16 + h_c + if common & 1 != 0 { 4 } else { 0 } + 128;
+    let hdr = if c.mini_header { 6 } else { 18 };
+    let mut out = Vec::new();
+    while pos + hdr <= b.len() {
+        let (ty, size) = if c.mini_header {
+            (u16::from_le_bytes([b[pos], b[pos + 1]]), u32le(pos + 2)?)
+        } else {
+            (
+                u16::from_le_bytes([b[pos + 8], b[pos + 9]]),
+                u32le(pos + 10)?,
+            )
+        };
+        let first = if size >= 4 { u32le(pos + hdr)? } else { 0 };
+        out.push((ty, first, (hdr + size as usize) as u64, pos as u64));
+        pos += hdr + size as usize;
+    }
+    Ok(out)
+}
+
+/// spice-server's in-flight count at the end of a captured display or cursor connection, by
+/// the window rule (docs/spice-protocol.md §3): 1 + the server messages after the last
+/// SET_ACK (type 3, body: generation, W), minus W per client ACK (type 2) after an ACK_SYNC
+/// (type 1) of that generation. Assumes nothing was in transit when the capture stopped (the
+/// session was idle), counting only the messages whose header the capture saw by `until`
+/// (epoch seconds). Returns (in flight, W).
+fn capture_in_flight(c: &oracle::SpiceConn, until: f64) -> Result<(i64, i64)> {
+    let seen = |d: &oracle::Direction, off: u64| d.first_seen(off).is_some_and(|t| t <= until);
+    let s = &c.conn.s2c.bytes;
+    let hdr = if c.mini_header { 6 } else { 18 };
+    let i = c
+        .messages
+        .iter()
+        .rposition(|m| m.ty == 3)
+        .ok_or_else(|| anyhow!("no SET_ACK in the capture"))?;
+    let body = c.messages[i].start as usize + hdr;
+    let word = |at: usize| -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            s.get(at..at + 4)
+                .ok_or_else(|| anyhow!("SET_ACK body cut"))?
+                .try_into()
+                .unwrap(),
+        ))
+    };
+    let (generation, w) = (word(body)?, word(body + 4)? as i64);
+    let started = c.messages[i..]
+        .iter()
+        .filter(|m| seen(&c.conn.s2c, m.start))
+        .count() as i64;
+    let mut synced = false;
+    let mut acks = 0i64;
+    for (ty, first, _, at) in c2s_messages(c)? {
+        if !seen(&c.conn.c2s, at) {
+            continue;
+        }
+        match ty {
+            1 => synced = first == generation,
+            2 if synced => acks += 1,
+            _ => {}
+        }
+    }
+    Ok(((started - w * acks).max(0), w))
+}
+
+/// (restart, scrape request and answer times in epoch seconds, (channel, in-flight count)).
+type InFlightAt = (usize, f64, f64, Vec<(String, f64)>);
+
+/// The lowest and highest in-flight count of [`capture_in_flight`] between `from` and `to`
+/// (epoch seconds): at both ends and at every captured message header in between.
+fn in_flight_range(c: &oracle::SpiceConn, from: f64, to: f64) -> Result<(i64, i64)> {
+    let mut times = vec![from, to];
+    let inside = |t: Option<f64>| t.filter(|t| (from..=to).contains(t));
+    times.extend(
+        c.messages
+            .iter()
+            .filter_map(|m| inside(c.conn.s2c.first_seen(m.start))),
+    );
+    for m in c2s_messages(c)? {
+        times.extend(inside(c.conn.c2s.first_seen(m.3)));
+    }
+    let mut lo = i64::MAX;
+    let mut hi = i64::MIN;
+    for t in times {
+        let (n, _) = capture_in_flight(c, t)?;
+        lo = lo.min(n);
+        hi = hi.max(n);
+    }
+    Ok((lo, hi))
+}
+
+/// Programs named `spice_*` loaded in the kernel (`bpftool prog show`).
+fn spice_programs() -> Result<Vec<String>> {
+    let out = common::sh(Command::new("bpftool").args(["prog", "show"]))?;
+    Ok(out
+        .lines()
+        .filter_map(|l| l.split_whitespace().skip_while(|w| *w != "name").nth(1))
+        .filter(|n| n.starts_with("spice_"))
+        .map(str::to_string)
+        .collect())
+}
+
+/// The daemon killed with SIGKILL mid-session and stopped with SIGTERM mid-session, each time
+/// started again on the same pins, then SIGKILLed once more while the session is idle: every
+/// message and byte total continues (no series resets at a restart); at the end each
+/// channel's server → client and client → server message and byte totals on spice-server's
+/// socket and on the relay's two legs equal the packet capture's up to the scrape (the
+/// messages whose header the capture saw between the scrape's request and answer, ±50 ms,
+/// may go either way; idle, that is normally none), and spice-server's in-flight count on
+/// display and cursor, scraped right after the last restart, equals the capture's count.
+/// Finally `daemon --unpin` removes the pin directory, and no `spice_` program is left.
+#[test]
+fn restart_continues_counts_exactly() -> Result<()> {
+    const T: &str = "restart_continues_counts_exactly";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let mut rig = Rig::new(T)?;
+    let pins = PinDir::new(T)?;
+    let config = write_config(&rig)?;
+    let vm = "xspice-55";
+    let mut d = Daemon::start(&config, &pins.path, &[])?;
+    ensure!(
+        d.lines.iter().any(|l| l.contains("loaded and pinned")),
+        "first start did not load: {:?}",
+        d.lines
+    );
+    let mut cap = oracle::Capture::start(rig.state.join("server.pcapng"), None, "lo", &[5955])?;
+    let xorg = rig.xspice(
+        5955,
+        55,
+        &[
+            "--mode",
+            "rects",
+            "--fps",
+            "50",
+            "--count",
+            "20",
+            "--seconds",
+            "12",
+        ],
+    )?;
+    let relay = rig.relay("socat", "127.0.0.1", 6955, "127.0.0.1", 5955)?;
+    for (what, pid) in [(vm, xorg), ("socat", relay)] {
+        d.wait_line(
+            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
+            Duration::from_secs(5),
+        )?;
+    }
+    let t0 = Instant::now();
+    let _client = Client::start("spice://127.0.0.1:6955", 60, &[], None)?;
+
+    let epoch = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
+    let mut last = BTreeMap::new();
+    // (restart, scrape request time, answer time, display and cursor in-flight counts) of
+    // the first scrape after each restart during traffic, checked against the capture.
+    let mut mid: Vec<InFlightAt> = Vec::new();
+    for (restarts, (at, signal)) in [(4u64, libc::SIGKILL), (8, libc::SIGTERM)]
+        .into_iter()
+        .enumerate()
+    {
+        thread::sleep(Duration::from_secs(at).saturating_sub(t0.elapsed()));
+        let before = Scrape::take()?;
+        before.check_run()?;
+        let b = before.totals(vm);
+        ensure!(
+            b.keys().any(|k| k.2 == "display"),
+            "no display totals before restart {restarts}: {b:?}"
+        );
+        continues(&last, &b, "before restart")?;
+        let st = d.stop(signal)?;
+        println!("daemon stopped by signal {signal}: {st:?}");
+        // Traffic goes on with no daemon for a moment: the programs keep framing it.
+        thread::sleep(Duration::from_millis(700));
+        d = Daemon::start(&config, &pins.path, &[])?;
+        let line = d.wait_line(
+            |l| l.contains("continuing the kernel state"),
+            Duration::ZERO,
+        )?;
+        println!("restart {restarts}: {line}");
+        let t_a = epoch();
+        let after = Scrape::take()?;
+        let t_b = epoch();
+        let mut counts = Vec::new();
+        for ty in ["display", "cursor"] {
+            let n = after.one(
+                "spice_observer_in_flight_now_messages",
+                &[
+                    ("vm", vm),
+                    ("leg", "server"),
+                    ("channel", ty),
+                    ("channel_id", "0"),
+                ],
+            )?;
+            counts.push((ty.to_string(), n));
+        }
+        mid.push((restarts, t_a, t_b, counts));
+        after.check_run()?;
+        let a = after.totals(vm);
+        continues(&b, &a, &format!("restart {restarts} (signal {signal})"))?;
+        let disp = |m: &BTreeMap<_, f64>| {
+            m.get(&(
+                "spice_observer_messages_total".to_string(),
+                "server".to_string(),
+                "display".to_string(),
+                "0".to_string(),
+                "server_to_client".to_string(),
+            ))
+            .copied()
+        };
+        println!(
+            "restart {restarts}: display messages {:?} before, {:?} right after",
+            disp(&b),
+            disp(&a)
+        );
+        last = a;
+    }
+
+    // The animation ends at 12 s; at 17 s the session is idle (spice-server pings each
+    // channel 15 s after its start when idle: not in the middle of the comparison).
+    thread::sleep(Duration::from_secs(17).saturating_sub(t0.elapsed()));
+    let idle = Scrape::take()?;
+    continues(&last, &idle.totals(vm), "before the idle restart")?;
+    d.stop(libc::SIGKILL)?;
+    d = Daemon::start(&config, &pins.path, &[])?;
+    d.wait_line(
+        |l| l.contains("continuing the kernel state"),
+        Duration::ZERO,
+    )?;
+    // One sample after the restart.
+    thread::sleep(Duration::from_millis(150));
+    let t_a = epoch();
+    let end = Scrape::take()?;
+    let t_b = epoch();
+    end.check_run()?;
+    let totals = end.totals(vm);
+    continues(&idle.totals(vm), &totals, "idle restart")?;
+    // The capture runs on for a second, so that it holds every packet up to the scrape; only
+    // messages seen by the scrape's time are counted (a ping may come in between).
+    thread::sleep(Duration::from_secs(1));
+    cap.stop()?;
+    // Window of the comparison: a message counted by the scrape was captured before t_b plus
+    // the send-to-capture latency; one captured before t_a minus the capture-to-read latency
+    // was counted (the session is idle: nothing waits in a queue).
+    const SLACK: f64 = 0.05;
+    let (lo_t, hi_t) = (t_a - SLACK, t_b + SLACK);
+    let conns = oracle::parse_capture(&cap.path)?;
+
+    let mut compared = 0;
+    let mut wrong = Vec::new();
+    for c in &conns {
+        let ty = oracle::type_name(c.channel_type);
+        let id = c.channel_id.to_string();
+        println!(
+            "capture: {ty} {id} {} -> {}: {} server messages (types {:?}), {} trailing bytes",
+            c.conn.c2s.src,
+            c.conn.c2s.dst,
+            c.messages.len(),
+            c.messages.iter().map(|m| m.ty).take(20).collect::<Vec<_>>(),
+            c.trailing
+        );
+        let seen =
+            |d: &oracle::Direction, off: u64, t: f64| d.first_seen(off).is_some_and(|x| x <= t);
+        let complete: Vec<&oracle::Message> = c
+            .messages
+            .iter()
+            .filter(|m| m.last < c.conn.s2c.bytes.len() as u64)
+            .collect();
+        let client = c2s_messages(c)?;
+        // (messages, bytes) captured by time t, each direction.
+        let by = |t: f64| {
+            let s: Vec<&&oracle::Message> = complete
+                .iter()
+                .filter(|m| seen(&c.conn.s2c, m.start, t))
+                .collect();
+            let k: Vec<&(u16, u32, u64, u64)> = client
+                .iter()
+                .filter(|m| seen(&c.conn.c2s, m.3, t))
+                .collect();
+            (
+                (
+                    s.len() as u64,
+                    s.iter().map(|m| m.last + 1 - m.start).sum::<u64>(),
+                ),
+                (k.len() as u64, k.iter().map(|m| m.2).sum::<u64>()),
+            )
+        };
+        let (lo, hi) = (by(lo_t), by(hi_t));
+        for (dir, (lo_m, lo_b), (hi_m, hi_b)) in [
+            ("server_to_client", lo.0, hi.0),
+            ("client_to_server", lo.1, hi.1),
+        ] {
+            for leg in ["server", "relay_backend", "relay_client"] {
+                for (metric, lo, hi) in [
+                    ("spice_observer_messages_total", lo_m, hi_m),
+                    ("spice_observer_bytes_total", lo_b, hi_b),
+                ] {
+                    let got = totals
+                        .get(&(
+                            metric.to_string(),
+                            leg.to_string(),
+                            ty.to_string(),
+                            id.clone(),
+                            dir.to_string(),
+                        ))
+                        .copied()
+                        .ok_or_else(|| anyhow!("no {metric} {leg} {ty} {id} {dir}"))?;
+                    let line = format!(
+                        "{metric} {ty} {id} {dir} {leg}: daemon {got}, capture {lo}..={hi}"
+                    );
+                    println!("{line}");
+                    if got < lo as f64 || got > hi as f64 {
+                        wrong.push(line);
+                    }
+                    compared += 1;
+                }
+            }
+        }
+        if ty == "display" || ty == "cursor" {
+            let (a, w) = capture_in_flight(c, lo_t)?;
+            let (b, _) = capture_in_flight(c, hi_t)?;
+            let (lo, hi) = (a.min(b), a.max(b));
+            let got = end.one(
+                "spice_observer_in_flight_now_messages",
+                &[
+                    ("vm", vm),
+                    ("leg", "server"),
+                    ("channel", ty),
+                    ("channel_id", &id),
+                ],
+            )?;
+            println!(
+                "{ty} {id} in flight right after the restart: daemon {got}, capture {lo}..={hi} (W {w})"
+            );
+            ensure!(
+                lo as f64 <= got && got <= hi as f64,
+                "{ty} {id}: in flight {got} after the restart, capture {lo}..={hi}"
+            );
+        }
+    }
+    // In flight right after each restart during traffic: within the range the capture shows
+    // over the scrape's request-to-answer interval (±50 ms), plus one message either way.
+    for (restart, t_a, t_b, counts) in &mid {
+        for (ty, got) in counts {
+            let c = conns
+                .iter()
+                .find(|c| oracle::type_name(c.channel_type) == ty && c.channel_id == 0)
+                .ok_or_else(|| anyhow!("no {ty} connection in the capture"))?;
+            let (lo, hi) = in_flight_range(c, t_a - SLACK, t_b + SLACK)?;
+            let line = format!(
+                "restart {restart}: {ty} in flight {got} right after, capture {lo}..={hi} over the scrape"
+            );
+            println!("{line}");
+            if *got < (lo - 1) as f64 || *got > (hi + 1) as f64 {
+                wrong.push(line);
+            }
+        }
+    }
+    ensure!(
+        wrong.is_empty(),
+        "differences from the capture:\n{}",
+        wrong.join("\n")
+    );
+    ensure!(
+        conns
+            .iter()
+            .any(|c| c.channel_type == 2 && c.messages.len() > 100),
+        "display traffic in the capture"
+    );
+    ensure!(compared >= 48, "compared {compared} totals");
+
+    // SIGTERM leaves the pins, and the programs stay loaded; --unpin removes everything.
+    d.stop(libc::SIGTERM)?;
+    ensure!(
+        pins.path.join("SOCKETS").exists(),
+        "SIGTERM removed the pins"
+    );
+    ensure!(
+        !spice_programs()?.is_empty(),
+        "no spice_ program while pinned"
+    );
+    let said = pins.unpin()?;
+    println!("--unpin: {}", said.trim());
+    ensure!(said.contains("removed"), "--unpin said {said:?}");
+    ensure!(!pins.path.exists(), "{} still exists", pins.path.display());
+    let again = pins.unpin()?;
+    ensure!(
+        again.contains("nothing pinned"),
+        "second --unpin said {again:?}"
+    );
+    // Program release is asynchronous (RCU); give it a moment.
+    let t = Instant::now();
+    let mut left = spice_programs()?;
+    while !left.is_empty() && t.elapsed() < Duration::from_secs(3) {
+        thread::sleep(Duration::from_millis(100));
+        left = spice_programs()?;
+    }
+    ensure!(
+        left.is_empty(),
+        "spice_ programs left after --unpin: {left:?}"
+    );
+    Ok(())
+}
+
+/// A daemon of another layout version (the test-only override) finds the pins of this one:
+/// it removes them, loads afresh and reports every connection the old set was counting
+/// `restarted` (never `attached_mid_stream`, never with counts). A second daemon on the same
+/// pins is then refused.
+#[test]
+fn restart_layout_mismatch_marks_restarted() -> Result<()> {
+    const T: &str = "restart_layout_mismatch_marks_restarted";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let mut rig = Rig::new(T)?;
+    let pins = PinDir::new(T)?;
+    let config = write_config(&rig)?;
+    let vm = "xspice-56";
+    let mut d = Daemon::start(&config, &pins.path, &[])?;
+    let xorg = rig.xspice(5956, 56, &["--mode", "rects", "--fps", "20"])?;
+    let relay = rig.relay("socat", "127.0.0.1", 6956, "127.0.0.1", 5956)?;
+    for (what, pid) in [(vm, xorg), ("socat", relay)] {
+        d.wait_line(
+            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
+            Duration::from_secs(5),
+        )?;
+    }
+    let _client = Client::start("spice://127.0.0.1:6956", 60, &[], None)?;
+    thread::sleep(Duration::from_secs(3));
+    let s = Scrape::take()?;
+    s.check_run()?;
+    let framed = s.find(
+        "spice_observer_channel_info",
+        &[("vm", vm), ("framing", "mini")],
+    );
+    ensure!(framed.len() >= 12, "framed channels before: {framed:?}");
+    d.stop(libc::SIGKILL)?;
+
+    let bumped = (spice_ebpf_common::config::LAYOUT_VERSION + 1).to_string();
+    let mut d = Daemon::start(&config, &pins.path, &[(OVERRIDE, &bumped)])?;
+    let line = d.wait_line(
+        |l| l.contains("reloaded the kernel programs"),
+        Duration::ZERO,
+    )?;
+    ensure!(line.contains("layout version"), "{line}");
+    for (what, pid) in [(vm, xorg), ("socat", relay)] {
+        d.wait_line(
+            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
+            Duration::from_secs(5),
+        )?;
+    }
+    thread::sleep(Duration::from_millis(500));
+    let s = Scrape::take()?;
+    s.check_run()?;
+    // The relay's legs are not paired with spice-server's sockets (their channels are
+    // unknown): they carry the relay's name.
+    let mut infos = s.find("spice_observer_channel_info", &[("vm", vm)]);
+    infos.extend(s.find("spice_observer_channel_info", &[("vm", "socat")]));
+    let reasons: Vec<&str> = infos
+        .iter()
+        .map(|(l, _)| l["unparsed_reason"].as_str())
+        .collect();
+    println!(
+        "after the reload: {} connections of {vm}, reasons {reasons:?}",
+        infos.len()
+    );
+    ensure!(infos.len() >= 12, "connections after the reload: {infos:?}");
+    ensure!(
+        reasons.iter().all(|r| *r == "restarted"),
+        "reasons after the reload: {reasons:?}"
+    );
+    ensure!(
+        s.find("spice_observer_messages_total", &[("vm", vm)])
+            .is_empty(),
+        "restarted connections have counts"
+    );
+    ensure!(
+        std::fs::read_dir(&pins.path)?.count() >= 18,
+        "the reload did not pin a full set"
+    );
+    // A second daemon on the same pins is refused while this one runs (another listen
+    // address, so that only the pin lock can refuse it).
+    let second = Command::new(env!("CARGO_BIN_EXE_spice-observer"))
+        .args(["daemon", "--listen", "127.0.0.1:19594", "--pin-dir"])
+        .arg(&pins.path)
+        .output()?;
+    let said = String::from_utf8_lossy(&second.stderr);
+    ensure!(
+        !second.status.success() && said.contains("another spice-observer daemon"),
+        "second daemon on the same pins: {} {said}",
+        second.status
+    );
+    d.stop(libc::SIGTERM)?;
+    Ok(())
+}
