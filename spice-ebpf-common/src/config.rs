@@ -53,7 +53,35 @@ pub struct KernelConfig {
 /// ...), of the ring records and of [`KernelConfig`], and the meaning of their fields. Bump it
 /// with any such change: a new agent that finds another version pinned reloads the programs
 /// and marks the open channels `restarted` instead of misreading the old state.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
+
+/// Values of the `WATCHED_TGIDS` map (key: tgid): the pid the watch descends from (the one
+/// given to `--pid` or found by discovery; forked children inherit it) in the low bits, and
+/// who wants the process's records in the high bits. pid_max is at most 2^22
+/// (`PID_MAX_LIMIT`, include/linux/threads.h), so the flags never meet a pid.
+pub mod watch {
+    /// Records go to the `EVENTS` ring: the process is watched by the ring's one consumer
+    /// (the daemon, or a standalone `observe` with its own programs).
+    pub const PRIMARY: u32 = 1 << 31;
+    /// Records go (also) to the `TAP_EVENTS` ring: an `observe` beside a daemon reads the
+    /// process through the daemon's pinned programs.
+    pub const TAP: u32 = 1 << 30;
+    /// Both flags.
+    pub const FLAGS: u32 = PRIMARY | TAP;
+    /// The root pid of a value.
+    pub const ROOT_MASK: u32 = !FLAGS;
+    /// The flags of a value as a byte ([`crate::event::PendingCall::watch`],
+    /// [`crate::event::SockState::watch`]): [`ROUTE_PRIMARY`] for [`PRIMARY`], [`ROUTE_TAP`]
+    /// for [`TAP`].
+    #[inline(always)]
+    pub const fn route(value: u32) -> u8 {
+        (value >> 30) as u8
+    }
+    /// [`route`] bit: records to `EVENTS`.
+    pub const ROUTE_PRIMARY: u8 = 2;
+    /// [`route`] bit: records to `TAP_EVENTS`.
+    pub const ROUTE_TAP: u8 = 1;
+}
 
 /// Indexes into the `LAYOUT` array map, which records what a pinned set of maps holds.
 pub mod layout {
@@ -97,8 +125,11 @@ pub mod counter {
     pub const MESSAGES_FRAMED: u32 = 9;
     /// sockops callbacks handled for enrolled sockets (self metric).
     pub const SOCKOPS_UPDATES: u32 = 10;
+    /// A `TAP_EVENTS` record could not be reserved (that ring full): information lost for an
+    /// `observe` beside the daemon, not for the daemon (not in [`is_loss`]; see [`is_tap_loss`]).
+    pub const TAP_RING_FULL: u32 = 11;
     /// Number of counters.
-    pub const COUNT: u32 = 11;
+    pub const COUNT: u32 = 12;
 
     /// Names used in reports and JSON (`kernel_counters`), by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -113,11 +144,18 @@ pub mod counter {
         "calls_traced",
         "messages_framed",
         "sockops_updates",
+        "tap_ring_full",
     ];
 
     /// True for counters that mean information was lost (they add up to `events_lost`).
     pub const fn is_loss(index: u32) -> bool {
         index <= WATCH_MAP_FULL
+    }
+
+    /// True for counters that mean information was lost for a reader of `TAP_EVENTS`: the
+    /// daemon's losses except its own ring's ([`RING_FULL`]), plus [`TAP_RING_FULL`].
+    pub const fn is_tap_loss(index: u32) -> bool {
+        (is_loss(index) && index != RING_FULL) || index == TAP_RING_FULL
     }
 }
 

@@ -213,7 +213,11 @@ pub struct SockState {
     pub seq_init: [u8; 2],
     /// 1 once the SOCKET record went out.
     pub announced: u8,
-    pub _pad: u8,
+    /// Where the records of the call that created this entry went
+    /// ([`crate::config::watch::route`] of its tgid's `WATCHED_TGIDS` value): a socket
+    /// without [`crate::config::watch::ROUTE_PRIMARY`] was created for an `observe` beside
+    /// the daemon only, and a restarted daemon leaves it out of its model.
+    pub watch: u8,
     /// tgid that first used the socket.
     pub tgid: u32,
     /// Bytes (header + body) of the data messages started in each direction (indexed by
@@ -231,7 +235,11 @@ pub struct SockState {
 pub struct PendingCall {
     /// One of [`call_kind`].
     pub kind: u8,
-    pub _pad: [u8; 3],
+    /// [`crate::config::watch::route`] of the tgid's `WATCHED_TGIDS` value at `sys_enter`:
+    /// which rings the call's records go to (copied here so that the capture path needs no
+    /// second lookup).
+    pub watch: u8,
+    pub _pad: [u8; 2],
     pub fd: i32,
     /// User address of the buffer (single-buffer calls) or of the iovec array.
     pub ptr: u64,

@@ -31,7 +31,7 @@ use spice_ebpf_common::{
 
 use crate::{
     kernel::{self, AF_INET, AF_INET6, konf, read_at},
-    maps::{EVENTS, PREEXISTING, SOCKETS, TCP_STATE, ZERO_SOCK, count},
+    maps::{PREEXISTING, SOCKETS, TCP_STATE, ZERO_SOCK, count, write_record},
 };
 
 const EAGAIN: i32 = 11;
@@ -88,19 +88,19 @@ fn emit(ec: &EmitCtx, out: &Output, st: &DirState, peer: &PeerView) {
     match out {
         Output::None => {}
         Output::Message(m) => emit_message(ec, m, 0, st.role, message_channel_type(st, peer)),
-        Output::Link(l) => emit_link(&ec.hdr, l),
+        Output::Link(l) => emit_link(&ec.hdr, ec.route, l),
         Output::Unparsed { reason, detail, at } => {
-            emit_unparsed(&ec.hdr, *reason as u8, *detail, *at)
+            emit_unparsed(&ec.hdr, ec.route, *reason as u8, *detail, *at)
         }
     }
 }
 
 /// Writes the record of a [`DirState::stop`] or [`DirState::prepare`] output (of those, only
-/// [`Output::Unparsed`] has one).
+/// [`Output::Unparsed`] has one), to the rings `route` names.
 #[inline(always)]
-fn emit_stop(hdr: &EventHeader, out: &Output) {
+fn emit_stop(hdr: &EventHeader, route: u8, out: &Output) {
     if let Output::Unparsed { reason, detail, at } = out {
-        emit_unparsed(hdr, *reason as u8, *detail, *at);
+        emit_unparsed(hdr, route, *reason as u8, *detail, *at);
     }
 }
 
@@ -136,12 +136,7 @@ fn emit_message(ec: &EmitCtx, m: &MessageInfo, flags: u8, role: u8, channel_type
     let fx = w.apply(role, ec.hdr.ts_ns, channel_type, m.msg_type, m.prefix);
     unsafe { *ec.bytes += m.hdr_len as u64 + m.size as u64 };
     let (mw, in_flight) = (w.messages_window, w.count);
-    let Some(mut e) = EVENTS.reserve::<MessageEvent>(0) else {
-        count(counter::RING_FULL);
-        return;
-    };
-    let p = e.as_mut_ptr();
-    unsafe {
+    write_record::<MessageEvent>(ec.route, |p| unsafe {
         (*p).hdr = ec.hdr;
         (*p).hdr.kind = kind::MESSAGE;
         (*p).at = m.at;
@@ -156,18 +151,12 @@ fn emit_message(ec: &EmitCtx, m: &MessageInfo, flags: u8, role: u8, channel_type
         (*p).win_count = in_flight;
         (*p).win_effects = fx;
         (*p)._pad = [0; 3];
-    }
-    e.submit(0);
+    });
 }
 
 #[inline(never)]
-fn emit_link(hdr: &EventHeader, l: &LinkInfo) {
-    let Some(mut e) = EVENTS.reserve::<LinkEvent>(0) else {
-        count(counter::RING_FULL);
-        return;
-    };
-    let p = e.as_mut_ptr();
-    unsafe {
+fn emit_link(hdr: &EventHeader, route: u8, l: &LinkInfo) {
+    write_record::<LinkEvent>(route, |p| unsafe {
         (*p).hdr = *hdr;
         (*p).hdr.kind = kind::LINK;
         (*p).role = l.role;
@@ -178,26 +167,19 @@ fn emit_link(hdr: &EventHeader, l: &LinkInfo) {
         (*p).connection_id = l.connection_id;
         (*p).common_caps = l.common_caps;
         (*p).end = 16 + l.link_size as u64;
-    }
-    e.submit(0);
+    });
 }
 
 #[inline(never)]
-fn emit_unparsed(hdr: &EventHeader, reason: u8, detail: u32, at: u64) {
-    let Some(mut e) = EVENTS.reserve::<UnparsedEvent>(0) else {
-        count(counter::RING_FULL);
-        return;
-    };
-    let p = e.as_mut_ptr();
-    unsafe {
+fn emit_unparsed(hdr: &EventHeader, route: u8, reason: u8, detail: u32, at: u64) {
+    write_record::<UnparsedEvent>(route, |p| unsafe {
         (*p).hdr = *hdr;
         (*p).hdr.kind = kind::UNPARSED;
         (*p).at = at;
         (*p).reason = reason;
         (*p)._pad = [0; 3];
         (*p).detail = detail;
-    }
-    e.submit(0);
+    });
 }
 
 /// One step of the per-call loop: resolve the element, move to the iovec holding the next
@@ -210,14 +192,14 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     }
     // Resolve the element only once its first byte is in this call (see DirState::prepare).
     let out = st.prepare(&c.peer);
-    emit_stop(&c.ec.hdr, &out);
+    emit_stop(&c.ec.hdr, c.ec.route, &out);
     if st.is_unparsed() {
         return 1;
     }
     let (at, remaining) = st.need();
     if at < c.call_start {
         let out = st.stop(UnparsedReason::Internal, 0);
-        emit_stop(&c.ec.hdr, &out);
+        emit_stop(&c.ec.hdr, c.ec.route, &out);
         return 1;
     }
     if at >= c.cur_start + c.cur_len {
@@ -226,7 +208,7 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
         c.cur_iov += 1;
         if c.cur_iov >= c.iov_cnt {
             let out = st.stop(UnparsedReason::Internal, 1);
-            emit_stop(&c.ec.hdr, &out);
+            emit_stop(&c.ec.hdr, c.ec.route, &out);
             return 1;
         }
         let mut iov = [0u64; 2];
@@ -235,7 +217,7 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
         if rc != 0 {
             count(counter::USER_READ_FAULT);
             let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
-            emit_stop(&c.ec.hdr, &out);
+            emit_stop(&c.ec.hdr, c.ec.route, &out);
             return 1;
         }
         c.cur_base = iov[0];
@@ -259,7 +241,7 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     if rc != 0 {
         count(counter::USER_READ_FAULT);
         let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
-        emit_stop(&c.ec.hdr, &out);
+        emit_stop(&c.ec.hdr, c.ec.route, &out);
         return 1;
     }
     st.have = have + n;
@@ -285,8 +267,9 @@ fn socket_state(call: &Call, tgid: u32, now: u64) -> Option<*mut SockState> {
     let s = SOCKETS.get_ptr_mut(&call.cookie)?;
     let state = unsafe { &mut *s };
     state.tgid = tgid;
+    state.watch = call.args.watch;
     let hdr = header(kind::SOCKET, call.dir, call.cookie, tgid, now);
-    announce_socket(call.sk, &hdr);
+    announce_socket(call.sk, &hdr, call.args.watch);
     if PREEXISTING.get_ptr(&call.cookie).is_some() {
         // Connected before observation started: the stream cannot be framed from here.
         for d in 0..2usize {
@@ -297,6 +280,7 @@ fn socket_state(call: &Call, tgid: u32, now: u64) -> Option<*mut SockState> {
                     dir: d as u8,
                     ..hdr
                 },
+                call.args.watch,
                 &out,
             );
         }
@@ -305,14 +289,9 @@ fn socket_state(call: &Call, tgid: u32, now: u64) -> Option<*mut SockState> {
 }
 
 #[inline(never)]
-fn announce_socket(sk: *const u8, hdr: &EventHeader) {
-    let Some(mut e) = EVENTS.reserve::<SocketEvent>(0) else {
-        count(counter::RING_FULL);
-        return;
-    };
-    let p = e.as_mut_ptr();
+fn announce_socket(sk: *const u8, hdr: &EventHeader, route: u8) {
     let family: u16 = read_at(sk, konf!(skc_family));
-    unsafe {
+    write_record::<SocketEvent>(route, |p| unsafe {
         (*p).hdr = *hdr;
         (*p).tid = bpf_get_current_pid_tgid() as u32;
         (*p).family = family;
@@ -331,8 +310,7 @@ fn announce_socket(sk: *const u8, hdr: &EventHeader) {
             (*p).raddr = read_at(sk, konf!(skc_v6_daddr));
         }
         (*p).comm = bpf_get_current_comm().unwrap_or_default();
-    }
-    e.submit(0);
+    });
 }
 
 /// Reads the socket's TCP state into `TCP_STATE` (in place) and returns the sequence number
@@ -413,6 +391,7 @@ pub fn on_call(call: &Call) {
                     seq_base: base,
                     window,
                     bytes,
+                    route: call.args.watch,
                 },
             );
         }
@@ -437,14 +416,14 @@ pub fn on_call(call: &Call) {
                 UnparsedReason::UntracedBytes,
                 seq_now.wrapping_sub(expected),
             );
-            emit_stop(&hdr, &out);
+            emit_stop(&hdr, call.args.watch, &out);
         }
     }
 
     if call.args.kind == call_kind::UNSUPPORTED && !st.is_unparsed() {
         count(counter::UNTRACED_BYTES);
         let out = st.stop(UnparsedReason::UntracedBytes, call.ret as u32);
-        emit_stop(&hdr, &out);
+        emit_stop(&hdr, call.args.watch, &out);
     }
     if !st.is_unparsed() {
         let ec = EmitCtx {
@@ -452,6 +431,7 @@ pub fn on_call(call: &Call) {
             seq_base: sock.seq_base[d],
             window,
             bytes,
+            route: call.args.watch,
         };
         let span = Span {
             start: call_start,
@@ -475,6 +455,8 @@ struct EmitCtx {
     window: *mut WindowState,
     /// [`SockState::msg_bytes`] of this direction.
     bytes: *mut u64,
+    /// The rings the records go to ([`PendingCall::watch`]).
+    route: u8,
 }
 
 /// Stream offsets `[start, end)` of the bytes one call moved.
@@ -499,7 +481,7 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx, span: &S
         if rc != 0 {
             count(counter::USER_READ_FAULT);
             let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
-            emit_stop(&ec.hdr, &out);
+            emit_stop(&ec.hdr, ec.route, &out);
             return;
         }
         (call.args.ptr, call.args.len, iov[0], iov[1])
@@ -532,7 +514,7 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx, span: &S
         if at < call_end {
             count(counter::LOOP_LIMIT);
             let out = st.stop(UnparsedReason::LoopLimit, 0);
-            emit_stop(&ec.hdr, &out);
+            emit_stop(&ec.hdr, ec.route, &out);
         }
     }
 }

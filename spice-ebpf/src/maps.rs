@@ -9,8 +9,9 @@ use spice_ebpf_common::{
     event::{PendingCall, SockState, TcpSnapshot},
 };
 
-/// Watched processes: tgid → the `--pid` it descends from. Filled by the agent, extended by
-/// the fork hook. The one lookup that decides whether a syscall is ours.
+/// Watched processes: tgid → the `--pid` it descends from, with the flags of who reads its
+/// records (`spice_ebpf_common::config::watch`). Filled by the agents, extended by the fork
+/// hook (children inherit the value). The one lookup that decides whether a syscall is ours.
 #[map]
 pub static WATCHED_TGIDS: HashMap<u32, u32> = HashMap::with_max_entries(4096, 0);
 
@@ -39,6 +40,12 @@ pub static PREEXISTING: HashMap<u64, u8> = HashMap::with_max_entries(8192, 0);
 #[map]
 pub static EVENTS: RingBuf = RingBuf::with_byte_size(16 << 20, 0);
 
+/// Records for an `observe` beside the daemon (`--pid` of processes whose watch value has
+/// `watch::TAP`): the same records as `EVENTS`, for those processes only, so that `EVENTS`
+/// keeps its one consumer. 4 MiB ≈ 58,000 message records.
+#[map]
+pub static TAP_EVENTS: RingBuf = RingBuf::with_byte_size(4 << 20, 0);
+
 /// Loss and self counters (`spice_ebpf_common::config::counter`).
 #[map]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
@@ -54,6 +61,33 @@ pub static ZERO_SOCK: Array<SockState> = Array::with_max_entries(1, 0);
 #[map]
 pub static LAYOUT: Array<u32> =
     Array::with_max_entries(spice_ebpf_common::config::layout::COUNT, 0);
+
+/// Writes one record of type `T` to each ring `route` names
+/// (`spice_ebpf_common::config::watch::ROUTE_*`): reserves it, lets `fill` write it in place
+/// (the BPF stack is too small for a copy) and submits it. A full ring counts `RING_FULL`
+/// (`EVENTS`) or `TAP_RING_FULL` (`TAP_EVENTS`).
+#[inline(always)]
+pub fn write_record<T: 'static>(route: u8, fill: impl Fn(*mut T)) {
+    use spice_ebpf_common::config::watch::{ROUTE_PRIMARY, ROUTE_TAP};
+    if route & ROUTE_PRIMARY != 0 {
+        match EVENTS.reserve::<T>(0) {
+            Some(mut e) => {
+                fill(e.as_mut_ptr());
+                e.submit(0);
+            }
+            None => count(counter::RING_FULL),
+        }
+    }
+    if route & ROUTE_TAP != 0 {
+        match TAP_EVENTS.reserve::<T>(0) {
+            Some(mut e) => {
+                fill(e.as_mut_ptr());
+                e.submit(0);
+            }
+            None => count(counter::TAP_RING_FULL),
+        }
+    }
+}
 
 /// Adds 1 to counter `index`.
 #[inline(always)]

@@ -59,6 +59,13 @@ enum Command {
         /// the in-flight count, the stage split and the raw TCP positions it used.
         #[arg(long, value_name = "PATH|-")]
         samples: Option<PathBuf>,
+        /// Pin directory of a running daemon's kernel state. If it holds a complete pinned
+        /// set of this version's layout, observe reads it (no second copy of the programs is
+        /// loaded) and its counts are exact from each session's start; otherwise it loads its
+        /// own programs, as without a daemon.
+        #[arg(long, value_name = "DIR",
+              default_value = spice_observer::config::DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
     },
     /// Run as a host daemon: find SPICE servers (QEMU, Xspice) and configured relays as they
     /// come and go, watch them, and serve Prometheus metrics on 127.0.0.1:19590. Run as root.
@@ -85,6 +92,7 @@ fn main() -> Result<()> {
             dump_events,
             plot,
             samples,
+            pin_dir,
         } => {
             if !(duration >= 0.0 && duration.is_finite()) {
                 anyhow::bail!("--duration must be a number of seconds ≥ 0");
@@ -98,6 +106,7 @@ fn main() -> Result<()> {
                 dump_events,
                 plot,
                 samples,
+                pin_dir: Some(pin_dir),
             };
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

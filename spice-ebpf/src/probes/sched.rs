@@ -3,36 +3,35 @@
 
 use aya_ebpf::helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns};
 use spice_ebpf_common::{
-    config::counter,
+    config::{counter, watch},
     event::{EventHeader, ProcEvent, kind},
 };
 
 use crate::{
     kernel::{konf, read_at},
-    maps::{EVENTS, PENDING_CALLS, WATCHED_TGIDS, count},
+    maps::{PENDING_CALLS, WATCHED_TGIDS, count, write_record},
 };
 
-fn proc_event(kind_: u8, tgid: u32, pid: u32) {
-    match EVENTS.reserve::<ProcEvent>(0) {
-        Some(mut e) => {
-            e.write(ProcEvent {
-                hdr: EventHeader {
-                    kind: kind_,
-                    dir: 0,
-                    flags: 0,
-                    _pad: 0,
-                    tgid,
-                    ts_ns: unsafe { bpf_ktime_get_ns() },
-                    cookie: 0,
-                },
-                pid,
+/// Writes a FORK or EXIT record to the rings `route` names (the watch value's flags).
+fn proc_event(kind_: u8, tgid: u32, pid: u32, route: u8) {
+    let ts_ns = unsafe { bpf_ktime_get_ns() };
+    let comm = bpf_get_current_comm().unwrap_or_default();
+    write_record::<ProcEvent>(route, |p| unsafe {
+        p.write(ProcEvent {
+            hdr: EventHeader {
+                kind: kind_,
+                dir: 0,
+                flags: 0,
                 _pad: 0,
-                comm: bpf_get_current_comm().unwrap_or_default(),
-            });
-            e.submit(0);
-        }
-        None => count(counter::RING_FULL),
-    }
+                tgid,
+                ts_ns,
+                cookie: 0,
+            },
+            pid,
+            _pad: 0,
+            comm,
+        })
+    });
 }
 
 /// `child` is the new `struct task_struct *`; runs in the parent.
@@ -42,6 +41,7 @@ pub fn on_fork(child: *const u8) {
     let Some(root) = WATCHED_TGIDS.get_ptr(&tgid) else {
         return;
     };
+    // The whole value: the root and who reads the records (the child's go to the same rings).
     let root = unsafe { *root };
     let child_pid: i32 = read_at(child, konf!(task_pid));
     let child_tgid: i32 = read_at(child, konf!(task_tgid));
@@ -55,7 +55,7 @@ pub fn on_fork(child: *const u8) {
         count(counter::WATCH_MAP_FULL);
         return;
     }
-    proc_event(kind::FORK, tgid, child_tgid as u32);
+    proc_event(kind::FORK, tgid, child_tgid as u32, watch::route(root));
 }
 
 /// Runs in the exiting thread.
@@ -64,12 +64,13 @@ pub fn on_exit() {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let pid = pid_tgid as u32;
-    if WATCHED_TGIDS.get_ptr(&tgid).is_none() {
+    let Some(w) = WATCHED_TGIDS.get_ptr(&tgid) else {
         return;
-    }
+    };
+    let route = watch::route(unsafe { *w });
     let _ = PENDING_CALLS.remove(&pid_tgid);
     if pid == tgid {
         let _ = WATCHED_TGIDS.remove(&tgid);
-        proc_event(kind::EXIT, tgid, tgid);
+        proc_event(kind::EXIT, tgid, tgid, route);
     }
 }

@@ -8,7 +8,7 @@ use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel, bpf_probe_read_user},
 };
 use spice_ebpf_common::{
-    config::counter,
+    config::{counter, watch},
     event::{PendingCall, call_kind},
 };
 
@@ -48,7 +48,11 @@ pub fn on_sys_enter(regs: *const pt_regs, id: u64) {
     };
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
-    if WATCHED_TGIDS.get_ptr(&tgid).is_none() || tgid == konf!(self_tgid) {
+    let Some(w) = WATCHED_TGIDS.get_ptr(&tgid) else {
+        return;
+    };
+    let route = watch::route(unsafe { *w });
+    if route == 0 || tgid == konf!(self_tgid) {
         return;
     }
     let di: u64 = unsafe { bpf_probe_read_kernel(&raw const (*regs).rdi) }.unwrap_or(0);
@@ -56,7 +60,8 @@ pub fn on_sys_enter(regs: *const pt_regs, id: u64) {
     let dx: u64 = unsafe { bpf_probe_read_kernel(&raw const (*regs).rdx) }.unwrap_or(0);
     let mut call = PendingCall {
         kind,
-        _pad: [0; 3],
+        watch: route,
+        _pad: [0; 2],
         fd: di as i32,
         ptr: si,
         len: dx,

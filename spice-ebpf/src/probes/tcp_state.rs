@@ -5,13 +5,13 @@
 
 use aya_ebpf::helpers::{bpf_ktime_get_ns, generated::bpf_get_socket_cookie};
 use spice_ebpf_common::{
-    config::counter,
+    config::watch,
     event::{CloseEvent, EventHeader, TcpSnapshot, kind, tcp_source},
 };
 
 use crate::{
     kernel::fill_tcp,
-    maps::{EVENTS, SOCKETS, TCP_STATE, count},
+    maps::{SOCKETS, TCP_STATE, WATCHED_TGIDS, write_record},
 };
 
 const TCP_CLOSE: i32 = 7;
@@ -27,27 +27,27 @@ pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
         return;
     };
     let tgid = unsafe { (*sock).tgid };
+    // The rings of the owning process's watch now (no PendingCall here: the one lookup of
+    // this path, made only for tracked sockets); after the process exited (its entry gone),
+    // those of the call that created the socket.
+    let route = match WATCHED_TGIDS.get_ptr(&tgid) {
+        Some(w) => watch::route(unsafe { *w }),
+        None => unsafe { (*sock).watch },
+    };
     let now = unsafe { bpf_ktime_get_ns() };
-    match EVENTS.reserve::<CloseEvent>(0) {
-        Some(mut e) => {
-            let p = e.as_mut_ptr();
-            unsafe {
-                (*p).hdr = EventHeader {
-                    kind: kind::CLOSE,
-                    dir: 0,
-                    flags: 0,
-                    _pad: 0,
-                    tgid,
-                    ts_ns: now,
-                    cookie,
-                };
-                (*p).tcp = TcpSnapshot::default();
-                fill_tcp(sk, now, tcp_source::STATE_TRACEPOINT, &mut (*p).tcp);
-            }
-            e.submit(0);
-        }
-        None => count(counter::RING_FULL),
-    }
+    write_record::<CloseEvent>(route, |p| unsafe {
+        (*p).hdr = EventHeader {
+            kind: kind::CLOSE,
+            dir: 0,
+            flags: 0,
+            _pad: 0,
+            tgid,
+            ts_ns: now,
+            cookie,
+        };
+        (*p).tcp = TcpSnapshot::default();
+        fill_tcp(sk, now, tcp_source::STATE_TRACEPOINT, &mut (*p).tcp);
+    });
 }
 
 /// The socket is being destroyed: forget it.

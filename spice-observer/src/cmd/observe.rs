@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
-    pipeline::{Engine, EngineOptions, Progress, monotonic_ns},
+    pipeline::{Beside, Engine, EngineOptions, Progress, monotonic_ns},
     report::{self, Report},
     samples::SampleLine,
     sockdiag,
@@ -39,6 +39,10 @@ pub struct ObserveOptions {
     /// Write the per-sample series (JSON Lines, [`crate::samples::SampleLine`]) here
     /// (`-` = stdout).
     pub samples: Option<PathBuf>,
+    /// The daemon's pin directory: observe reads the set pinned there when it is complete
+    /// and of this layout ([`Engine::start_beside`]), else loads its own programs. `None`:
+    /// always loads its own.
+    pub pin_dir: Option<PathBuf>,
 }
 
 // Re-exported for callers of the former `observe` module.
@@ -191,11 +195,34 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         Some(p) => Some(crate::samples::SampleWriter::create(p)?),
         None => None,
     };
-    let mut engine = Engine::start(EngineOptions {
+    // Handlers first: a Ctrl-C from here on ends the run through the clean-up of the TAP
+    // flags (Engine::untap) instead of killing the process.
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let engine_opts = EngineOptions {
         sample: opts.sample,
         retain_closed: true,
         bpf_stats: false,
-    })?;
+    };
+    let beside = match &opts.pin_dir {
+        Some(dir) => Engine::start_beside(engine_opts.clone(), dir)?,
+        None => Beside::Absent,
+    };
+    let mut engine = match beside {
+        Beside::Tapped(e) => *e,
+        Beside::Absent => Engine::start(engine_opts)?,
+        Beside::Unusable(why) => {
+            eprintln!(
+                "spice-observer: the pinned state at {} cannot be read ({why}); loading own programs",
+                opts.pin_dir
+                    .as_deref()
+                    .unwrap_or(std::path::Path::new("?"))
+                    .display()
+            );
+            Engine::start(engine_opts)?
+        }
+    };
+    eprintln!("spice-observer: {}", engine.source().line());
     if let Some(p) = &opts.dump_events {
         engine.dump_events(p)?;
     }
@@ -229,8 +256,6 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let deadline = tokio::time::sleep(opts.duration.unwrap_or(Duration::from_secs(u64::MAX / 4)));
     tokio::pin!(deadline);
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
     let tty = std::io::stderr().is_terminal();
     let mut ticks = 0u64;
     loop {
@@ -276,6 +301,9 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         eprintln!();
     }
     engine.read_kernel_state();
+    engine.drain();
+    // Beside the daemon: stop the TAP records now (the report is built from what was read).
+    engine.untap()?;
     engine.drain();
     // The series is complete: flush it before the report (its error is reported at the end).
     let samples_result = samples_out.map(|w| w.finish());

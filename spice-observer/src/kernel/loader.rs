@@ -31,8 +31,8 @@ use aya::{
 };
 use log::{debug, warn};
 use spice_ebpf_common::{
-    config::{KernelConfig, LAYOUT_VERSION, counter, layout},
-    event::{MessageEvent, SockState, TcpSnapshot},
+    config::{KernelConfig, LAYOUT_VERSION, counter, layout, watch},
+    event::{MessageEvent, PendingCall, SockState, TcpSnapshot},
 };
 
 use crate::btf::{KernelBtf, VMLINUX_BTF};
@@ -61,7 +61,7 @@ pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd> {
 /// map, named after it), besides one `link_<program>` file per attached program. The object's
 /// global-data section (`.rodata`, holding [`KernelConfig`]) is not pinned: the programs hold
 /// it, and nothing reads it after the load.
-pub const MAP_NAMES: [&str; 10] = [
+pub const MAP_NAMES: [&str; 11] = [
     "WATCHED_TGIDS",
     "PENDING_CALLS",
     "SOCKETS",
@@ -69,6 +69,7 @@ pub const MAP_NAMES: [&str; 10] = [
     "WATCH_PORTS",
     "PREEXISTING",
     "EVENTS",
+    "TAP_EVENTS",
     "COUNTERS",
     "ZERO_SOCK",
     "LAYOUT",
@@ -102,6 +103,9 @@ fn expected_layout() -> [u32; layout::HOOKS as usize] {
         std::mem::size_of::<MessageEvent>() as u32,
     ]
 }
+
+/// `bpf_map_update_elem` flag: update only an existing element (include/uapi/linux/bpf.h).
+const BPF_EXIST: u64 = 2;
 
 /// `statfs(2)` magic number of the BPF filesystem (`BPF_FS_MAGIC`, include/uapi/linux/magic.h).
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
@@ -671,12 +675,54 @@ impl Capture {
         Ok(out)
     }
 
-    /// Whether `tgid` is in the kernel's `WATCHED_TGIDS` (watched by this agent, or by the
-    /// earlier agent whose pinned set this one continues).
+    /// Whether `tgid` is in the kernel's `WATCHED_TGIDS` with [`watch::PRIMARY`] (watched by
+    /// this agent, or by the earlier agent whose pinned set this one continues; an entry of an
+    /// `observe` beside the daemon, [`watch::TAP`] only, is not).
     pub fn is_watched(&mut self, tgid: u32) -> bool {
+        self.watch_value(tgid)
+            .is_some_and(|v| v & watch::PRIMARY != 0)
+    }
+
+    /// The `WATCHED_TGIDS` value of `tgid` (root pid and [`watch`] flags), if it has one.
+    pub fn watch_value(&mut self, tgid: u32) -> Option<u32> {
         self.hash::<u32, u32>("WATCHED_TGIDS")
+            .ok()?
+            .get(&tgid, 0)
             .ok()
-            .is_some_and(|m| m.get(&tgid, 0).is_ok())
+    }
+
+    /// Every `WATCHED_TGIDS` entry: (tgid, value).
+    pub fn watch_entries(&mut self) -> Result<Vec<(u32, u32)>> {
+        Ok(self
+            .hash::<u32, u32>("WATCHED_TGIDS")?
+            .iter()
+            .filter_map(|e| e.ok())
+            .collect())
+    }
+
+    /// Sets the `WATCHED_TGIDS` value of `tgid` to `value`. With `only_existing`, only if the
+    /// entry exists (`BPF_EXIST`: never re-creates an entry the exit hook just removed);
+    /// `Ok(false)` then when it does not.
+    pub fn set_watch_value(&mut self, tgid: u32, value: u32, only_existing: bool) -> Result<bool> {
+        let flags = if only_existing { BPF_EXIST } else { 0 };
+        match self
+            .hash::<u32, u32>("WATCHED_TGIDS")?
+            .insert(tgid, value, flags)
+        {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::SyscallError(e))
+                if only_existing && e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Removes `tgid`'s `WATCHED_TGIDS` entry (no error if it is gone).
+    pub fn remove_watch(&mut self, tgid: u32) -> Result<()> {
+        let _ = self.hash::<u32, u32>("WATCHED_TGIDS")?.remove(&tgid);
+        Ok(())
     }
 
     /// Whether `cookie` was marked as existing before its process was watched.
@@ -694,12 +740,18 @@ impl Capture {
     /// Starts watching process `tgid` as part of the watch of `root` (its value in
     /// `WATCHED_TGIDS`, inherited by the children it forks: [`Capture::unwatch_tree`] removes
     /// them together).
+    /// The entry gets [`watch::PRIMARY`] (records to `EVENTS`, this agent's ring), keeping
+    /// the [`watch::TAP`] flag of an `observe` beside the daemon.
     pub fn watch_pid_under(&mut self, tgid: u32, root: u32) -> Result<()> {
         if tgid == std::process::id() {
             bail!("refusing to watch the observer itself (pid {tgid})");
         }
-        self.hash::<u32, u32>("WATCHED_TGIDS")?
-            .insert(tgid, root, 0)?;
+        let tap = self.watch_value(tgid).unwrap_or(0) & watch::TAP;
+        self.hash::<u32, u32>("WATCHED_TGIDS")?.insert(
+            tgid,
+            (root & watch::ROOT_MASK) | watch::PRIMARY | tap,
+            0,
+        )?;
         Ok(())
     }
 
@@ -749,21 +801,25 @@ impl Capture {
     }
 
     /// Stops watching the processes of one watch: every `WATCHED_TGIDS` entry whose key or
-    /// value (the watched pid a forked child descends from, `spice-ebpf/src/probes/sched.rs`)
-    /// is one of `roots`. Returns the tgids removed.
+    /// root (the watched pid a forked child descends from, `spice-ebpf/src/probes/sched.rs`)
+    /// is one of `roots`. An entry an `observe` beside the daemon also reads
+    /// ([`watch::TAP`]) only loses [`watch::PRIMARY`]. Returns the tgids unwatched.
     pub fn unwatch_tree(&mut self, roots: &[u32]) -> Result<Vec<u32>> {
         let mut map = self.hash::<u32, u32>("WATCHED_TGIDS")?;
-        let gone: Vec<u32> = map
+        let gone: Vec<(u32, u32)> = map
             .iter()
             .filter_map(|e| e.ok())
-            .filter(|(k, v)| roots.contains(k) || roots.contains(v))
-            .map(|(k, _)| k)
+            .filter(|(k, v)| roots.contains(k) || roots.contains(&(v & watch::ROOT_MASK)))
             .collect();
-        for k in &gone {
-            // Gone already (the exit hook removes exited tgids): nothing to do.
-            let _ = map.remove(k);
+        for (k, v) in &gone {
+            if v & watch::TAP != 0 {
+                let _ = map.insert(*k, v & !watch::PRIMARY, BPF_EXIST);
+            } else {
+                // Gone already (the exit hook removes exited tgids): nothing to do.
+                let _ = map.remove(k);
+            }
         }
-        Ok(gone)
+        Ok(gone.into_iter().map(|(k, _)| k).collect())
     }
 
     /// Per-program kernel run-time statistics (`bpf_prog_info.run_time_ns` / `run_cnt`):
@@ -807,11 +863,78 @@ impl Capture {
 
     /// Takes the event ring (call once).
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
-        Ok(RingBuf::try_from(
-            self.maps
-                .remove("EVENTS")
-                .ok_or_else(|| anyhow!("map EVENTS already taken"))?,
-        )?)
+        self.take_ring_named("EVENTS")
+    }
+
+    /// Takes ring `name` (`EVENTS` or `TAP_EVENTS`; call once per ring).
+    pub fn take_ring_named(&mut self, name: &str) -> Result<RingBuf<MapData>> {
+        Ok(RingBuf::try_from(self.maps.remove(name).ok_or_else(
+            || anyhow!("map {name} missing or already taken"),
+        )?)?)
+    }
+
+    /// Every `PENDING_CALLS` entry: (pid_tgid, call).
+    pub fn pending_calls(&mut self) -> Result<Vec<(u64, PendingCall)>> {
+        Ok(self
+            .hash::<u64, PendingCall>("PENDING_CALLS")?
+            .iter()
+            .filter_map(|e| e.ok())
+            .collect())
+    }
+
+    /// Rewrites the `PENDING_CALLS` entry `pid_tgid` if it still exists (`BPF_EXIST`: a call
+    /// that completed meanwhile is not re-created). Errors other than "gone" are returned.
+    pub fn update_pending_call(&mut self, pid_tgid: u64, call: PendingCall) -> Result<()> {
+        match self
+            .hash::<u64, PendingCall>("PENDING_CALLS")?
+            .insert(pid_tgid, call, BPF_EXIST)
+        {
+            Ok(()) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The ports in `WATCH_PORTS`.
+    pub fn watch_ports(&mut self) -> Result<Vec<u16>> {
+        Ok(self
+            .hash::<u16, u8>("WATCH_PORTS")?
+            .keys()
+            .filter_map(|k| k.ok())
+            .collect())
+    }
+
+    /// Removes `port` from `WATCH_PORTS` (no error if absent).
+    pub fn unwatch_port(&mut self, port: u16) -> Result<()> {
+        let _ = self.hash::<u16, u8>("WATCH_PORTS")?.remove(&port);
+        Ok(())
+    }
+
+    /// The cookies in `PREEXISTING`.
+    pub fn preexisting(&mut self) -> Result<Vec<u64>> {
+        Ok(self
+            .hash::<u64, u8>("PREEXISTING")?
+            .keys()
+            .filter_map(|k| k.ok())
+            .collect())
+    }
+
+    /// Removes `cookie` from `PREEXISTING` (no error if absent).
+    pub fn unmark_preexisting(&mut self, cookie: u64) -> Result<()> {
+        let _ = self.hash::<u64, u8>("PREEXISTING")?.remove(&cookie);
+        Ok(())
+    }
+
+    /// Drops socket `cookie`'s kernel state (`SOCKETS`, `TCP_STATE`), as the destroy hook
+    /// does; no error if absent.
+    pub fn forget_socket(&mut self, cookie: u64) -> Result<()> {
+        let _ = self.hash::<u64, SockState>("SOCKETS")?.remove(&cookie);
+        let _ = self.hash::<u64, TcpSnapshot>("TCP_STATE")?.remove(&cookie);
+        Ok(())
     }
 }
 

@@ -857,6 +857,8 @@ mod tests {
 
     fn report(channels: Vec<serde_json::Value>) -> Report {
         serde_json::from_value(json!({
+            "source": {"kind": "pinned", "pin_dir": "/sys/fs/bpf/spice-observer",
+                "exact_from_session_start": true, "tap": false},
             "duration_s": 1.0, "clock": {"realtime_ns": 0, "monotonic_ns": 0},
             "hook_set": "tracepoints+sockops", "events_lost": 0,
             "kernel_counters": {"ring_full": 0, "calls_traced": 12}, "degraded": [],

@@ -358,9 +358,51 @@ pub struct ClockReport {
     pub monotonic_ns: u64,
 }
 
+/// Where a report's data come from (`source` in JSON; the table's first line).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceReport {
+    /// `"loaded"`: this process loaded the kernel programs itself (a standalone `observe`, or
+    /// a daemon that found nothing of its layout pinned). `"pinned"`: it reads a set of
+    /// programs and maps pinned by the daemon (an `observe` beside the daemon, reading the
+    /// `TAP_EVENTS` ring, or a daemon continuing an earlier daemon's pins).
+    pub kind: String,
+    /// The pin directory read or pinned (`None` for a standalone `observe`).
+    pub pin_dir: Option<String>,
+    /// Whether the counts of a framed session that began before this process started are
+    /// counted from the session's start (the kernel's per-socket state was taken over).
+    /// `false`: such sessions are listed `attached_mid_stream` (or `restarted`), unframed.
+    pub exact_from_session_start: bool,
+    /// Whether this process consumes the records of the `TAP_EVENTS` ring (an `observe`
+    /// beside the daemon) rather than of `EVENTS`: its losses are then `tap_ring_full` and
+    /// the map counters, not the daemon's `ring_full`.
+    pub tap: bool,
+}
+
+impl SourceReport {
+    /// The table's first line (without the `spice-observer: ` prefix).
+    pub fn line(&self) -> String {
+        match (self.kind.as_str(), &self.pin_dir) {
+            ("pinned", Some(d)) if self.tap => format!(
+                "reading the daemon's pinned state at {d}: counts exact from each session's \
+                 start (stages only for messages sent since this run started)"
+            ),
+            ("pinned", Some(d)) => format!(
+                "continuing the pinned state at {d}: counts exact from each session's start"
+            ),
+            (_, Some(d)) => format!(
+                "loaded the programs and pinned them at {d}: sessions older than this run are \
+                 not framed"
+            ),
+            _ => "loaded its own programs: sessions older than this run are not framed".into(),
+        }
+    }
+}
+
 /// The whole `--json` document.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Report {
+    /// Where the data come from.
+    pub source: SourceReport,
     pub duration_s: f64,
     /// The start of observation on both clocks.
     pub clock: ClockReport,
@@ -780,6 +822,7 @@ pub struct RunInfo<'a> {
     /// Both clocks at the start (`clock.monotonic_ns` = `started_ns`).
     pub clock: ClockReport,
     pub hook_set: &'a str,
+    pub source: &'a SourceReport,
     pub counters: &'a [u64; counter::COUNT as usize],
     pub degraded: &'a [String],
     pub pids: Vec<PidReport>,
@@ -797,6 +840,7 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         end_ns,
         clock,
         hook_set,
+        source,
         counters,
         degraded,
         pids,
@@ -837,7 +881,13 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         .map(|(n, v)| (n.to_string(), *v))
         .collect();
     let kernel_lost: u64 = (0..counter::COUNT)
-        .filter(|&i| counter::is_loss(i))
+        .filter(|&i| {
+            if source.tap {
+                counter::is_tap_loss(i)
+            } else {
+                counter::is_loss(i)
+            }
+        })
         .map(|i| counters[i as usize])
         .sum();
     let records_lost: u64 = channels.iter().map(|c| c.records_lost).sum();
@@ -871,6 +921,7 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         })
         .collect();
     Report {
+        source: source.clone(),
         duration_s,
         clock,
         hook_set: hook_set.to_string(),
@@ -900,6 +951,7 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 /// Renders the human table and verdicts.
 pub fn render(r: &Report) -> String {
     let mut out = String::new();
+    let _ = writeln!(out, "spice-observer: {}", r.source.line());
     let _ = writeln!(
         out,
         "spice-observer: {:.1} s, hook set {}, {} channel(s), events lost {}",
@@ -1380,6 +1432,12 @@ mod tests {
     #[test]
     fn window_notes_name_generations_and_surplus_acks() {
         let report = |c: ChannelReport| Report {
+            source: SourceReport {
+                kind: "loaded".into(),
+                pin_dir: None,
+                exact_from_session_start: false,
+                tap: false,
+            },
             duration_s: 1.0,
             clock: ClockReport {
                 realtime_ns: 0,
@@ -1512,6 +1570,12 @@ mod tests {
                 end_ns: now,
                 clock: ClockReport::default(),
                 hook_set: "tracepoints",
+                source: &SourceReport {
+                    kind: "loaded".into(),
+                    pin_dir: None,
+                    exact_from_session_start: false,
+                    tap: false,
+                },
                 counters: &counters,
                 degraded: &[],
                 pids: Vec::new(),

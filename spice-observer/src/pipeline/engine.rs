@@ -3,7 +3,7 @@
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     io::Write,
-    path::Path,
+    path::{Path, PathBuf},
     sync::{
         Mutex,
         atomic::{AtomicU64, Ordering},
@@ -14,7 +14,11 @@ use std::{
 use anyhow::{Context, Result, bail};
 use aya::maps::{MapData, RingBuf};
 use log::{debug, warn};
-use spice_ebpf_common::{config::counter, framing::UnparsedReason, protocol::channel};
+use spice_ebpf_common::{
+    config::{counter, watch},
+    framing::UnparsedReason,
+    protocol::channel,
+};
 use tokio::io::{Interest, unix::AsyncFd};
 
 use super::monotonic_ns;
@@ -22,7 +26,7 @@ use crate::{
     events,
     loader::{self, Capture},
     model::{Model, chain::Chain},
-    report::{self, ClockReport, PidReport, Report, TcpReport},
+    report::{self, ClockReport, PidReport, Report, SourceReport, TcpReport},
     sampler,
     samples::SampleLine,
     sockdiag,
@@ -152,6 +156,85 @@ pub struct Engine {
     prior: PriorWatch,
     /// The pin directory's lock, held for the engine's life ([`Engine::start_pinned`]).
     _pin_lock: Option<loader::PinLock>,
+    /// The pin directory used ([`Engine::start_pinned`], [`Engine::start_beside`]).
+    pin_dir: Option<PathBuf>,
+    /// Set when the engine reads the daemon's pinned set beside it ([`Engine::start_beside`]).
+    tap: Option<Tap>,
+}
+
+/// What an engine reading the daemon's pinned set ([`Engine::start_beside`]) holds and must
+/// undo at its end ([`Engine::untap`], also run on drop).
+struct Tap {
+    /// The exclusive lock of the one `TAP_EVENTS` consumer (`flock` on the pinned map).
+    _lock: std::fs::File,
+    /// The kernel counters at the start: the report gives what happened since.
+    counters_at_start: [u64; counter::COUNT as usize],
+    /// Ports this engine added to `WATCH_PORTS` and cookies it added to `PREEXISTING`.
+    ports_added: Vec<u16>,
+    preexisting_added: Vec<u64>,
+    /// Stale `TAP_EVENTS` records discarded at the start.
+    discarded: u64,
+    /// `untap` ran.
+    released: bool,
+}
+
+/// What [`Engine::start_beside`] found in the pin directory.
+pub enum Beside {
+    /// A complete pinned set of this layout: the engine reads it (no program loaded).
+    Tapped(Box<Engine>),
+    /// Nothing pinned there.
+    Absent,
+    /// Something that cannot be read (another layout, a partial set): the text says why.
+    Unusable(String),
+}
+
+/// Takes the exclusive lock of the one `TAP_EVENTS` consumer: `flock(2)` on the pinned map's
+/// file (bpffs files can be opened and locked like any inode). Errors when another process
+/// holds it (another `observe` beside the same daemon), naming the directory.
+fn lock_tap(dir: &Path) -> Result<std::fs::File> {
+    use std::os::fd::AsRawFd as _;
+    let path = dir.join("TAP_EVENTS");
+    let f = std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: flock on an fd we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            bail!(
+                "another spice-observer observe is already reading the daemon's pinned state at \
+                 {} (it holds the lock of {}): only one observe at a time can run beside the \
+                 daemon; wait for it to end",
+                dir.display(),
+                path.display()
+            );
+        }
+        return Err(e).with_context(|| format!("locking {}", path.display()));
+    }
+    Ok(f)
+}
+
+/// Clears every [`watch::TAP`] flag of `WATCHED_TGIDS`: an entry that also has
+/// [`watch::PRIMARY`] (the daemon's) keeps it, one with `TAP` only (an observe's) is removed.
+/// Then drops the kernel state of sockets created for an observe only (no
+/// [`watch::ROUTE_PRIMARY`] in `SockState::watch`) whose process the daemon does not watch.
+fn clear_tap_flags(cap: &mut Capture) -> Result<usize> {
+    let mut cleared = 0;
+    for (tgid, v) in cap.watch_entries()? {
+        if v & watch::TAP == 0 {
+            continue;
+        }
+        cleared += 1;
+        if v & watch::PRIMARY != 0 {
+            cap.set_watch_value(tgid, v & !watch::TAP, true)?;
+        } else {
+            cap.remove_watch(tgid)?;
+        }
+    }
+    for (cookie, st) in cap.sockets()? {
+        if st.watch & watch::ROUTE_PRIMARY == 0 && !cap.is_watched(st.tgid) {
+            cap.forget_socket(cookie)?;
+        }
+    }
+    Ok(cleared)
 }
 
 /// Applies every record waiting in `ring` to `model` (and the dump file).
@@ -269,6 +352,23 @@ fn prepare_sockets(
     Ok((ports, existing))
 }
 
+/// Local and remote address of every TCP socket by cookie (sock_diag), for restored sockets;
+/// empty (logged) if the dump fails.
+fn socket_addresses() -> HashMap<u64, (std::net::SocketAddr, std::net::SocketAddr)> {
+    match sockdiag::dump_tcp() {
+        Ok(v) => v
+            .into_iter()
+            .map(|s| (s.cookie, (s.local, s.remote)))
+            .collect(),
+        Err(e) => {
+            warn!(
+                "sock_diag dump failed ({e:#}): restored sockets have no addresses until their next record"
+            );
+            HashMap::new()
+        }
+    }
+}
+
 /// Best TCP state per socket now: a sock_diag snapshot where the socket still exists in this
 /// network namespace, else the last kernel-hook snapshot.
 fn best_tcp(model: &Model) -> BTreeMap<u64, TcpReport> {
@@ -355,6 +455,7 @@ impl Engine {
         let lock = loader::PinLock::take(dir)?;
         let mut e = Self::start_on_pins(opts, dir, stats_fd)?;
         e._pin_lock = Some(lock);
+        e.pin_dir = Some(dir.to_path_buf());
         Ok(e)
     }
 
@@ -365,20 +466,14 @@ impl Engine {
     ) -> Result<Engine> {
         match Capture::open_pinned(dir)? {
             loader::Pinned::Reusable(mut cap) => {
-                let socks = cap.sockets()?;
-                let addrs: HashMap<u64, (std::net::SocketAddr, std::net::SocketAddr)> =
-                    match sockdiag::dump_tcp() {
-                        Ok(v) => v
-                            .into_iter()
-                            .map(|s| (s.cookie, (s.local, s.remote)))
-                            .collect(),
-                        Err(e) => {
-                            warn!(
-                                "sock_diag dump failed ({e:#}): restored sockets have no addresses until their next record"
-                            );
-                            HashMap::new()
-                        }
-                    };
+                // Sockets created for an observe beside the daemon only (no PRIMARY route) were
+                // never this daemon's: left out.
+                let socks: Vec<(u64, spice_ebpf_common::event::SockState)> = cap
+                    .sockets()?
+                    .into_iter()
+                    .filter(|(_, st)| st.watch & watch::ROUTE_PRIMARY != 0)
+                    .collect();
+                let addrs = socket_addresses();
                 let now = monotonic_ns();
                 let mut model = Model::default();
                 for (cookie, state) in &socks {
@@ -435,10 +530,21 @@ impl Engine {
 
     fn with_capture(
         opts: EngineOptions,
+        cap: Capture,
+        stats_fd: Option<std::os::fd::OwnedFd>,
+        restart: Restart,
+        prior: PriorWatch,
+    ) -> Result<Engine> {
+        Self::with_capture_ring(opts, cap, stats_fd, restart, prior, "EVENTS")
+    }
+
+    fn with_capture_ring(
+        opts: EngineOptions,
         mut cap: Capture,
         stats_fd: Option<std::os::fd::OwnedFd>,
         restart: Restart,
         prior: PriorWatch,
+        ring_name: &str,
     ) -> Result<Engine> {
         // Loading parsed the kernel's BTF twice (tens of MB, freed now): give the freed heap
         // back to the system, or it stays in the resident set for the engine's life.
@@ -449,8 +555,10 @@ impl Engine {
         }
         // SAFETY: the ring owns its map fd, which stays open and unchanged for the AsyncFd's
         // life.
-        let ring = unsafe { AsyncFd::register_with_interest(cap.take_ring()?, Interest::READABLE) }
-            .map_err(|e| anyhow::anyhow!("polling the event ring: {}", e.into_parts().1))?;
+        let ring = unsafe {
+            AsyncFd::register_with_interest(cap.take_ring_named(ring_name)?, Interest::READABLE)
+        }
+        .map_err(|e| anyhow::anyhow!("polling the event ring: {}", e.into_parts().1))?;
         // Both clocks back to back, so that sample times can be lined up with packet timestamps.
         let started_ns = monotonic_ns();
         let clock = ClockReport {
@@ -475,7 +583,228 @@ impl Engine {
             restart,
             prior,
             _pin_lock: None,
+            pin_dir: None,
+            tap: None,
         })
+    }
+
+    /// Starts beside a running daemon (`observe --pid` with a pin directory): if `dir` holds a
+    /// complete pinned set of this agent's layout ([`Capture::open_pinned`]), reads it without
+    /// loading anything. [`Engine::watch`] then sets the [`watch::TAP`] flag of the processes
+    /// (adding entries with `TAP` only for those the daemon does not watch, never
+    /// [`watch::PRIMARY`]), so that their records also go to the `TAP_EVENTS` ring, which
+    /// this engine consumes; the daemon's `EVENTS` ring is never read. The model of each
+    /// process's sockets is rebuilt from the kernel's socket map as the daemon's restore does
+    /// ([`Model::restore`]), so the counts are exact from each session's start.
+    ///
+    /// At the start, `TAP` flags left by an observe that died are cleared and stale
+    /// `TAP_EVENTS` records discarded. At the end ([`Engine::untap`], or on drop) the flags
+    /// are cleared and the entries, ports and marks this engine added removed.
+    ///
+    /// Errors: the directory cannot be read, another observe holds the `TAP_EVENTS` lock,
+    /// the maps refuse an update.
+    pub fn start_beside(opts: EngineOptions, dir: &Path) -> Result<Beside> {
+        let mut cap = match Capture::open_pinned(dir)? {
+            loader::Pinned::Reusable(cap) => cap,
+            loader::Pinned::Absent => return Ok(Beside::Absent),
+            loader::Pinned::Stale(why) => return Ok(Beside::Unusable(why)),
+        };
+        let lock = lock_tap(dir)?;
+        let cleared = clear_tap_flags(&mut cap)?;
+        if cleared > 0 {
+            warn!("cleared {cleared} TAP flag(s) left by an observe that did not end cleanly");
+        }
+        // Records of calls in progress at the clear land within microseconds.
+        std::thread::sleep(Duration::from_millis(10));
+        let counters_at_start = cap.counters()?;
+        let mut e = Self::with_capture_ring(
+            opts,
+            cap,
+            None,
+            Restart::Unpinned,
+            PriorWatch::None,
+            "TAP_EVENTS",
+        )?;
+        let mut discarded = 0u64;
+        while e.ring.get_mut().next().is_some() {
+            discarded += 1;
+        }
+        if discarded > 0 {
+            debug!("discarded {discarded} stale TAP_EVENTS record(s)");
+        }
+        e.pin_dir = Some(dir.to_path_buf());
+        e.tap = Some(Tap {
+            _lock: lock,
+            counters_at_start,
+            ports_added: Vec::new(),
+            preexisting_added: Vec::new(),
+            discarded,
+            released: false,
+        });
+        Ok(Beside::Tapped(Box::new(e)))
+    }
+
+    /// Ends reading beside the daemon ([`Engine::start_beside`]): clears every
+    /// [`watch::TAP`] flag (entries with `TAP` only are removed, the daemon's keep
+    /// [`watch::PRIMARY`] and their root), removes the `WATCH_PORTS` and `PREEXISTING` entries
+    /// this engine added and the kernel state of sockets created for it only. Idempotent;
+    /// a no-op for other engines. Also run on drop, so error paths clean up too.
+    pub fn untap(&mut self) -> Result<()> {
+        let Some(t) = self.tap.as_mut() else {
+            return Ok(());
+        };
+        if t.released {
+            return Ok(());
+        }
+        t.released = true;
+        let ports = std::mem::take(&mut t.ports_added);
+        let marks = std::mem::take(&mut t.preexisting_added);
+        clear_tap_flags(&mut self.cap)?;
+        for p in ports {
+            self.cap.unwatch_port(p)?;
+        }
+        for c in marks {
+            self.cap.unmark_preexisting(c)?;
+        }
+        Ok(())
+    }
+
+    /// Where this engine's data come from (report `source`, the table's first line).
+    pub fn source(&self) -> SourceReport {
+        let pin_dir = self.pin_dir.as_ref().map(|d| d.display().to_string());
+        match (&self.tap, &self.restart) {
+            (Some(_), _) => SourceReport {
+                kind: "pinned".into(),
+                pin_dir,
+                exact_from_session_start: true,
+                tap: true,
+            },
+            (None, Restart::Continued { .. }) => SourceReport {
+                kind: "pinned".into(),
+                pin_dir,
+                exact_from_session_start: true,
+                tap: false,
+            },
+            _ => SourceReport {
+                kind: "loaded".into(),
+                pin_dir,
+                exact_from_session_start: false,
+                tap: false,
+            },
+        }
+    }
+
+    /// Stale `TAP_EVENTS` records discarded at the start of [`Engine::start_beside`] (0 for
+    /// other engines).
+    pub fn tap_discarded(&self) -> u64 {
+        self.tap.as_ref().map_or(0, |t| t.discarded)
+    }
+
+    /// [`Engine::watch`] beside the daemon: see [`Engine::start_beside`]. The order makes the
+    /// counts exact: the flags are set first, then `PENDING_CALLS` entries of calls already
+    /// past `sys_enter` get the flag too (their records would otherwise go to `EVENTS` only),
+    /// then, once calls in progress have ended, the socket map is read: every message the map
+    /// does not count yet has a `TAP_EVENTS` record, and the records of those it counts are
+    /// skipped by their ordinal ([`crate::model::DirStats::restored_upto`]).
+    fn watch_beside(&mut self, tgid: u32, tgids: Vec<u32>) -> Result<Watched> {
+        let values: HashMap<u32, u32> = tgids
+            .iter()
+            .filter_map(|&t| Some((t, self.cap.watch_value(t)?)))
+            .collect();
+        let continued: Vec<u32> = tgids
+            .iter()
+            .copied()
+            .filter(|t| values.get(t).is_some_and(|v| v & watch::PRIMARY != 0))
+            .collect();
+        let ports_before: HashSet<u16> = self.cap.watch_ports()?.into_iter().collect();
+        let marks_before: HashSet<u64> = self.cap.preexisting()?.into_iter().collect();
+        let (ports, existing) = prepare_sockets(&mut self.cap, &self.model, &tgids, &continued)?;
+        let ports_added: Vec<u16> = self
+            .cap
+            .watch_ports()?
+            .into_iter()
+            .filter(|p| !ports_before.contains(p))
+            .collect();
+        let marks_added: Vec<u64> = self
+            .cap
+            .preexisting()?
+            .into_iter()
+            .filter(|c| !marks_before.contains(c))
+            .collect();
+        if let Some(t) = self.tap.as_mut() {
+            t.ports_added.extend(ports_added);
+            t.preexisting_added.extend(marks_added);
+        }
+        for &t in &tgids {
+            if continued.contains(&t) {
+                // The daemon's entry: its root and PRIMARY stay.
+                self.cap.set_watch_value(t, values[&t] | watch::TAP, true)?;
+            } else {
+                if t == std::process::id() {
+                    continue;
+                }
+                self.cap
+                    .set_watch_value(t, (tgid & watch::ROOT_MASK) | watch::TAP, false)?;
+            }
+        }
+        // sys_enter runs take microseconds: after this, every call of these processes that
+        // entered without the flag has its PENDING_CALLS entry written.
+        std::thread::sleep(Duration::from_millis(20));
+        for (pid_tgid, mut call) in self.cap.pending_calls()? {
+            if tgids.contains(&((pid_tgid >> 32) as u32)) && call.watch & watch::ROUTE_TAP == 0 {
+                call.watch |= watch::ROUTE_TAP;
+                self.cap.update_pending_call(pid_tgid, call)?;
+            }
+        }
+        // A call that read its entry before the update has written its records by now.
+        std::thread::sleep(Duration::from_millis(20));
+        let socks = self.cap.sockets()?;
+        let addrs = socket_addresses();
+        let now = monotonic_ns();
+        let mut restored = 0;
+        for (cookie, state) in &socks {
+            if !tgids.contains(&state.tgid) || self.model.sockets.contains_key(cookie) {
+                continue;
+            }
+            let a = addrs.get(cookie);
+            self.model.restore(
+                &crate::model::Restored {
+                    cookie: *cookie,
+                    state: *state,
+                    comm: sockdiag::comm(state.tgid).unwrap_or_default(),
+                    local: a.map(|a| a.0),
+                    remote: a.map(|a| a.1),
+                    tcp: self.cap.tcp_state(*cookie),
+                },
+                now,
+            );
+            restored += 1;
+        }
+        self.model.restored_at(now);
+        debug!("beside the daemon: {restored} socket(s) of pid {tgid} taken from the socket map");
+        for e in &existing {
+            if !self.model.sockets.contains_key(&e.cookie) {
+                self.model.add_existing_as(
+                    e.cookie,
+                    e.pid,
+                    e.local,
+                    e.remote,
+                    now,
+                    UnparsedReason::AttachedMidStream,
+                );
+            }
+        }
+        let watched = Watched {
+            pid: tgid,
+            comm: sockdiag::comm(tgid).unwrap_or_default(),
+            ports_enrolled: ports,
+            existing_connections: existing.len(),
+        };
+        self.roots.push(Root {
+            watched: watched.clone(),
+            tgids,
+        });
+        Ok(watched)
     }
 
     /// How this engine found its pin directory ([`Restart::Unpinned`] without one).
@@ -509,6 +838,9 @@ impl Engine {
             if child != me && !tgids.contains(&child) {
                 tgids.push(child);
             }
+        }
+        if self.tap.is_some() {
+            return self.watch_beside(tgid, tgids);
         }
         let continued: Vec<u32> = if self.model.restored_ns.is_some() {
             tgids
@@ -653,10 +985,17 @@ impl Engine {
             }
         }
         let mut degraded = self.cap.degraded.clone();
-        let counters = self.cap.counters().unwrap_or_else(|e| {
+        let mut counters = self.cap.counters().unwrap_or_else(|e| {
             degraded.push(format!("kernel counters unreadable: {e:#}"));
             [0; counter::COUNT as usize]
         });
+        if let Some(t) = &self.tap {
+            // The daemon's counters run since it loaded the programs: this run's share.
+            for (c, s) in counters.iter_mut().zip(t.counters_at_start) {
+                *c = c.saturating_sub(s);
+            }
+        }
+        let source = self.source();
         let tcp = best_tcp(&self.model);
         let mut rep = report::build(
             &self.model,
@@ -665,6 +1004,7 @@ impl Engine {
                 end_ns: now_ns,
                 clock: self.clock,
                 hook_set: &self.cap.hook_set,
+                source: &source,
                 counters: &counters,
                 degraded: &degraded,
                 pids: self
@@ -839,6 +1179,15 @@ impl Engine {
                 .map(|s| (s.window.count, s.window.limit()))
                 .collect(),
             lost,
+        }
+    }
+}
+
+impl Drop for Engine {
+    /// Clears the `TAP` flags of an engine beside the daemon ([`Engine::untap`]).
+    fn drop(&mut self) {
+        if let Err(e) = self.untap() {
+            warn!("clearing the TAP flags at exit failed: {e:#}");
         }
     }
 }

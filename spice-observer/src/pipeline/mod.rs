@@ -11,7 +11,8 @@ mod engine;
 pub mod sampler;
 
 pub use engine::{
-    Engine, EngineOptions, EngineStats, ProgramStats, Progress, Restart, Watched, thread_group,
+    Beside, Engine, EngineOptions, EngineStats, ProgramStats, Progress, Restart, Watched,
+    thread_group,
 };
 
 fn clock_ns(clock: libc::clockid_t) -> u64 {
