@@ -165,7 +165,7 @@ pub struct Engine {
 /// What an engine reading the daemon's pinned set ([`Engine::start_beside`]) holds and must
 /// undo at its end ([`Engine::untap`], also run on drop).
 struct Tap {
-    /// The exclusive lock of the one `TAP_EVENTS` consumer (`flock` on the pinned map).
+    /// The exclusive lock of the one `TAP_EVENTS` consumer ([`tap_lock_path`]).
     _lock: std::fs::File,
     /// The kernel counters at the start: the report gives what happened since.
     counters_at_start: [u64; counter::COUNT as usize],
@@ -188,21 +188,40 @@ pub enum Beside {
     Unusable(String),
 }
 
-/// Takes the exclusive lock of the one `TAP_EVENTS` consumer: `flock(2)` on the pinned map's
-/// file (bpffs files can be opened and locked like any inode). Errors when another process
-/// holds it (another `observe` beside the same daemon), naming the directory.
+/// The lock file of the one `TAP_EVENTS` consumer of pin directory `dir`:
+/// `/run/spice-observer-tap.<dir with every byte but [A-Za-z0-9] as _>.lock`. (bpffs refuses
+/// `open(2)` on a pinned ring, so the lock cannot live in the pin directory; the directory's
+/// own lock is the daemon's.)
+pub fn tap_lock_path(dir: &Path) -> PathBuf {
+    let name: String = dir
+        .to_string_lossy()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    PathBuf::from(format!("/run/spice-observer-tap.{name}.lock"))
+}
+
+/// Takes the exclusive lock of the one `TAP_EVENTS` consumer of `dir` ([`tap_lock_path`],
+/// `flock(2)`, released when the process dies). Errors when another process holds it
+/// (another `observe` beside the same daemon), naming the directory.
 fn lock_tap(dir: &Path) -> Result<std::fs::File> {
-    use std::os::fd::AsRawFd as _;
-    let path = dir.join("TAP_EVENTS");
-    let f = std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    use std::os::{fd::AsRawFd as _, unix::fs::OpenOptionsExt as _};
+    let path = tap_lock_path(dir);
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
     // SAFETY: flock on an fd we own.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
             bail!(
                 "another spice-observer observe is already reading the daemon's pinned state at \
-                 {} (it holds the lock of {}): only one observe at a time can run beside the \
-                 daemon; wait for it to end",
+                 {} (it holds {}): only one observe at a time can run beside the daemon; wait \
+                 for it to end",
                 dir.display(),
                 path.display()
             );
