@@ -2,7 +2,10 @@
 //!
 //! Every record starts with an [`EventHeader`]; `kind` says which struct follows. At most one
 //! [`MessageEvent`] (72 bytes) is written per SPICE message; link, socket, process and close
-//! records are written once per socket or process.
+//! records are written once per socket or process. Each record goes to the ring(s) its
+//! process's watch flags name ([`crate::config::watch`]): `EVENTS`, read by the daemon (or a
+//! standalone observe), and/or `TAP_EVENTS`, read by an observe beside the daemon; the same
+//! layout in both.
 
 use crate::{framing::DirState, window::WindowState};
 

@@ -10,6 +10,11 @@
 //! value, which these maps are not): spice-server, socat and haproxy serve each connection from
 //! one thread at a time, so its send and receive calls do not run concurrently. A process that
 //! sent and received on one socket from two threads at the same instant could lose an update.
+//!
+//! Records go to the rings named by the call's [`PendingCall::watch`] (the flags of its
+//! process's `WATCHED_TGIDS` value, copied at `sys_enter`): `EVENTS` for the daemon or a
+//! standalone observe, `TAP_EVENTS` for an observe beside the daemon, or both
+//! ([`crate::maps::write_record`]). The kernel state is the same whichever rings get them.
 
 use core::ffi::c_void;
 

@@ -26,7 +26,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use common::{Client, PinDir, Rig, oracle, privileged};
+use common::{Client, PinDir, Rig, oracle, peer, privileged};
 use spice_ebpf_common::config::watch;
 use spice_observer::{loader, report::Report};
 
@@ -177,6 +177,15 @@ impl Scrape {
             .collect()
     }
 
+    /// The pids in the `pid` label of `spice_observer_channel_info` (the one metric that
+    /// names pids).
+    fn channel_pids(&self) -> Vec<u32> {
+        self.find("spice_observer_channel_info", &[])
+            .iter()
+            .filter_map(|(l, _)| l.get("pid")?.parse().ok())
+            .collect()
+    }
+
     /// Every `spice_observer_messages_total` and `_bytes_total` of `vm`.
     fn totals(&self, vm: &str) -> BTreeMap<Key, f64> {
         let mut out = BTreeMap::new();
@@ -308,8 +317,17 @@ fn spice_programs() -> Result<Vec<String>> {
 
 /// `observe --pid PID --pin-dir PINS --duration SECS --json JSON --no-progress`, run to its end.
 fn observe(pid: u32, pins: &Path, secs: u32, json: &Path) -> Result<Output> {
-    Command::new(env!("CARGO_BIN_EXE_spice-observer"))
-        .args(["observe", "--pid", &pid.to_string(), "--pin-dir"])
+    observe_pids(&[pid], pins, secs, json)
+}
+
+/// [`observe`] of several processes.
+fn observe_pids(pids: &[u32], pins: &Path, secs: u32, json: &Path) -> Result<Output> {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_spice-observer"));
+    cmd.arg("observe");
+    for p in pids {
+        cmd.args(["--pid", &p.to_string()]);
+    }
+    cmd.arg("--pin-dir")
         .arg(pins)
         .args(["--duration", &secs.to_string(), "--no-progress", "--json"])
         .arg(json)
@@ -320,12 +338,16 @@ fn observe(pid: u32, pins: &Path, secs: u32, json: &Path) -> Result<Output> {
 
 /// The `WATCHED_TGIDS` entries of the set pinned at `pins` that carry [`watch::TAP`].
 fn tap_entries(pins: &Path) -> Result<Vec<(u32, u32)>> {
+    Ok(watch_entries(pins)?
+        .into_iter()
+        .filter(|(_, v)| v & watch::TAP != 0)
+        .collect())
+}
+
+/// Every `WATCHED_TGIDS` entry (tgid, value) of the set pinned at `pins`.
+fn watch_entries(pins: &Path) -> Result<Vec<(u32, u32)>> {
     match loader::Capture::open_pinned(pins)? {
-        loader::Pinned::Reusable(mut cap) => Ok(cap
-            .watch_entries()?
-            .into_iter()
-            .filter(|(_, v)| v & watch::TAP != 0)
-            .collect()),
+        loader::Pinned::Reusable(mut cap) => cap.watch_entries(),
         _ => bail!("no usable pinned set at {}", pins.display()),
     }
 }
@@ -567,6 +589,140 @@ fn observe_beside_daemon_reads_pinned_state() -> Result<()> {
         "display traffic in the capture"
     );
     ensure!(compared >= 64, "compared {compared} totals");
+    d.stop()?;
+    Ok(())
+}
+
+/// A scripted SPICE server (`spice-peer`, which the daemon's discovery does not find) and a
+/// `sleep` process, watched by an observe beside the daemon: their entries carry `TAP` only
+/// (never `PRIMARY`), the observe's counts of the peer's session equal what the peers' own
+/// syscalls moved (their `SUMMARY`), and the daemon never shows them: not before, and not
+/// after a restart on its pins in the middle of the session (its rebuild from the socket map
+/// leaves out sockets created for the observe only). After the observe, no entry of either
+/// process is left (the `sleep` still runs), and the daemon lost nothing.
+#[test]
+fn observe_beside_daemon_of_an_unwatched_process() -> Result<()> {
+    const T: &str = "observe_beside_daemon_of_an_unwatched_process";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let rig = Rig::new(T)?;
+    let pins = PinDir::new(T)?;
+    let config = write_config(&rig)?;
+    let d = Daemon::start(&config, &pins.path)?;
+    // About 4 s of messages (400, one write each 10 ms) once the client is let go.
+    let mut server = peer::Server::start(&["--messages", "400", "--pause-ms", "10"])?;
+    let mut client = peer::Client::gated(server.port, &[])?;
+    let mut sleeper = Command::new("sleep").arg("60").spawn()?;
+    let (spid, cpid, zpid) = (server.pid(), client.pid(), sleeper.id());
+    let json = rig.state.join("observe.json");
+    let (pins_a, json_a) = (pins.path.clone(), json.clone());
+    let obs = thread::spawn(move || observe_pids(&[spid, zpid], &pins_a, 7, &json_a));
+    // Attached once both entries carry TAP.
+    let t = Instant::now();
+    let entries = loop {
+        let e = tap_entries(&pins.path)?;
+        if [spid, zpid].iter().all(|p| e.iter().any(|(k, _)| k == p)) {
+            break e;
+        }
+        ensure!(
+            t.elapsed() < Duration::from_secs(20),
+            "observe did not set TAP on {spid} and {zpid}: {e:?}"
+        );
+        thread::sleep(Duration::from_millis(50));
+    };
+    println!("TAP entries: {entries:x?}");
+    for (k, v) in &entries {
+        ensure!(
+            v & watch::PRIMARY == 0,
+            "observe's entry of {k} has PRIMARY: {v:#x}"
+        );
+    }
+    client.go()?;
+    thread::sleep(Duration::from_millis(1500));
+    let before = Scrape::take()?;
+    before.check_run()?;
+    d.stop()?;
+    let mut d = Daemon::start(&config, &pins.path)?;
+    d.wait_line(
+        |l| l.contains("continuing the kernel state"),
+        Duration::ZERO,
+    )?;
+    let after = Scrape::take()?;
+    after.check_run()?;
+    for (when, s) in [
+        ("before its restart", &before),
+        ("after its restart", &after),
+    ] {
+        let pids = s.channel_pids();
+        ensure!(
+            !pids.contains(&spid) && !pids.contains(&cpid),
+            "the daemon shows the peers {spid}/{cpid} {when}: channel pids {pids:?}"
+        );
+    }
+    let s = server.summary("server")?;
+    let c = client.summary("client")?;
+    let out = obs
+        .join()
+        .map_err(|_| anyhow!("observe thread panicked"))??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for l in stderr.lines() {
+        eprintln!("observer! {l}");
+    }
+    ensure!(
+        out.status.success(),
+        "observe failed ({}):\n{stderr}",
+        out.status
+    );
+    let raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json)?)?;
+    let rep: Report = common::parse_report(&raw)?;
+    common::check_run(&rep)?;
+    ensure!(rep.source.tap, "source: {:?}", rep.source);
+    let ch: Vec<_> = rep.channels.iter().filter(|x| x.pid == spid).collect();
+    ensure!(
+        ch.len() == 1,
+        "observe has {} sockets of the peer server",
+        ch.len()
+    );
+    let ch = ch[0];
+    println!("observe: {}", common::describe_ch(ch));
+    for (what, got, want) in [
+        ("messages sent", ch.messages_sent, s.sent.messages),
+        ("bytes sent", ch.bytes_sent, s.sent.data_bytes),
+        (
+            "messages received",
+            ch.messages_received,
+            s.received.messages,
+        ),
+        ("bytes received", ch.bytes_received, s.received.data_bytes),
+        (
+            "client's messages received",
+            ch.messages_sent,
+            c.received.messages,
+        ),
+    ] {
+        println!("{what}: observe {got}, peer {want}");
+        ensure!(got == want, "{what}: observe {got}, peer {want}");
+    }
+    ensure!(s.sent.messages == 400, "peer sent {}", s.sent.messages);
+    let left: Vec<(u32, u32)> = watch_entries(&pins.path)?
+        .into_iter()
+        .filter(|(k, v)| [spid, zpid].contains(k) || v & watch::TAP != 0)
+        .collect();
+    ensure!(
+        sleeper.try_wait()?.is_none(),
+        "sleep exited: its entry would be gone anyway"
+    );
+    ensure!(left.is_empty(), "entries left after observe: {left:x?}");
+    let end = Scrape::take()?;
+    end.check_run()?;
+    let pids = end.channel_pids();
+    ensure!(
+        !pids.contains(&spid) && !pids.contains(&cpid),
+        "the daemon shows the peers at the end: {pids:?}"
+    );
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
     d.stop()?;
     Ok(())
 }

@@ -231,6 +231,27 @@ fn lock_tap(dir: &Path) -> Result<std::fs::File> {
     Ok(f)
 }
 
+/// For a daemon continuing pins: clears the [`watch::TAP`] flags an observe beside an
+/// earlier daemon left when it was killed, if no observe runs now (the daemon takes the tap
+/// lock for the moment it clears them, so that it never clears a live observe's flags).
+/// Otherwise the processes' records would go on filling `TAP_EVENTS` for nobody until the next
+/// observe. Failures are logged: they cost only that.
+fn clear_stale_tap(cap: &mut Capture, dir: &Path) {
+    let lock = match lock_tap(dir) {
+        Ok(l) => l,
+        Err(e) => {
+            debug!("TAP flags left alone: {e:#}");
+            return;
+        }
+    };
+    match clear_tap_flags(cap) {
+        Ok(0) => {}
+        Ok(n) => warn!("cleared {n} TAP flag(s) left by an observe that did not end cleanly"),
+        Err(e) => warn!("clearing stale TAP flags: {e:#}"),
+    }
+    drop(lock);
+}
+
 /// Clears every [`watch::TAP`] flag of `WATCHED_TGIDS`: an entry that also has
 /// [`watch::PRIMARY`] (the daemon's) keeps it, one with `TAP` only (an observe's) is removed.
 /// Then drops the kernel state of sockets created for an observe only (no
@@ -485,6 +506,7 @@ impl Engine {
     ) -> Result<Engine> {
         match Capture::open_pinned(dir)? {
             loader::Pinned::Reusable(mut cap) => {
+                clear_stale_tap(&mut cap, dir);
                 // Sockets created for an observe beside the daemon only (no PRIMARY route) were
                 // never this daemon's: left out.
                 let socks: Vec<(u64, spice_ebpf_common::event::SockState)> = cap
@@ -1164,11 +1186,16 @@ impl Engine {
         let lost = self
             .cap
             .counters()
-            .map(|c| {
-                (0..c.len() as u32)
+            .map(|c| match &self.tap {
+                // Beside the daemon: its own losses since its start.
+                Some(t) => (0..c.len() as u32)
+                    .filter(|&i| counter::is_tap_loss(i))
+                    .map(|i| c[i as usize].saturating_sub(t.counters_at_start[i as usize]))
+                    .sum(),
+                None => (0..c.len() as u32)
                     .filter(|&i| counter::is_loss(i))
                     .map(|i| c[i as usize])
-                    .sum()
+                    .sum(),
             })
             .unwrap_or(0);
         Progress {
