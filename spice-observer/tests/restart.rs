@@ -1,6 +1,7 @@
 //! Privileged tests of the daemon's pinned kernel state (README "Restarts and pinned state"):
-//! a real Xspice session through socat with a spice-gtk client, the daemon killed (SIGKILL)
-//! and stopped (SIGTERM) and started again while it runs. Scrapes of /metrics are read into
+//! a real Xspice session through socat with a spice-gtk client, the daemon killed (SIGKILL),
+//! stopped (SIGTERM) and restarted in place (SIGUSR2, exit status 75) and started again while
+//! it runs, and reloaded (SIGHUP) with a new sample period. Scrapes of /metrics are read into
 //! typed samples (the `prometheus-parse` crate); the totals are compared with the relay's legs
 //! and with a packet capture of the server leg, framed by this test's own SPICE parser
 //! (`tests/common/oracle.rs` for the server → client messages, [`c2s_messages`] here for the
@@ -101,13 +102,22 @@ impl Daemon {
         )
     }
 
-    /// Sends `signal` and waits for the exit; returns the exit status.
-    fn stop(mut self, signal: i32) -> Result<std::process::ExitStatus> {
+    /// Sends `signal` to the daemon.
+    fn signal(&self, signal: i32) {
         unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
+    /// Sends `signal` and waits for the exit; returns the exit status and the whole log.
+    fn stop(mut self, signal: i32) -> Result<(std::process::ExitStatus, Vec<String>)> {
+        self.signal(signal);
         let t0 = Instant::now();
         while t0.elapsed() < Duration::from_secs(10) {
             if let Some(st) = self.child.try_wait()? {
-                return Ok(st);
+                // The reader thread ends at the pipe's end.
+                while let Ok(line) = self.log.recv_timeout(Duration::from_secs(2)) {
+                    self.lines.push(line);
+                }
+                return Ok((st, std::mem::take(&mut self.lines)));
             }
             thread::sleep(Duration::from_millis(20));
         }
@@ -236,15 +246,47 @@ fn continues(
 }
 
 fn write_config(rig: &Rig) -> Result<std::path::PathBuf> {
+    write_config_sample(rig, 100)
+}
+
+/// The test's config file with `sample_ms` = `sample_ms`.
+fn write_config_sample(rig: &Rig, sample_ms: u64) -> Result<std::path::PathBuf> {
     let path = rig.state.join("spice-observer.toml");
     std::fs::write(
         &path,
         format!(
-            "listen = \"{LISTEN}\"\nsample_ms = 100\nscan_ms = 500\nbpf_stats = false\n\
+            "listen = \"{LISTEN}\"\nsample_ms = {sample_ms}\nscan_ms = 500\nbpf_stats = false\n\
              [discovery]\nqemu = false\nxspice = true\nrelays = [{{ name = \"socat\" }}]\n"
         ),
     )?;
     Ok(path)
+}
+
+/// The landing page (`GET /`).
+fn landing() -> Result<String> {
+    let mut s = TcpStream::connect(LISTEN).with_context(|| format!("connecting {LISTEN}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(15)))?;
+    write!(s, "GET / HTTP/1.0\r\nHost: {LISTEN}\r\n\r\n")?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw)?;
+    ensure!(
+        raw.starts_with("HTTP/1.") && raw.contains(" 200 "),
+        "/: {raw}"
+    );
+    Ok(raw)
+}
+
+/// What the test does to the daemon mid-session.
+#[derive(Debug, Clone, Copy)]
+enum Event {
+    /// SIGKILL, then a new daemon on the same pins.
+    Kill,
+    /// SIGTERM (exit 0, pins kept), then a new daemon.
+    Term,
+    /// SIGHUP with `sample_ms` changed in the config file: the same daemon goes on.
+    Reload,
+    /// SIGUSR2: the restart in place (exit 75, pins kept), then a new daemon.
+    RestartInPlace,
 }
 
 /// The client's data messages in a captured connection: (type, first 4 body bytes, bytes
@@ -366,15 +408,20 @@ fn spice_programs() -> Result<Vec<String>> {
         .collect())
 }
 
-/// The daemon killed with SIGKILL mid-session and stopped with SIGTERM mid-session, each time
-/// started again on the same pins, then SIGKILLed once more while the session is idle: every
-/// message and byte total continues (no series resets at a restart); at the end each
+/// Mid-session, while the animation runs: the daemon killed with SIGKILL, stopped with
+/// SIGTERM, reloaded with SIGHUP (config `sample_ms` 100 -> 50: the log says it was applied
+/// and the landing page shows it) and restarted in place with SIGUSR2 (exit status 75, the
+/// pins and programs still there after the exit, the log says why it exited), each stop
+/// followed by a new daemon on the same pins that says it continues them; then SIGKILLed
+/// once more while the session is idle: every
+/// message and byte total continues (no series resets at a restart or the reload); at the end each
 /// channel's server → client and client → server message and byte totals on spice-server's
 /// socket and on the relay's two legs equal the packet capture's up to the scrape (the
 /// messages whose header the capture saw between the scrape's request and answer, ±50 ms,
 /// may go either way; idle, that is normally none), and spice-server's in-flight count on
-/// display and cursor, scraped right after the last restart, equals the capture's count.
-/// Finally `daemon --unpin` removes the pin directory, and no `spice_` program is left.
+/// display and cursor, scraped right after the last restart, equals the capture's count,
+/// and the one scraped right after each mid-session event is within one message of the range
+/// the capture goes through over that scrape. Finally `daemon --unpin` removes the pin directory, and no `spice_` program is left.
 #[test]
 fn restart_continues_counts_exactly() -> Result<()> {
     const T: &str = "restart_continues_counts_exactly";
@@ -426,11 +473,21 @@ fn restart_continues_counts_exactly() -> Result<()> {
     // (restart, scrape request time, answer time, display and cursor in-flight counts) of
     // the first scrape after each restart during traffic, checked against the capture.
     let mut mid: Vec<InFlightAt> = Vec::new();
-    for (restarts, (at, signal)) in [(4u64, libc::SIGKILL), (8, libc::SIGTERM)]
-        .into_iter()
-        .enumerate()
-    {
-        thread::sleep(Duration::from_secs(at).saturating_sub(t0.elapsed()));
+    // Each event at its time (ms after the client's start); the animation runs to 12 s.
+    let events = [
+        (3000u64, Event::Kill),
+        (5500, Event::Term),
+        (8000, Event::Reload),
+        (10000, Event::RestartInPlace),
+    ];
+    for (restarts, (at, event)) in events.into_iter().enumerate() {
+        thread::sleep(Duration::from_millis(at).saturating_sub(t0.elapsed()));
+        ensure!(
+            t0.elapsed() < Duration::from_millis(11_500),
+            "{event:?} at {:?}: not during the animation (the restarts before took too long)",
+            t0.elapsed()
+        );
+        println!("restart {restarts}: {event:?} at {:?}", t0.elapsed());
         let before = Scrape::take()?;
         before.check_run()?;
         let b = before.totals(vm);
@@ -439,16 +496,68 @@ fn restart_continues_counts_exactly() -> Result<()> {
             "no display totals before restart {restarts}: {b:?}"
         );
         continues(&last, &b, "before restart")?;
-        let st = d.stop(signal)?;
-        println!("daemon stopped by signal {signal}: {st:?}");
-        // Traffic goes on with no daemon for a moment: the programs keep framing it.
-        thread::sleep(Duration::from_millis(700));
-        d = Daemon::start(&config, &pins.path, &[])?;
-        let line = d.wait_line(
-            |l| l.contains("continuing the kernel state"),
-            Duration::ZERO,
-        )?;
-        println!("restart {restarts}: {line}");
+        match event {
+            Event::Reload => {
+                write_config_sample(&rig, 50)?;
+                d.signal(libc::SIGHUP);
+                let line = d.wait_line(
+                    |l| l.contains("reloaded ") && l.contains("applied sample_ms: 100 -> 50"),
+                    Duration::from_secs(5),
+                )?;
+                println!("restart {restarts}: {line}");
+                let page = landing()?;
+                ensure!(
+                    page.contains("sample_ms 50,"),
+                    "the landing page does not show the reloaded sample_ms:\n{page}"
+                );
+                ensure!(d.child.try_wait()?.is_none(), "the daemon exited at SIGHUP");
+            }
+            Event::Kill | Event::Term | Event::RestartInPlace => {
+                let signal = match event {
+                    Event::Kill => libc::SIGKILL,
+                    Event::Term => libc::SIGTERM,
+                    _ => libc::SIGUSR2,
+                };
+                let (st, log) = d.stop(signal)?;
+                println!("daemon stopped by signal {signal}: {st:?}");
+                if let Event::RestartInPlace = event {
+                    use std::os::unix::process::ExitStatusExt;
+                    ensure!(
+                        st.code() == Some(spice_observer::cmd::daemon::EXIT_RESTART)
+                            && st.signal().is_none(),
+                        "SIGUSR2: exit status {st:?}, expected code 75"
+                    );
+                    let said = log
+                        .iter()
+                        .find(|l| l.contains("restart in place"))
+                        .ok_or_else(|| anyhow!("SIGUSR2: no restart line in {log:?}"))?;
+                    println!("restart {restarts}: {said}");
+                    let pinned: Vec<String> = std::fs::read_dir(&pins.path)
+                        .with_context(|| format!("SIGUSR2 removed {}", pins.path.display()))?
+                        .filter_map(|e| e.ok())
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect();
+                    for name in ["SOCKETS", "LAYOUT", "EVENTS", "link_spice_sys_enter"] {
+                        ensure!(
+                            pinned.iter().any(|n| n == name),
+                            "SIGUSR2: {name} not pinned any more: {pinned:?}"
+                        );
+                    }
+                    ensure!(
+                        !spice_programs()?.is_empty(),
+                        "SIGUSR2: no spice_ program loaded after the exit"
+                    );
+                }
+                // Traffic goes on with no daemon for a moment: the programs keep framing it.
+                thread::sleep(Duration::from_millis(700));
+                d = Daemon::start(&config, &pins.path, &[])?;
+                let line = d.wait_line(
+                    |l| l.contains("continuing the kernel state"),
+                    Duration::ZERO,
+                )?;
+                println!("restart {restarts}: {line}");
+            }
+        }
         let t_a = epoch();
         let after = Scrape::take()?;
         let t_b = epoch();
@@ -468,7 +577,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
         mid.push((restarts, t_a, t_b, counts));
         after.check_run()?;
         let a = after.totals(vm);
-        continues(&b, &a, &format!("restart {restarts} (signal {signal})"))?;
+        continues(&b, &a, &format!("restart {restarts} ({event:?})"))?;
         let disp = |m: &BTreeMap<_, f64>| {
             m.get(&(
                 "spice_observer_messages_total".to_string(),

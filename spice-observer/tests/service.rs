@@ -13,6 +13,10 @@
 //! * `service_unit_verifies`: `systemd-analyze verify` of packaging/spice-observer.service
 //!   (pointed at the built binary) exits 0 and prints nothing; its capability lines are the
 //!   code's list.
+//! * `service_stop_post_unpins_only_on_stop`: the unit restarts and keeps the pins on the
+//!   daemon's restart-in-place status (75), and its `ExecStopPost=` line, run with each
+//!   `SERVICE_RESULT`/`EXIT_CODE`/`EXIT_STATUS` systemd may give it, removes the pins only
+//!   after a clean stop.
 //!
 //! Ports 5990-5992, displays :90-:92, relay 6991, daemon on 127.0.0.1:19594. Run serially
 //! under the machine-wide lock (`--test-threads=1`).
@@ -887,6 +891,95 @@ fn service_unit_verifies() -> Result<()> {
             group.lines().any(|l| l.starts_with(&format!("{user}:"))),
             "sysusers created no group {user}: {group}"
         );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// The unit's restart in place and stop action: `RestartForceExitStatus=` and
+/// `SuccessExitStatus=` name the daemon's SIGUSR2 exit status
+/// (`spice_observer::cmd::daemon::EXIT_RESTART`), and its `ExecStopPost=` line, run by
+/// `/bin/sh` with the environment systemd gives it (systemd.exec(5), "Summary of possible
+/// service result variable values") and the built binary on a scratch pin directory, removes
+/// the pins after a stop (exit 0; SIGTERM before the handler is installed) and keeps them
+/// after the restart in place (75) and after failures (exit 1, SIGKILL, a core dump, a
+/// timeout). Not privileged: `--unpin` on a plain directory removes its files as on bpffs.
+#[test]
+fn service_stop_post_unpins_only_on_stop() -> Result<()> {
+    let unit_path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/spice-observer.service");
+    let unit = std::fs::read_to_string(&unit_path)?;
+    let code = spice_observer::cmd::daemon::EXIT_RESTART.to_string();
+    for key in ["RestartForceExitStatus=", "SuccessExitStatus="] {
+        let line = unit
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .ok_or_else(|| anyhow!("unit has no {key}"))?;
+        ensure!(line.trim() == code, "{key}{line}: expected {code}");
+    }
+    let post = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStopPost="))
+        .ok_or_else(|| anyhow!("unit has no ExecStopPost="))?;
+    // systemd's command line: `/bin/sh -c '…'`, with `$$` for a literal `$`.
+    let script = post
+        .strip_prefix("/bin/sh -c '")
+        .and_then(|s| s.strip_suffix('\''))
+        .ok_or_else(|| anyhow!("ExecStopPost= is not /bin/sh -c '…': {post}"))?
+        .replace("$$", "$");
+    let dir = std::env::temp_dir().join(format!("spice-observer-stoppost-{}", std::process::id()));
+    let pins = dir.join("pins");
+    let config = dir.join("spice-observer.toml");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(&config, format!("pin_dir = \"{}\"\n", pins.display()))?;
+    let script = script
+        .replace(
+            "/usr/local/bin/spice-observer",
+            env!("CARGO_BIN_EXE_spice-observer"),
+        )
+        .replace(
+            "/etc/spice-observer/spice-observer.toml",
+            config.to_str().unwrap(),
+        );
+    // (SERVICE_RESULT, EXIT_CODE, EXIT_STATUS, pins removed)
+    let cases = [
+        ("success", "exited", "0", true),
+        ("success", "killed", "TERM", true),
+        ("success", "exited", code.as_str(), false),
+        ("exit-code", "exited", "1", false),
+        ("signal", "killed", "KILL", false),
+        ("core-dump", "dumped", "SEGV", false),
+        ("timeout", "killed", "KILL", false),
+    ];
+    for (result, exit_code, status, removed) in cases {
+        std::fs::create_dir_all(&pins)?;
+        std::fs::write(pins.join("link_spice_sys_enter"), "")?;
+        std::fs::write(pins.join("SOCKETS"), "")?;
+        let out = Command::new("/bin/sh")
+            .arg("-c")
+            .arg(&script)
+            .env("SERVICE_RESULT", result)
+            .env("EXIT_CODE", exit_code)
+            .env("EXIT_STATUS", status)
+            .output()?;
+        let said = String::from_utf8_lossy(&out.stdout);
+        println!(
+            "{result} {exit_code} {status}: {} {}",
+            out.status,
+            said.trim()
+        );
+        ensure!(
+            out.status.success(),
+            "ExecStopPost for {result} {exit_code} {status}: {out:?}"
+        );
+        ensure!(
+            pins.exists() != removed,
+            "ExecStopPost for {result} {exit_code} {status}: pins {} ({said})",
+            if removed { "kept" } else { "removed" }
+        );
+        if removed {
+            ensure!(said.contains("removed 2"), "--unpin said {said:?}");
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())

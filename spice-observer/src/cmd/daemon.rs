@@ -10,7 +10,9 @@
 //! channel, so scrapes are serialised with sampling and never see a half-applied state.
 //!
 //! Kernel state is pinned under `pin_dir` ([`Engine::start_pinned`]): a restarted daemon
-//! continues it (README "Restarts and pinned state"); SIGINT and SIGTERM leave the pins,
+//! continues it (README "Restarts and pinned state"); SIGINT and SIGTERM leave the pins and
+//! exit 0, SIGUSR2 leaves them and exits [`EXIT_RESTART`] (a restart in place: the unit
+//! restarts the daemon and keeps the pins, see packaging/spice-observer.service);
 //! `--unpin` removes them.
 //!
 //! HTTP paths: `/` (a landing page naming the paths, the version and the hook set),
@@ -62,6 +64,22 @@ const SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How often the kernel loss counters are compared with the last warning.
 const LOSS_CHECK: Duration = Duration::from_secs(5);
+
+/// Exit status after SIGUSR2, a restart in place: 75, `EX_TEMPFAIL` of `sysexits.h` ("a
+/// temporary failure ... the user is invited to retry"), which systemd names `TEMPFAIL`
+/// (`systemd-analyze exit-status`). The unit lists it in `RestartForceExitStatus=` (systemd
+/// starts the daemon again whatever `Restart=` says) and `SuccessExitStatus=` (not a
+/// failure), and its `ExecStopPost=` removes the pins only after any other clean end.
+pub const EXIT_RESTART: i32 = 75;
+
+/// How the daemon's loop ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// SIGINT or SIGTERM: exit 0. The pins stay (the unit's stop action removes them).
+    Stop,
+    /// SIGUSR2: exit [`EXIT_RESTART`], the pins stay for the next daemon.
+    RestartInPlace,
+}
 
 /// `spice-observer daemon` options. Each given flag overrides the config file's key.
 #[derive(Debug, clap::Args)]
@@ -166,9 +184,10 @@ pub fn resolve(args: &DaemonArgs) -> Result<(Config, Option<PathBuf>)> {
     Ok((cfg, path))
 }
 
-/// Runs the daemon until SIGINT or SIGTERM (the pins stay: a restart continues from them);
-/// SIGHUP re-reads the config ([`crate::cmd::service`]). With `--unpin` it removes the pins
-/// and returns.
+/// Runs the daemon until SIGINT or SIGTERM, and returns (the pins stay: a restart continues
+/// from them), or until SIGUSR2, and then exits the process with status [`EXIT_RESTART`]
+/// (pins kept too; the unit restarts it). SIGHUP re-reads the config
+/// ([`crate::cmd::service`]). With `--unpin` it removes the pins and returns.
 pub fn run(args: DaemonArgs) -> Result<()> {
     let (cfg, path) = resolve(&args)?;
     if args.unpin {
@@ -177,7 +196,14 @@ pub fn run(args: DaemonArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(serve(cfg, path, &args))
+    let stop = rt.block_on(serve(cfg, path, &args))?;
+    // The engine (maps, ring, program descriptors) was dropped in `serve`; the pins hold
+    // the kernel state from here on.
+    drop(rt);
+    match stop {
+        Stop::Stop => Ok(()),
+        Stop::RestartInPlace => std::process::exit(EXIT_RESTART),
+    }
 }
 
 /// `daemon --unpin`: removes the pin directory's contents and the directory, says what it did.
@@ -367,7 +393,7 @@ fn landing_page(
     )
 }
 
-async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<()> {
+async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<Stop> {
     use tokio::signal::unix::{SignalKind, signal};
     // Bind first: a taken port fails before the kernel programs load.
     let listener = tokio::net::TcpListener::bind(cfg.listen)
@@ -468,12 +494,14 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sighup = signal(SignalKind::hangup())?;
+    // SIGUSR2: restart in place (nginx and unicorn use it for their binary upgrade).
+    let mut sigusr2 = signal(SignalKind::user_defined2())?;
     let mut scan_failed = false;
     // After a reload changed `[discovery]`: the next scan's diff is against the targets
     // watched so far (a new Discovery would report every target as new).
     let mut rediff = false;
     let mut unreadable_seen = 0;
-    loop {
+    let stop = loop {
         tokio::select! {
             r = engine.drain_ready() => r.context("reading the kernel's event ring")?,
             _ = scan.tick() => {
@@ -592,16 +620,29 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                 }
                 service::ready(&format!("listening on {}", cfg.listen));
             }
-            _ = sigint.recv() => break,
-            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break Stop::Stop,
+            _ = sigterm.recv() => break Stop::Stop,
+            _ = sigusr2.recv() => break Stop::RestartInPlace,
+        }
+    };
+    match stop {
+        Stop::Stop => {
+            service::stopping();
+            debug!("stopping");
+        }
+        Stop::RestartInPlace => {
+            service::stopping_for_restart();
+            info!(
+                "SIGUSR2: exiting for a restart in place with status {EXIT_RESTART}; the kernel \
+                 state stays pinned at {} and the next daemon continues it",
+                cfg.pin_dir.display()
+            );
         }
     }
-    service::stopping();
-    debug!("stopping");
     if let Some(s) = server {
         s.abort();
     }
-    Ok(())
+    Ok(stop)
 }
 
 #[cfg(test)]

@@ -5,7 +5,8 @@
 //! unit): `READY=1` once the kernel programs are attached, the capabilities dropped and the
 //! HTTP listener bound ([`ready`]); `RELOADING=1` with `MONOTONIC_USEC=` when a SIGHUP
 //! arrives, then `READY=1` when the new settings are in force ([`reloading`]);
-//! `STOPPING=1` on SIGINT/SIGTERM ([`stopping`]). A failed notification is logged once at
+//! `STOPPING=1` on SIGINT/SIGTERM ([`stopping`]) and on SIGUSR2, the restart in place
+//! ([`stopping_for_restart`]). A failed notification is logged once at
 //! debug level and otherwise ignored: the daemon runs the same without systemd.
 //!
 //! Reload (SIGHUP): the config file is read again and the flags applied again
@@ -50,6 +51,18 @@ pub fn reloading() {
 /// Tells systemd the daemon is stopping (`STOPPING=1`).
 pub fn stopping() {
     notify("STOPPING", &[NotifyState::Stopping]);
+}
+
+/// Tells systemd the daemon is stopping for a restart in place (`STOPPING=1` with a
+/// `STATUS=` line saying the pins are kept).
+pub fn stopping_for_restart() {
+    notify(
+        "STOPPING",
+        &[
+            NotifyState::Stopping,
+            NotifyState::Status("restarting in place: kernel state stays pinned"),
+        ],
+    );
 }
 
 /// What a reload changes: the settings it applies and those that need a restart.

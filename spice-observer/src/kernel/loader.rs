@@ -58,7 +58,8 @@ pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd> {
 }
 
 /// Every map of the object the agent uses, by name: what a pin directory holds (one file per
-/// map, named after it), besides one `link_<program>` file per attached program. The object's
+/// map, named after it), besides one `link_<program>` and one `prog_<program>` file per attached
+/// program. The object's
 /// global-data section (`.rodata`, holding [`KernelConfig`]) is not pinned: the programs hold
 /// it, and nothing reads it after the load.
 pub const MAP_NAMES: [&str; 11] = [
@@ -248,6 +249,10 @@ pub struct Capture {
     maps: StdHashMap<String, Map>,
     /// (program name in the object, kernel program id) of each attached program.
     programs: Vec<(String, u32)>,
+    /// The pin directory when the programs are pinned there (`prog_<name>`): their run-time
+    /// statistics are read through those pins, which needs no capability (the daemon drops
+    /// CAP_SYS_ADMIN after attach, and `BPF_PROG_GET_NEXT_ID` needs it).
+    pin_dir: Option<PathBuf>,
     /// Name of the active hook set, for reports (`hook_set` in JSON).
     pub hook_set: String,
     /// Kernel features that were missing and what that costs (empty when all present).
@@ -345,8 +350,8 @@ impl Capture {
         Self::load_into(None)
     }
 
-    /// [`Capture::load`], then pins every map of [`MAP_NAMES`] and one link per attached
-    /// program (`link_<program>`) under `dir` (see [`prepare_pin_dir`]), and records this
+    /// [`Capture::load`], then pins every map of [`MAP_NAMES`], one link per attached
+    /// program (`link_<program>`) and the program (`prog_<program>`) under `dir` (see [`prepare_pin_dir`]), and records this
     /// agent's layout in the `LAYOUT` map. The programs stay attached after this process
     /// exits, until the pins are removed ([`unpin`]). `dir` must hold no pins.
     pub fn load_pinned(dir: &Path) -> Result<Self> {
@@ -513,6 +518,14 @@ impl Capture {
             maps.insert(name.to_string(), m);
         }
         if let Some(dir) = pin {
+            // The programs too: their statistics are read through these pins (no capability).
+            for (name, _) in &programs {
+                let p = dir.join(format!("prog_{name}"));
+                ebpf.program_mut(name)
+                    .ok_or_else(|| anyhow!("program {name} missing from the object"))?
+                    .pin(&p)
+                    .with_context(|| format!("pinning program {name} at {}", p.display()))?;
+            }
             // LAYOUT last: a set whose LAYOUT is pinned had every other pin made before it.
             for name in MAP_NAMES
                 .iter()
@@ -530,6 +543,7 @@ impl Capture {
             _ebpf: Some(ebpf),
             maps,
             programs,
+            pin_dir: pin.map(Path::to_path_buf),
             hook_set,
             degraded,
         })
@@ -577,6 +591,7 @@ impl Capture {
             .iter()
             .map(|m| m.to_string())
             .chain(links.iter().map(|l| format!("link_{l}")))
+            .chain(links.iter().map(|l| format!("prog_{l}")))
             .filter(|n| !present.contains(n))
             .collect();
         if !missing.is_empty() {
@@ -634,6 +649,7 @@ impl Capture {
             _ebpf: None,
             maps,
             programs,
+            pin_dir: Some(dir.to_path_buf()),
             hook_set,
             degraded,
         }))
@@ -826,16 +842,20 @@ impl Capture {
     /// (program name in the object, run time ns, run count). Zeros unless the kernel's
     /// statistics are on (`BPF_ENABLE_STATS`, see [`enable_run_time_stats`]).
     pub fn program_stats(&self) -> Vec<(String, u64, u64)> {
-        let infos: StdHashMap<u32, aya::programs::ProgramInfo> = aya::programs::loaded_programs()
-            .filter_map(|p| p.ok())
-            .filter(|p| self.programs.iter().any(|(_, id)| *id == p.id()))
-            .map(|p| (p.id(), p))
-            .collect();
+        // Through the program's own descriptor or pin: enumerating programs by id
+        // (BPF_PROG_GET_NEXT_ID) needs CAP_SYS_ADMIN, which the daemon drops after attach.
         let mut out: Vec<(String, u64, u64)> = self
             .programs
             .iter()
-            .filter_map(|(name, id)| {
-                let info = infos.get(id)?;
+            .filter_map(|(name, _id)| {
+                let info = match (&self.pin_dir, &self._ebpf) {
+                    (Some(dir), _) => {
+                        aya::programs::ProgramInfo::from_pin(dir.join(format!("prog_{name}")))
+                            .ok()?
+                    }
+                    (None, Some(ebpf)) => ebpf.program(name)?.info().ok()?,
+                    (None, None) => return None,
+                };
                 Some((
                     name.clone(),
                     info.run_time().as_nanos() as u64,
