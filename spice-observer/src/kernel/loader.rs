@@ -234,7 +234,7 @@ pub enum Pinned {
     /// Nothing pinned there (no directory, or an empty one).
     Absent,
     /// A complete set of this agent's layout: the maps opened, the programs left running.
-    Reusable(Capture),
+    Reusable(Box<Capture>),
     /// Something this agent cannot continue: another layout, or a partial set. The text
     /// says which. The caller removes it ([`unpin`]) and loads afresh.
     Stale(String),
@@ -645,14 +645,14 @@ impl Capture {
             );
             "tracepoints".to_string()
         };
-        Ok(Pinned::Reusable(Self {
+        Ok(Pinned::Reusable(Box::new(Self {
             _ebpf: None,
             maps,
             programs,
             pin_dir: Some(dir.to_path_buf()),
             hook_set,
             degraded,
-        }))
+        })))
     }
 
     fn map_mut(&mut self, name: &str) -> Result<&mut Map> {

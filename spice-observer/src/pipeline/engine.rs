@@ -505,7 +505,8 @@ impl Engine {
         stats_fd: Option<std::os::fd::OwnedFd>,
     ) -> Result<Engine> {
         match Capture::open_pinned(dir)? {
-            loader::Pinned::Reusable(mut cap) => {
+            loader::Pinned::Reusable(cap) => {
+                let mut cap = *cap;
                 clear_stale_tap(&mut cap, dir);
                 // Sockets created for an observe beside the daemon only (no PRIMARY route) were
                 // never this daemon's: left out.
@@ -646,7 +647,7 @@ impl Engine {
     /// the maps refuse an update.
     pub fn start_beside(opts: EngineOptions, dir: &Path) -> Result<Beside> {
         let mut cap = match Capture::open_pinned(dir)? {
-            loader::Pinned::Reusable(cap) => cap,
+            loader::Pinned::Reusable(cap) => *cap,
             loader::Pinned::Absent => return Ok(Beside::Absent),
             loader::Pinned::Stale(why) => return Ok(Beside::Unusable(why)),
         };
