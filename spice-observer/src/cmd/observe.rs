@@ -205,7 +205,15 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         bpf_stats: false,
     };
     let beside = match &opts.pin_dir {
-        Some(dir) => Engine::start_beside(engine_opts.clone(), dir)?,
+        Some(dir) => match Engine::start_beside(engine_opts.clone(), dir) {
+            Ok(b) => b,
+            // Not allowed to read the daemon's pins (not root): the own load below fails
+            // with the usual explanation of what is missing.
+            Err(e) if crate::host::privilege::is_permission_error(&e) => {
+                Beside::Unusable(format!("{e:#}"))
+            }
+            Err(e) => return Err(e),
+        },
         None => Beside::Absent,
     };
     let mut engine = match beside {
