@@ -187,20 +187,7 @@ fn daemon_two_sessions_relay_and_churn() -> Result<()> {
         "landing page {code}: {landing}"
     );
     // Draws for 15 s, then idle; QEMU draws 120 frames and idles.
-    let xorg = rig.xspice(
-        5975,
-        75,
-        &[
-            "--mode",
-            "rects",
-            "--fps",
-            "50",
-            "--count",
-            "20",
-            "--seconds",
-            "15",
-        ],
-    )?;
+    let xorg = rig.xspice_rects(5975, 75, 15)?;
     let relay = rig.relay("socat", "127.0.0.1", 6975, "127.0.0.1", 5975)?;
     let qemu = rig.qemu(5976, 120)?;
     for (what, pid) in [("xspice-75", xorg), ("socat", relay), ("rig-spice", qemu)] {
