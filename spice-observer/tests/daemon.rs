@@ -190,12 +190,7 @@ fn daemon_two_sessions_relay_and_churn() -> Result<()> {
     let xorg = rig.xspice_rects(5975, 75, 15)?;
     let relay = rig.relay("socat", "127.0.0.1", 6975, "127.0.0.1", 5975)?;
     let qemu = rig.qemu(5976, 120)?;
-    for (what, pid) in [("xspice-75", xorg), ("socat", relay), ("rig-spice", qemu)] {
-        daemon.wait_line(
-            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
-            Duration::from_secs(5),
-        )?;
-    }
+    daemon.wait_found(&[("xspice-75", xorg), ("socat", relay), ("rig-spice", qemu)])?;
     let obs = observe_or_skip!(T, &[xorg, relay, qemu], 16.0, rig.state.join("report.json"));
     let t_obs = Instant::now();
     let _cx = Client::start("spice://127.0.0.1:6975", 60, &[], None)?;

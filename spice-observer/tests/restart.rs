@@ -265,12 +265,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
     let mut cap = oracle::Capture::start(rig.state.join("server.pcapng"), None, "lo", &[5955])?;
     let xorg = rig.xspice_rects(5955, 55, 12)?;
     let relay = rig.relay("socat", "127.0.0.1", 6955, "127.0.0.1", 5955)?;
-    for (what, pid) in [(vm, xorg), ("socat", relay)] {
-        d.wait_line(
-            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
-            Duration::from_secs(5),
-        )?;
-    }
+    d.wait_found(&[(vm, xorg), ("socat", relay)])?;
     let t0 = Instant::now();
     let _client = Client::start("spice://127.0.0.1:6955", 60, &[], None)?;
 
@@ -610,12 +605,7 @@ fn restart_layout_mismatch_marks_restarted() -> Result<()> {
     let mut d = start_daemon(&config, &pins.path, &[])?;
     let xorg = rig.xspice(5956, 56, &["--mode", "rects", "--fps", "20"])?;
     let relay = rig.relay("socat", "127.0.0.1", 6956, "127.0.0.1", 5956)?;
-    for (what, pid) in [(vm, xorg), ("socat", relay)] {
-        d.wait_line(
-            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
-            Duration::from_secs(5),
-        )?;
-    }
+    d.wait_found(&[(vm, xorg), ("socat", relay)])?;
     let _client = Client::start("spice://127.0.0.1:6956", 60, &[], None)?;
     thread::sleep(Duration::from_secs(3));
     let s = Scrape::take(LISTEN)?;
@@ -634,12 +624,7 @@ fn restart_layout_mismatch_marks_restarted() -> Result<()> {
         Duration::ZERO,
     )?;
     ensure!(line.contains("layout version"), "{line}");
-    for (what, pid) in [(vm, xorg), ("socat", relay)] {
-        d.wait_line(
-            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
-            Duration::from_secs(5),
-        )?;
-    }
+    d.wait_found(&[(vm, xorg), ("socat", relay)])?;
     thread::sleep(Duration::from_millis(500));
     let s = Scrape::take(LISTEN)?;
     s.check_run(0.0)?;

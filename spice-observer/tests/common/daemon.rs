@@ -137,6 +137,18 @@ impl Daemon {
         Ok(self.wait_line_at(f, timeout)?.1)
     }
 
+    /// Waits up to 5 s for each of `procs` (name as the daemon calls it, pid) to be found: a
+    /// line `found … NAME (pid PID…` per process.
+    pub fn wait_found(&mut self, procs: &[(&str, u32)]) -> Result<()> {
+        for (what, pid) in procs {
+            self.wait_line(
+                |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
+                Duration::from_secs(5),
+            )?;
+        }
+        Ok(())
+    }
+
     /// Every line logged so far (since the start or the last [`Daemon::drain_log`]), joined
     /// with newlines.
     pub fn text(&mut self) -> String {
