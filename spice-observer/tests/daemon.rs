@@ -12,252 +12,30 @@ mod common;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    io::{BufRead, BufReader, Read, Write},
-    net::TcpStream,
+    io::Write,
     path::Path,
     process::{Child, Command, Stdio},
-    sync::mpsc,
     thread,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
+use common::daemon::{Daemon, OnDrop, Sample, Scrape, http_get};
 use common::{Client, Rig, channels_of, check_run, describe_ch, privileged};
 use spice_observer::report::{ChannelReport, Report};
 
 const LISTEN: &str = "127.0.0.1:19591";
 
-/// A running `spice-observer daemon`; SIGTERM when dropped.
-struct Daemon {
-    child: Child,
-    /// Log lines with the instant the test read them (the reader thread forwards each line as
-    /// it arrives).
-    log: mpsc::Receiver<(Instant, String)>,
-    lines: Vec<(Instant, String)>,
-    /// Its own pin directory, unpinned after the daemon stopped (fields drop after `drop`).
-    _pins: common::PinDir,
-}
-
-impl Daemon {
-    /// Starts the daemon with `config` and its own pin directory (`test` names it), and waits
-    /// for its start line.
-    fn start(config: &Path, test: &str) -> Result<Daemon> {
-        let pins = common::PinDir::new(test)?;
-        let mut child = Command::new(env!("CARGO_BIN_EXE_spice-observer"))
-            .args(["daemon", "--config"])
-            .arg(config)
-            .arg("--pin-dir")
-            .arg(&pins.path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("starting spice-observer daemon")?;
-        let (tx, rx) = mpsc::channel();
-        let err = child.stderr.take().unwrap();
-        thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                eprintln!("daemon! {line}");
-                if tx.send((Instant::now(), line)).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut d = Daemon {
-            child,
-            log: rx,
-            lines: Vec::new(),
-            _pins: pins,
-        };
-        d.wait_line(
-            |l| l.contains("listening on http://"),
-            Duration::from_secs(60),
-        )
-        .context("daemon start line")?;
-        Ok(d)
-    }
-
-    /// Waits for a log line matching `f`; returns it and when it was read.
-    fn wait_line_at(
-        &mut self,
-        f: impl Fn(&str) -> bool,
-        timeout: Duration,
-    ) -> Result<(Instant, String)> {
-        if let Some(l) = self.lines.iter().find(|(_, l)| f(l)) {
-            return Ok(l.clone());
-        }
-        let t0 = Instant::now();
-        while t0.elapsed() < timeout {
-            match self.log.recv_timeout(Duration::from_millis(20)) {
-                Ok((at, line)) => {
-                    self.lines.push((at, line.clone()));
-                    if f(&line) {
-                        return Ok((at, line));
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    bail!("daemon exited:\n{}", self.text())
-                }
-            }
-        }
-        bail!("no such line within {timeout:?}:\n{}", self.text())
-    }
-
-    /// Waits for a log line matching `f`; returns it.
-    fn wait_line(&mut self, f: impl Fn(&str) -> bool, timeout: Duration) -> Result<String> {
-        Ok(self.wait_line_at(f, timeout)?.1)
-    }
-
-    fn text(&self) -> String {
-        self.lines
-            .iter()
-            .map(|(_, l)| l.as_str())
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-
-    fn drain_log(&mut self) {
-        while let Ok(l) = self.log.try_recv() {
-            self.lines.push(l);
-        }
-        self.lines.clear();
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(5) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts `spice-observer daemon` with `config` and its own pin directory (`test` names it),
+/// and waits for its start line; SIGTERM when dropped, then the pins are removed.
+fn start_daemon(config: &Path, test: &str) -> Result<Daemon> {
+    let pins = common::PinDir::new(test)?;
+    Ok(Daemon::start(config, &pins.path, &[], OnDrop::Terminate)?.with_pins(pins))
 }
 
 /// An HTTP/1.0 GET of `path` from the daemon: (status code, body).
 fn get(path: &str) -> Result<(u16, String)> {
-    get_from(LISTEN, path)
-}
-
-/// An HTTP/1.0 GET of `path` from `addr`: (status code, body).
-fn get_from(addr: &str, path: &str) -> Result<(u16, String)> {
-    let mut s = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(15)))?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw)?;
-    let (head, body) = raw
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| anyhow!("no HTTP header end in {raw:?}"))?;
-    let code = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| anyhow!("bad status line {head:?}"))?;
-    Ok((code, body.to_string()))
-}
-
-/// One sample of a scrape, typed: histogram buckets, _sum and _count are samples of their own
-/// (`name_bucket` with `le`, `name_sum`, `name_count`).
-#[derive(Clone, Debug)]
-struct Sample {
-    name: String,
-    labels: BTreeMap<String, String>,
-    value: f64,
-}
-
-/// A parsed `/metrics` body.
-struct Scrape {
-    text: String,
-    /// Family name → HELP (every family has one).
-    families: BTreeMap<String, String>,
-    samples: Vec<Sample>,
-}
-
-impl Scrape {
-    fn take() -> Result<Scrape> {
-        let (code, text) = get("/metrics")?;
-        ensure!(code == 200, "/metrics answered {code}: {text}");
-        let parsed = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
-            .context("parsing the scrape")?;
-        let mut samples = Vec::new();
-        for s in parsed.samples {
-            let labels: BTreeMap<String, String> = s
-                .labels
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            match s.value {
-                prometheus_parse::Value::Counter(v)
-                | prometheus_parse::Value::Gauge(v)
-                | prometheus_parse::Value::Untyped(v) => samples.push(Sample {
-                    name: s.metric,
-                    labels,
-                    value: v,
-                }),
-                prometheus_parse::Value::Histogram(buckets) => {
-                    for b in buckets {
-                        let mut l = labels.clone();
-                        l.insert("le".into(), b.less_than.to_string());
-                        samples.push(Sample {
-                            name: format!("{}_bucket", s.metric),
-                            labels: l,
-                            value: b.count,
-                        });
-                    }
-                }
-                prometheus_parse::Value::Summary(_) => bail!("summary {} in scrape", s.metric),
-            }
-        }
-        // Every `# TYPE` line names a family; HELP texts from the parser.
-        let families = text
-            .lines()
-            .filter_map(|l| l.strip_prefix("# TYPE "))
-            .filter_map(|l| l.split_whitespace().next())
-            .map(|n| {
-                (
-                    n.to_string(),
-                    parsed.docs.get(n).cloned().unwrap_or_default(),
-                )
-            })
-            .collect();
-        Ok(Scrape {
-            text,
-            families,
-            samples,
-        })
-    }
-
-    /// Samples of `name` whose labels include every pair of `with`.
-    fn find(&self, name: &str, with: &[(&str, &str)]) -> Vec<&Sample> {
-        self.samples
-            .iter()
-            .filter(|s| {
-                s.name == name
-                    && with
-                        .iter()
-                        .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
-            })
-            .collect()
-    }
-
-    /// The value of the one sample of `name` matching `with`; an error if none or several.
-    fn one(&self, name: &str, with: &[(&str, &str)]) -> Result<f64> {
-        match self.find(name, with)[..] {
-            [s] => Ok(s.value),
-            [] => bail!("no sample {name} {with:?}"),
-            ref many => bail!("{} samples {name} {with:?}: {many:?}", many.len()),
-        }
-    }
+    http_get(LISTEN, path)
 }
 
 /// `promtool check metrics` on a scrape: exit 0 and no lint output.
@@ -271,34 +49,14 @@ fn promtool(text: &str) -> Result<()> {
         .context("running promtool (Debian package prometheus; scripts/setup.sh installs it)")?;
     child.stdin.take().unwrap().write_all(text.as_bytes())?;
     let out = child.wait_with_output()?;
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    ensure!(
-        out.status.success() && said.trim().is_empty(),
-        "promtool check metrics ({}):\n{said}",
-        out.status
-    );
-    Ok(())
+    common::silent_success(&out, "promtool check metrics")
 }
 
-/// The run checks of a scrape (instead of `common::check_run`): the expected hook set,
-/// nothing degraded, every information-lost counter 0.
+/// The run checks of a scrape (instead of `common::check_run`): the expected hook set and no
+/// other, nothing degraded, every information-lost counter 0.
 fn check_scrape_run(s: &Scrape) -> Result<()> {
-    let hook = common::expected_hook_set();
-    ensure!(
-        s.one("spice_observer_hook_set_info", &[("hook_set", &hook)])? == 1.0,
-        "hook set"
-    );
+    s.check_run(0.0)?;
     ensure!(s.find("spice_observer_hook_set_info", &[]).len() == 1);
-    ensure!(s.one("spice_observer_degraded_features", &[])? == 0.0);
-    let lost = s.find("spice_observer_information_lost_total", &[]);
-    ensure!(lost.len() >= 9, "loss counters: {lost:?}");
-    for l in lost {
-        ensure!(l.value == 0.0, "information lost: {l:?}");
-    }
     Ok(())
 }
 
@@ -411,7 +169,7 @@ fn daemon_two_sessions_relay_and_churn() -> Result<()> {
     }
     let mut rig = Rig::new(T)?;
     let config = write_config(&rig, "")?;
-    let mut daemon = Daemon::start(&config, T)?;
+    let mut daemon = start_daemon(&config, T)?;
     // Scrapes the daemon every second from now on, for the dashboard's queries.
     let prom = Prom::start(&rig.state)?;
     let (code, health) = get("/healthz")?;
@@ -429,28 +187,10 @@ fn daemon_two_sessions_relay_and_churn() -> Result<()> {
         "landing page {code}: {landing}"
     );
     // Draws for 15 s, then idle; QEMU draws 120 frames and idles.
-    let xorg = rig.xspice(
-        5975,
-        75,
-        &[
-            "--mode",
-            "rects",
-            "--fps",
-            "50",
-            "--count",
-            "20",
-            "--seconds",
-            "15",
-        ],
-    )?;
+    let xorg = rig.xspice_rects(5975, 75, 15)?;
     let relay = rig.relay("socat", "127.0.0.1", 6975, "127.0.0.1", 5975)?;
     let qemu = rig.qemu(5976, 120)?;
-    for (what, pid) in [("xspice-75", xorg), ("socat", relay), ("rig-spice", qemu)] {
-        daemon.wait_line(
-            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
-            Duration::from_secs(5),
-        )?;
-    }
+    daemon.wait_found(&[("xspice-75", xorg), ("socat", relay), ("rig-spice", qemu)])?;
     let obs = observe_or_skip!(T, &[xorg, relay, qemu], 16.0, rig.state.join("report.json"));
     let t_obs = Instant::now();
     let _cx = Client::start("spice://127.0.0.1:6975", 60, &[], None)?;
@@ -460,9 +200,9 @@ fn daemon_two_sessions_relay_and_churn() -> Result<()> {
     // end and one after bracket its totals.
     let until = Duration::from_secs(14).saturating_sub(t_obs.elapsed());
     thread::sleep(until);
-    let before = Scrape::take()?;
+    let before = Scrape::take(LISTEN)?;
     let report: Report = obs.finish_report()?;
-    let after = Scrape::take()?;
+    let after = Scrape::take(LISTEN)?;
     check_run(&report)?;
     check_scrape_run(&after)?;
     promtool(&after.text)?;
@@ -570,7 +310,7 @@ fn daemon_two_sessions_relay_and_churn() -> Result<()> {
     );
     let _c2 = Client::start("spice://127.0.0.1:5977", 60, &[], None)?;
     thread::sleep(Duration::from_secs(3));
-    let s = Scrape::take()?;
+    let s = Scrape::take(LISTEN)?;
     let m = s.one(
         "spice_observer_messages_total",
         &[
@@ -593,8 +333,8 @@ fn daemon_two_sessions_relay_and_churn() -> Result<()> {
     )?;
     // One scrape may still show its closed sockets' release; the next must not.
     thread::sleep(Duration::from_millis(600));
-    let _ = Scrape::take()?;
-    let s = Scrape::take()?;
+    let _ = Scrape::take(LISTEN)?;
+    let s = Scrape::take(LISTEN)?;
     let stale: Vec<&Sample> = s
         .samples
         .iter()
@@ -663,11 +403,11 @@ fn daemon_memory_flat_over_churn() -> Result<()> {
     }
     let mut rig = Rig::new(T)?;
     let config = write_config(&rig, "")?;
-    let mut daemon = Daemon::start(&config, T)?;
+    let mut daemon = start_daemon(&config, T)?;
     let relay = rig.relay("socat", "127.0.0.1", 6978, "127.0.0.1", 5978)?;
     let _ = relay;
     thread::sleep(Duration::from_secs(2));
-    let base = Scrape::take()?;
+    let base = Scrape::take(LISTEN)?;
     let base_sockets = base.one("spice_observer_sockets_tracked", &[])?;
     let base_chains = base.one("spice_observer_chains_tracked", &[])?;
     let t0 = Instant::now();
@@ -699,7 +439,7 @@ fn daemon_memory_flat_over_churn() -> Result<()> {
             let _c = Client::start("spice://127.0.0.1:6978", 15, &[], None)?;
             for _ in 0..2 {
                 thread::sleep(Duration::from_secs(5));
-                let s = Scrape::take()?;
+                let s = Scrape::take(LISTEN)?;
                 peak_sockets = peak_sockets.max(s.one("spice_observer_sockets_tracked", &[])?);
                 let framed = s
                     .find(
@@ -723,8 +463,8 @@ fn daemon_memory_flat_over_churn() -> Result<()> {
         )?;
     }
     thread::sleep(Duration::from_secs(2));
-    let _ = Scrape::take()?;
-    let end = Scrape::take()?;
+    let _ = Scrape::take(LISTEN)?;
+    let end = Scrape::take(LISTEN)?;
     check_scrape_run(&end)?;
     println!("RSS KiB every 10 s: {rss:?}");
     println!(
@@ -1137,7 +877,7 @@ impl Prom {
         let p = Prom { child, log };
         let t0 = Instant::now();
         loop {
-            if let Ok((200, _)) = get_from(PROM_LISTEN, "/-/ready") {
+            if let Ok((200, _)) = http_get(PROM_LISTEN, "/-/ready") {
                 return Ok(p);
             }
             ensure!(
@@ -1154,7 +894,7 @@ impl Prom {
     }
 
     fn api<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T> {
-        let (code, body) = get_from(PROM_LISTEN, path)?;
+        let (code, body) = http_get(PROM_LISTEN, path)?;
         let a: PromAnswer<T> = serde_json::from_str(&body)
             .with_context(|| format!("prometheus {path}: {code} {body}"))?;
         ensure!(
@@ -1202,16 +942,7 @@ impl Prom {
 
 impl Drop for Prom {
     fn drop(&mut self) {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(5) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        common::terminate(&mut self.child);
     }
 }
 

@@ -161,20 +161,7 @@ fn xspice_session_through_socat() -> Result<()> {
     }
     let mut rig = Rig::new(T)?;
     // Many small draws for 6 s, then idle.
-    let xorg = rig.xspice(
-        5941,
-        41,
-        &[
-            "--mode",
-            "rects",
-            "--fps",
-            "50",
-            "--count",
-            "20",
-            "--seconds",
-            "6",
-        ],
-    )?;
+    let xorg = rig.xspice_rects(5941, 41, 6)?;
     let relay = rig.relay("socat", "127.0.0.1", 6941, "127.0.0.1", 5941)?;
     let obs = observe_or_skip!(T, &[xorg, relay], 10.0, rig.state.join("report.json"));
     let _client = Client::start("spice://127.0.0.1:6941", 30, &[], None)?;

@@ -15,16 +15,14 @@ mod common;
 
 use std::{
     collections::BTreeMap,
-    io::{BufRead, BufReader, Read, Write},
-    net::TcpStream,
     path::Path,
-    process::{Child, Command, Stdio},
-    sync::mpsc,
+    process::Command,
     thread,
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, anyhow, ensure};
+use common::daemon::{Daemon, OnDrop, Scrape, http_get};
 use common::{Client, PinDir, Rig, oracle, privileged};
 
 const LISTEN: &str = "127.0.0.1:19593";
@@ -32,202 +30,38 @@ const LISTEN: &str = "127.0.0.1:19593";
 /// The test-only layout override (`spice_observer::loader::LAYOUT_VERSION_OVERRIDE_ENV`).
 const OVERRIDE: &str = spice_observer::loader::LAYOUT_VERSION_OVERRIDE_ENV;
 
-/// A running daemon on [`LISTEN`] with pin directory `pins`; SIGKILLed if still running when
-/// dropped (the test stops it explicitly otherwise).
-struct Daemon {
-    child: Child,
-    log: mpsc::Receiver<String>,
-    lines: Vec<String>,
+/// Starts `daemon --config CONFIG --pin-dir PINS` (on [`LISTEN`]) with `env`; waits for its
+/// start line. SIGKILLed if still running when dropped (the test stops it explicitly
+/// otherwise, [`Daemon::stop`]).
+fn start_daemon(config: &Path, pins: &Path, env: &[(&str, &str)]) -> Result<Daemon> {
+    let mut env = env.to_vec();
+    env.push(("RUST_LOG", "warn,spice_observer=info"));
+    Daemon::start(config, pins, &env, OnDrop::Kill)
 }
 
-impl Daemon {
-    /// Starts `daemon --config CONFIG --pin-dir PINS` with `env`; waits for its start line.
-    fn start(config: &Path, pins: &Path, env: &[(&str, &str)]) -> Result<Daemon> {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_spice-observer"))
-            .args(["daemon", "--config"])
-            .arg(config)
-            .arg("--pin-dir")
-            .arg(pins)
-            .envs(env.iter().copied())
-            .env("RUST_LOG", "warn,spice_observer=info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("starting spice-observer daemon")?;
-        let (tx, rx) = mpsc::channel();
-        let err = child.stderr.take().unwrap();
-        thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                eprintln!("daemon! {line}");
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut d = Daemon {
-            child,
-            log: rx,
-            lines: Vec::new(),
-        };
-        d.wait_line(
-            |l| l.contains("listening on http://"),
-            Duration::from_secs(60),
-        )?;
-        Ok(d)
-    }
-
-    /// Waits for a log line matching `f` (also among the lines read so far).
-    fn wait_line(&mut self, f: impl Fn(&str) -> bool, timeout: Duration) -> Result<String> {
-        if let Some(l) = self.lines.iter().find(|l| f(l)) {
-            return Ok(l.clone());
-        }
-        let t0 = Instant::now();
-        while t0.elapsed() < timeout {
-            match self.log.recv_timeout(Duration::from_millis(20)) {
-                Ok(line) => {
-                    self.lines.push(line.clone());
-                    if f(&line) {
-                        return Ok(line);
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    bail!("daemon exited:\n{}", self.lines.join("\n"))
-                }
-            }
-        }
-        bail!(
-            "no such line within {timeout:?}:\n{}",
-            self.lines.join("\n")
-        )
-    }
-
-    /// Sends `signal` to the daemon.
-    fn signal(&self, signal: i32) {
-        unsafe { libc::kill(self.child.id() as i32, signal) };
-    }
-
-    /// Sends `signal` and waits for the exit; returns the exit status and the whole log.
-    fn stop(mut self, signal: i32) -> Result<(std::process::ExitStatus, Vec<String>)> {
-        self.signal(signal);
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(10) {
-            if let Some(st) = self.child.try_wait()? {
-                // The reader thread ends at the pipe's end.
-                while let Ok(line) = self.log.recv_timeout(Duration::from_secs(2)) {
-                    self.lines.push(line);
-                }
-                return Ok((st, std::mem::take(&mut self.lines)));
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
-        bail!("daemon did not exit within 10 s of signal {signal}")
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A parsed `/metrics` scrape: (metric name, labels, value) of every sample.
-struct Scrape {
-    samples: Vec<(String, BTreeMap<String, String>, f64)>,
-}
-
-impl Scrape {
-    fn take() -> Result<Scrape> {
-        let mut s = TcpStream::connect(LISTEN).with_context(|| format!("connecting {LISTEN}"))?;
-        s.set_read_timeout(Some(Duration::from_secs(15)))?;
-        write!(s, "GET /metrics HTTP/1.0\r\nHost: {LISTEN}\r\n\r\n")?;
-        let mut raw = String::new();
-        s.read_to_string(&mut raw)?;
-        let (head, body) = raw
-            .split_once("\r\n\r\n")
-            .ok_or_else(|| anyhow!("no HTTP header end"))?;
-        ensure!(head.contains(" 200 "), "/metrics: {head}");
-        let parsed = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))?;
-        let mut samples = Vec::new();
-        for s in parsed.samples {
-            let labels = s
-                .labels
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            match s.value {
-                prometheus_parse::Value::Counter(v)
-                | prometheus_parse::Value::Gauge(v)
-                | prometheus_parse::Value::Untyped(v) => samples.push((s.metric, labels, v)),
-                _ => {}
-            }
-        }
-        Ok(Scrape { samples })
-    }
-
-    fn find(&self, name: &str, with: &[(&str, &str)]) -> Vec<(&BTreeMap<String, String>, f64)> {
-        self.samples
-            .iter()
-            .filter(|(n, l, _)| {
-                n == name
-                    && with
-                        .iter()
-                        .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
-            })
-            .map(|(_, l, v)| (l, *v))
-            .collect()
-    }
-
-    /// The one sample of `name` with labels `with`; an error if none or several.
-    fn one(&self, name: &str, with: &[(&str, &str)]) -> Result<f64> {
-        match self.find(name, with)[..] {
-            [(_, v)] => Ok(v),
-            [] => bail!("no sample {name} {with:?}"),
-            ref many => bail!("{} samples {name} {with:?}: {many:?}", many.len()),
+/// Every `spice_observer_messages_total` and `_bytes_total` of `vm` in `s`: (metric, leg,
+/// channel, channel_id, direction) → value.
+fn vm_totals(s: &Scrape, vm: &str) -> BTreeMap<(String, String, String, String, String), f64> {
+    let mut out = BTreeMap::new();
+    for m in [
+        "spice_observer_messages_total",
+        "spice_observer_bytes_total",
+    ] {
+        for x in s.find(m, &[("vm", vm)]) {
+            let l = &x.labels;
+            out.insert(
+                (
+                    m.to_string(),
+                    l["leg"].clone(),
+                    l["channel"].clone(),
+                    l["channel_id"].clone(),
+                    l["direction"].clone(),
+                ),
+                x.value,
+            );
         }
     }
-
-    /// Every `spice_observer_messages_total` and `_bytes_total` of `vm`: (metric, leg,
-    /// channel, channel_id, direction) → value.
-    fn totals(&self, vm: &str) -> BTreeMap<(String, String, String, String, String), f64> {
-        let mut out = BTreeMap::new();
-        for m in [
-            "spice_observer_messages_total",
-            "spice_observer_bytes_total",
-        ] {
-            for (l, v) in self.find(m, &[("vm", vm)]) {
-                out.insert(
-                    (
-                        m.to_string(),
-                        l["leg"].clone(),
-                        l["channel"].clone(),
-                        l["channel_id"].clone(),
-                        l["direction"].clone(),
-                    ),
-                    v,
-                );
-            }
-        }
-        out
-    }
-
-    /// The run checks (as `common::check_run` for a report): the expected hook set, nothing
-    /// degraded, every information-lost counter 0.
-    fn check_run(&self) -> Result<()> {
-        let hook = common::expected_hook_set();
-        ensure!(
-            self.one("spice_observer_hook_set_info", &[("hook_set", &hook)])? == 1.0,
-            "hook set is not {hook}"
-        );
-        ensure!(self.one("spice_observer_degraded_features", &[])? == 0.0);
-        let lost = self.find("spice_observer_information_lost_total", &[]);
-        ensure!(lost.len() >= 9, "loss counters: {lost:?}");
-        for (l, v) in lost {
-            ensure!(v == 0.0, "information lost: {l:?} {v}");
-        }
-        Ok(())
-    }
+    out
 }
 
 /// `later` continues `earlier`: the same series, none smaller (no reset).
@@ -262,18 +96,11 @@ fn write_config_sample(rig: &Rig, sample_ms: u64) -> Result<std::path::PathBuf> 
     Ok(path)
 }
 
-/// The landing page (`GET /`).
+/// The landing page (`GET /`), answered with status 200.
 fn landing() -> Result<String> {
-    let mut s = TcpStream::connect(LISTEN).with_context(|| format!("connecting {LISTEN}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(15)))?;
-    write!(s, "GET / HTTP/1.0\r\nHost: {LISTEN}\r\n\r\n")?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw)?;
-    ensure!(
-        raw.starts_with("HTTP/1.") && raw.contains(" 200 "),
-        "/: {raw}"
-    );
-    Ok(raw)
+    let (code, page) = http_get(LISTEN, "/")?;
+    ensure!(code == 200, "/: {code} {page}");
+    Ok(page)
 }
 
 /// What the test does to the daemon mid-session.
@@ -432,34 +259,13 @@ fn restart_continues_counts_exactly() -> Result<()> {
     let pins = PinDir::new(T)?;
     let config = write_config(&rig)?;
     let vm = "xspice-55";
-    let mut d = Daemon::start(&config, &pins.path, &[])?;
-    ensure!(
-        d.lines.iter().any(|l| l.contains("loaded and pinned")),
-        "first start did not load: {:?}",
-        d.lines
-    );
+    let mut d = start_daemon(&config, &pins.path, &[])?;
+    d.wait_line(|l| l.contains("loaded and pinned"), Duration::ZERO)
+        .context("first start did not load")?;
     let mut cap = oracle::Capture::start(rig.state.join("server.pcapng"), None, "lo", &[5955])?;
-    let xorg = rig.xspice(
-        5955,
-        55,
-        &[
-            "--mode",
-            "rects",
-            "--fps",
-            "50",
-            "--count",
-            "20",
-            "--seconds",
-            "12",
-        ],
-    )?;
+    let xorg = rig.xspice_rects(5955, 55, 12)?;
     let relay = rig.relay("socat", "127.0.0.1", 6955, "127.0.0.1", 5955)?;
-    for (what, pid) in [(vm, xorg), ("socat", relay)] {
-        d.wait_line(
-            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
-            Duration::from_secs(5),
-        )?;
-    }
+    d.wait_found(&[(vm, xorg), ("socat", relay)])?;
     let t0 = Instant::now();
     let _client = Client::start("spice://127.0.0.1:6955", 60, &[], None)?;
 
@@ -488,9 +294,9 @@ fn restart_continues_counts_exactly() -> Result<()> {
             t0.elapsed()
         );
         println!("restart {restarts}: {event:?} at {:?}", t0.elapsed());
-        let before = Scrape::take()?;
-        before.check_run()?;
-        let b = before.totals(vm);
+        let before = Scrape::take(LISTEN)?;
+        before.check_run(0.0)?;
+        let b = vm_totals(&before, vm);
         ensure!(
             b.keys().any(|k| k.2 == "display"),
             "no display totals before restart {restarts}: {b:?}"
@@ -510,7 +316,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
                     page.contains("sample_ms 50,"),
                     "the landing page does not show the reloaded sample_ms:\n{page}"
                 );
-                ensure!(d.child.try_wait()?.is_none(), "the daemon exited at SIGHUP");
+                ensure!(d.exited()?.is_none(), "the daemon exited at SIGHUP");
             }
             Event::Kill | Event::Term | Event::RestartInPlace => {
                 let signal = match event {
@@ -550,7 +356,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
                 }
                 // Traffic goes on with no daemon for a moment: the programs keep framing it.
                 thread::sleep(Duration::from_millis(700));
-                d = Daemon::start(&config, &pins.path, &[])?;
+                d = start_daemon(&config, &pins.path, &[])?;
                 let line = d.wait_line(
                     |l| l.contains("continuing the kernel state"),
                     Duration::ZERO,
@@ -559,7 +365,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
             }
         }
         let t_a = epoch();
-        let after = Scrape::take()?;
+        let after = Scrape::take(LISTEN)?;
         let t_b = epoch();
         let mut counts = Vec::new();
         for ty in ["display", "cursor"] {
@@ -575,8 +381,8 @@ fn restart_continues_counts_exactly() -> Result<()> {
             counts.push((ty.to_string(), n));
         }
         mid.push((restarts, t_a, t_b, counts));
-        after.check_run()?;
-        let a = after.totals(vm);
+        after.check_run(0.0)?;
+        let a = vm_totals(&after, vm);
         continues(&b, &a, &format!("restart {restarts} ({event:?})"))?;
         let disp = |m: &BTreeMap<_, f64>| {
             m.get(&(
@@ -599,10 +405,10 @@ fn restart_continues_counts_exactly() -> Result<()> {
     // The animation ends at 12 s; at 17 s the session is idle (spice-server pings each
     // channel 15 s after its start when idle: not in the middle of the comparison).
     thread::sleep(Duration::from_secs(17).saturating_sub(t0.elapsed()));
-    let idle = Scrape::take()?;
-    continues(&last, &idle.totals(vm), "before the idle restart")?;
+    let idle = Scrape::take(LISTEN)?;
+    continues(&last, &vm_totals(&idle, vm), "before the idle restart")?;
     d.stop(libc::SIGKILL)?;
-    d = Daemon::start(&config, &pins.path, &[])?;
+    d = start_daemon(&config, &pins.path, &[])?;
     d.wait_line(
         |l| l.contains("continuing the kernel state"),
         Duration::ZERO,
@@ -610,11 +416,11 @@ fn restart_continues_counts_exactly() -> Result<()> {
     // One sample after the restart.
     thread::sleep(Duration::from_millis(150));
     let t_a = epoch();
-    let end = Scrape::take()?;
+    let end = Scrape::take(LISTEN)?;
     let t_b = epoch();
-    end.check_run()?;
-    let totals = end.totals(vm);
-    continues(&idle.totals(vm), &totals, "idle restart")?;
+    end.check_run(0.0)?;
+    let totals = vm_totals(&end, vm);
+    continues(&vm_totals(&idle, vm), &totals, "idle restart")?;
     // The capture runs on for a second, so that it holds every packet up to the scrape; only
     // messages seen by the scrape's time are counted (a ping may come in between).
     thread::sleep(Duration::from_secs(1));
@@ -796,19 +602,14 @@ fn restart_layout_mismatch_marks_restarted() -> Result<()> {
     let pins = PinDir::new(T)?;
     let config = write_config(&rig)?;
     let vm = "xspice-56";
-    let mut d = Daemon::start(&config, &pins.path, &[])?;
+    let mut d = start_daemon(&config, &pins.path, &[])?;
     let xorg = rig.xspice(5956, 56, &["--mode", "rects", "--fps", "20"])?;
     let relay = rig.relay("socat", "127.0.0.1", 6956, "127.0.0.1", 5956)?;
-    for (what, pid) in [(vm, xorg), ("socat", relay)] {
-        d.wait_line(
-            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
-            Duration::from_secs(5),
-        )?;
-    }
+    d.wait_found(&[(vm, xorg), ("socat", relay)])?;
     let _client = Client::start("spice://127.0.0.1:6956", 60, &[], None)?;
     thread::sleep(Duration::from_secs(3));
-    let s = Scrape::take()?;
-    s.check_run()?;
+    let s = Scrape::take(LISTEN)?;
+    s.check_run(0.0)?;
     let framed = s.find(
         "spice_observer_channel_info",
         &[("vm", vm), ("framing", "mini")],
@@ -817,28 +618,23 @@ fn restart_layout_mismatch_marks_restarted() -> Result<()> {
     d.stop(libc::SIGKILL)?;
 
     let bumped = (spice_ebpf_common::config::LAYOUT_VERSION + 1).to_string();
-    let mut d = Daemon::start(&config, &pins.path, &[(OVERRIDE, &bumped)])?;
+    let mut d = start_daemon(&config, &pins.path, &[(OVERRIDE, &bumped)])?;
     let line = d.wait_line(
         |l| l.contains("reloaded the kernel programs"),
         Duration::ZERO,
     )?;
     ensure!(line.contains("layout version"), "{line}");
-    for (what, pid) in [(vm, xorg), ("socat", relay)] {
-        d.wait_line(
-            |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
-            Duration::from_secs(5),
-        )?;
-    }
+    d.wait_found(&[(vm, xorg), ("socat", relay)])?;
     thread::sleep(Duration::from_millis(500));
-    let s = Scrape::take()?;
-    s.check_run()?;
+    let s = Scrape::take(LISTEN)?;
+    s.check_run(0.0)?;
     // The relay's legs are not paired with spice-server's sockets (their channels are
     // unknown): they carry the relay's name.
     let mut infos = s.find("spice_observer_channel_info", &[("vm", vm)]);
     infos.extend(s.find("spice_observer_channel_info", &[("vm", "socat")]));
     let reasons: Vec<&str> = infos
         .iter()
-        .map(|(l, _)| l["unparsed_reason"].as_str())
+        .map(|x| x.labels["unparsed_reason"].as_str())
         .collect();
     println!(
         "after the reload: {} connections of {vm}, reasons {reasons:?}",

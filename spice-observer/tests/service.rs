@@ -24,19 +24,16 @@
 mod common;
 
 use std::{
-    collections::BTreeMap,
-    io::{BufRead, BufReader, Read, Write},
-    net::TcpStream,
     os::unix::{fs::PermissionsExt, net::UnixDatagram},
     path::{Path, PathBuf},
-    process::{Child, Command, ExitStatus, Stdio},
-    sync::mpsc,
+    process::Command,
     thread,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use common::{Client, Rig, channels_of, check_run, privileged};
+use common::daemon::{Daemon, OnDrop, Scrape, http_get};
+use common::{Client, PinDir, Rig, channels_of, check_run, privileged};
 use spice_observer::host::privilege::{self, Need, ThreadCaps};
 use spice_observer::report::Report;
 
@@ -78,130 +75,33 @@ fn daemon_binary() -> Result<PathBuf> {
     Ok(BIN.get_or_init(|| bin).clone())
 }
 
-/// A running daemon; SIGTERM when dropped.
-struct Daemon {
-    child: Child,
-    log: mpsc::Receiver<String>,
-    lines: Vec<String>,
-}
-
-impl Daemon {
-    /// Starts `spice-observer daemon --config CONFIG` as [`UID`] with exactly `caps`
-    /// (inheritable, ambient and bounding sets, no supplementary groups), `NOTIFY_SOCKET` =
-    /// `notify` if given.
-    fn spawn(caps: &[Need], config: &Path, notify: Option<&Path>) -> Result<Daemon> {
-        let set = setpriv_caps(caps);
-        let mut cmd = Command::new("setpriv");
-        cmd.args([
-            &format!("--reuid={UID}"),
-            &format!("--regid={UID}"),
-            "--clear-groups",
-            &format!("--inh-caps={set}"),
-            &format!("--ambient-caps={set}"),
-            &format!("--bounding-set={set}"),
-        ])
-        .arg(daemon_binary()?)
-        .args(["daemon", "--config"])
-        .arg(config)
-        .env("RUST_BACKTRACE", "0")
-        .env_remove("NOTIFY_SOCKET")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-        if let Some(n) = notify {
-            cmd.env("NOTIFY_SOCKET", n);
-        }
-        let mut child = cmd
-            .spawn()
-            .context("starting the daemon under setpriv (util-linux)")?;
-        let (tx, rx) = mpsc::channel();
-        let err = child.stderr.take().unwrap();
-        thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                eprintln!("daemon! {line}");
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Daemon {
-            child,
-            log: rx,
-            lines: Vec::new(),
-        })
+/// Starts `spice-observer daemon --config CONFIG` as [`UID`] with exactly `caps`
+/// (inheritable, ambient and bounding sets, no supplementary groups), `NOTIFY_SOCKET` =
+/// `notify` if given; does not wait for it. SIGTERM when dropped.
+fn spawn_daemon(caps: &[Need], config: &Path, notify: Option<&Path>) -> Result<Daemon> {
+    let set = setpriv_caps(caps);
+    let mut cmd = Command::new("setpriv");
+    cmd.args([
+        &format!("--reuid={UID}"),
+        &format!("--regid={UID}"),
+        "--clear-groups",
+        &format!("--inh-caps={set}"),
+        &format!("--ambient-caps={set}"),
+        &format!("--bounding-set={set}"),
+    ])
+    .arg(daemon_binary()?)
+    .args(["daemon", "--config"])
+    .arg(config)
+    .env("RUST_BACKTRACE", "0")
+    .env_remove("NOTIFY_SOCKET");
+    if let Some(n) = notify {
+        cmd.env("NOTIFY_SOCKET", n);
     }
-
-    /// Waits for a log line (since the start) matching `f`.
-    fn wait_line(&mut self, f: impl Fn(&str) -> bool, timeout: Duration) -> Result<String> {
-        if let Some(l) = self.lines.iter().find(|l| f(l)) {
-            return Ok(l.clone());
-        }
-        let t0 = Instant::now();
-        while t0.elapsed() < timeout {
-            match self.log.recv_timeout(Duration::from_millis(20)) {
-                Ok(line) => {
-                    self.lines.push(line.clone());
-                    if f(&line) {
-                        return Ok(line);
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    bail!("daemon exited:\n{}", self.lines.join("\n"))
-                }
-            }
-        }
-        bail!(
-            "no such line within {timeout:?}:\n{}",
-            self.lines.join("\n")
-        )
-    }
-
-    /// Every line logged so far.
-    fn text(&mut self) -> String {
-        while let Ok(l) = self.log.try_recv() {
-            self.lines.push(l);
-        }
-        self.lines.join("\n")
-    }
-
-    /// Waits for the daemon to exit on its own: its status and whole log.
-    fn wait_exit(&mut self, timeout: Duration) -> Result<(ExitStatus, String)> {
-        let t0 = Instant::now();
-        while t0.elapsed() < timeout {
-            if let Some(st) = self.child.try_wait()? {
-                // The reader thread ends with the pipe.
-                while let Ok(l) = self.log.recv_timeout(Duration::from_millis(500)) {
-                    self.lines.push(l);
-                }
-                return Ok((st, self.lines.join("\n")));
-            }
-            thread::sleep(Duration::from_millis(50));
-        }
-        bail!("daemon still running after {timeout:?}:\n{}", self.text())
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn signal(&self, sig: i32) {
-        unsafe { libc::kill(self.child.id() as i32, sig) };
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        self.signal(libc::SIGTERM);
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(5) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    Daemon::spawn(
+        cmd,
+        OnDrop::Terminate,
+        "the daemon under setpriv (util-linux)",
+    )
 }
 
 /// The receiving end of `NOTIFY_SOCKET` (what systemd listens on): a datagram socket the
@@ -253,173 +153,30 @@ impl Drop for Notify {
     }
 }
 
-/// An HTTP/1.0 GET of `path` on `listen`: (status code, body).
-fn get_at(listen: &str, path: &str) -> Result<(u16, String)> {
-    let mut s = TcpStream::connect(listen).with_context(|| format!("connecting to {listen}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(15)))?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {listen}\r\n\r\n")?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw)?;
-    let (head, body) = raw
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| anyhow!("no HTTP header end in {raw:?}"))?;
-    let code = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| anyhow!("bad status line {head:?}"))?;
-    Ok((code, body.to_string()))
-}
-
+/// An HTTP/1.0 GET of `path` from the daemon: (status code, body).
 fn get(path: &str) -> Result<(u16, String)> {
-    get_at(LISTEN, path)
+    http_get(LISTEN, path)
 }
 
-/// One sample of a scrape, typed (counters, gauges; histogram buckets as `_bucket`).
-#[derive(Debug)]
-struct Sample {
-    name: String,
-    labels: BTreeMap<String, String>,
-    value: f64,
+/// spice-server's display messages toward the client, of VM `vm`.
+fn display_sent(s: &Scrape, vm: &str) -> Result<f64> {
+    s.one(
+        "spice_observer_messages_total",
+        &[
+            ("vm", vm),
+            ("leg", "server"),
+            ("channel", "display"),
+            ("direction", "server_to_client"),
+        ],
+    )
 }
 
-/// A `/metrics` body parsed with the `prometheus-parse` crate.
-struct Scrape(Vec<Sample>);
-
-impl Scrape {
-    fn take() -> Result<Scrape> {
-        let (code, text) = get("/metrics")?;
-        ensure!(code == 200, "/metrics answered {code}: {text}");
-        let parsed = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
-            .context("parsing the scrape")?;
-        let mut out = Vec::new();
-        for s in parsed.samples {
-            let labels: BTreeMap<String, String> = s
-                .labels
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            match s.value {
-                prometheus_parse::Value::Counter(v)
-                | prometheus_parse::Value::Gauge(v)
-                | prometheus_parse::Value::Untyped(v) => out.push(Sample {
-                    name: s.metric,
-                    labels,
-                    value: v,
-                }),
-                prometheus_parse::Value::Histogram(b) => {
-                    for b in b {
-                        let mut l = labels.clone();
-                        l.insert("le".into(), b.less_than.to_string());
-                        out.push(Sample {
-                            name: format!("{}_bucket", s.metric),
-                            labels: l,
-                            value: b.count,
-                        });
-                    }
-                }
-                prometheus_parse::Value::Summary(_) => bail!("summary {} in scrape", s.metric),
-            }
-        }
-        Ok(Scrape(out))
-    }
-
-    fn find(&self, name: &str, with: &[(&str, &str)]) -> Vec<&Sample> {
-        self.0
-            .iter()
-            .filter(|s| {
-                s.name == name
-                    && with
-                        .iter()
-                        .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
-            })
-            .collect()
-    }
-
-    /// The one sample of `name` matching `with`; an error if none or several.
-    fn one(&self, name: &str, with: &[(&str, &str)]) -> Result<f64> {
-        match self.find(name, with)[..] {
-            [s] => Ok(s.value),
-            [] => bail!("no sample {name} {with:?}"),
-            ref many => bail!("{} samples {name} {with:?}: {many:?}", many.len()),
-        }
-    }
-
-    /// spice-server's display messages toward the client, of VM `vm`.
-    fn display_sent(&self, vm: &str) -> Result<f64> {
-        self.one(
-            "spice_observer_messages_total",
-            &[
-                ("vm", vm),
-                ("leg", "server"),
-                ("channel", "display"),
-                ("direction", "server_to_client"),
-            ],
-        )
-    }
-
-    /// The run checks (as tests/daemon.rs makes them): the expected hook set, `degraded`
-    /// degraded entries, every information-lost counter 0.
-    fn check_run(&self, degraded: f64) -> Result<()> {
-        let hook = common::expected_hook_set();
-        ensure!(
-            self.one("spice_observer_hook_set_info", &[("hook_set", &hook)])? == 1.0,
-            "hook set"
-        );
-        let d = self.one("spice_observer_degraded_features", &[])?;
-        ensure!(d == degraded, "degraded features {d}, expected {degraded}");
-        let lost = self.find("spice_observer_information_lost_total", &[]);
-        ensure!(lost.len() >= 9, "loss counters: {lost:?}");
-        for l in lost {
-            ensure!(l.value == 0.0, "information lost: {l:?}");
-        }
-        Ok(())
-    }
-}
-
-/// The test's pin directory on the BPF filesystem, owned by [`UID`] (as the unit's
-/// `ExecStartPre=` makes it), for builds whose config has `pin_dir` (the daemon pins its
-/// kernel state there); removed with everything in it when dropped.
-struct PinDir(Option<PathBuf>);
-
-impl PinDir {
-    fn new(test: &str) -> Result<PinDir> {
-        let path = PathBuf::from(format!("/sys/fs/bpf/{test}"));
-        let supported =
-            spice_observer::config::Config::parse(&format!("pin_dir = {:?}\n", path)).is_ok();
-        if !supported {
-            return Ok(PinDir(None));
-        }
-        let d = PinDir(Some(path));
-        d.reset()?;
-        Ok(d)
-    }
-
-    /// Empties it (a daemon started next loads afresh, instead of continuing the pinned
-    /// state with fewer capabilities) and gives it to [`UID`].
-    fn reset(&self) -> Result<()> {
-        if let Some(p) = &self.0 {
-            let _ = std::fs::remove_dir_all(p);
-            std::fs::create_dir_all(p).with_context(|| format!("creating {p:?} (bpffs)"))?;
-            std::os::unix::fs::chown(p, Some(UID), Some(UID))?;
-        }
-        Ok(())
-    }
-
-    /// The config line naming it, if the build has `pin_dir`.
-    fn line(&self) -> String {
-        self.0
-            .as_ref()
-            .map_or(String::new(), |p| format!("pin_dir = {p:?}\n"))
-    }
-}
-
-impl Drop for PinDir {
-    fn drop(&mut self) {
-        if let Some(p) = &self.0 {
-            let _ = std::fs::remove_dir_all(p);
-        }
-    }
+/// The test's pin directory on the BPF filesystem (`common::PinDir`), empty and owned by
+/// [`UID`] (as the unit's `ExecStartPre=` makes it); the daemon pins its kernel state there.
+fn pin_dir(test: &str) -> Result<PinDir> {
+    let pins = PinDir::new(test)?;
+    pins.reset_for(UID)?;
+    Ok(pins)
 }
 
 /// Writes the daemon's config into the rig's state directory (readable by [`UID`]).
@@ -427,7 +184,7 @@ fn write_config(rig: &Rig, pins: &PinDir, body: &str) -> Result<PathBuf> {
     let path = rig.state.join("spice-observer.toml");
     std::fs::write(
         &path,
-        format!("listen = \"{LISTEN}\"\n{}{body}", pins.line()),
+        format!("listen = \"{LISTEN}\"\n{}{body}", pins.config_line()),
     )?;
     // The daemon's user reads it; the state directory is created world-readable.
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
@@ -471,6 +228,16 @@ fn can_run_as_user(test: &str) -> Result<bool> {
     }
 }
 
+/// The rig and pin directory ([`pin_dir`]) of privileged test `test`, or `None` if it cannot
+/// run here ([`privileged`], [`can_run_as_user`]: a skip; under CI=true those fail instead).
+fn service_rig(test: &str) -> Result<Option<(Rig, PinDir)>> {
+    if !privileged(test) || !can_run_as_user(test)? {
+        return Ok(None);
+    }
+    let rig = Rig::new(test)?;
+    Ok(Some((rig, pin_dir(test)?)))
+}
+
 /// The daemon as `nobody` with exactly the documented capabilities, before a real Xspice
 /// session: READY=1 on the notify socket; every thread's status shows only
 /// CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE permitted and effective, nothing inheritable or
@@ -479,18 +246,16 @@ fn can_run_as_user(test: &str) -> Result<bool> {
 #[test]
 fn service_least_privilege_session() -> Result<()> {
     const T: &str = "service_least_privilege_session";
-    if !privileged(T) || !can_run_as_user(T)? {
+    let Some((mut rig, pins)) = service_rig(T)? else {
         return Ok(());
-    }
-    let mut rig = Rig::new(T)?;
-    let pins = PinDir::new(T)?;
+    };
     let config = write_config(
         &rig,
         &pins,
         "sample_ms = 100\nscan_ms = 200\nbpf_stats = true\n[discovery]\nqemu = true\nxspice = true\n",
     )?;
     let mut notify = Notify::bind(rig.state.join("notify.sock"))?;
-    let mut daemon = Daemon::spawn(&all(), &config, Some(&notify.path))?;
+    let mut daemon = spawn_daemon(&all(), &config, Some(&notify.path))?;
     daemon.wait_line(
         |l| l.contains("listening on http://"),
         Duration::from_secs(60),
@@ -550,20 +315,7 @@ fn service_least_privilege_session() -> Result<()> {
     );
 
     // A session that starts after the daemon: found, and counted as observe counts it.
-    let xorg = rig.xspice(
-        5990,
-        90,
-        &[
-            "--mode",
-            "rects",
-            "--fps",
-            "50",
-            "--count",
-            "20",
-            "--seconds",
-            "10",
-        ],
-    )?;
+    let xorg = rig.xspice_rects(5990, 90, 10)?;
     daemon.wait_line(
         |l| l.contains("found xspice xspice-90") && l.contains(&format!("pid {xorg},")),
         Duration::from_secs(5),
@@ -572,9 +324,9 @@ fn service_least_privilege_session() -> Result<()> {
     let t_obs = Instant::now();
     let _client = Client::start("spice://127.0.0.1:5990", 30, &[], None)?;
     thread::sleep(Duration::from_secs(8).saturating_sub(t_obs.elapsed()));
-    let before = Scrape::take()?;
+    let before = Scrape::take(LISTEN)?;
     let report: Report = obs.finish_report()?;
-    let after = Scrape::take()?;
+    let after = Scrape::take(LISTEN)?;
     check_run(&report)?;
     after.check_run(1.0)?;
     ensure!(
@@ -592,8 +344,8 @@ fn service_least_privilege_session() -> Result<()> {
     );
     let want = displays[0].messages_sent as f64;
     let (a, b) = (
-        before.display_sent("xspice-90")?,
-        after.display_sent("xspice-90")?,
+        display_sent(&before, "xspice-90")?,
+        display_sent(&after, "xspice-90")?,
     );
     println!("display messages: daemon {a} before and {b} after observe's end, observe {want}");
     ensure!(want > 100.0, "observe counted only {want} display messages");
@@ -612,11 +364,9 @@ fn service_least_privilege_session() -> Result<()> {
 #[test]
 fn service_each_capability_is_needed() -> Result<()> {
     const T: &str = "service_each_capability_is_needed";
-    if !privileged(T) || !can_run_as_user(T)? {
+    let Some((mut rig, pins)) = service_rig(T)? else {
         return Ok(());
-    }
-    let mut rig = Rig::new(T)?;
-    let pins = PinDir::new(T)?;
+    };
     let config = write_config(&rig, &pins, "scan_ms = 200\nbpf_stats = false\n")?;
     let xorg = rig.xspice(
         5992,
@@ -626,16 +376,17 @@ fn service_each_capability_is_needed() -> Result<()> {
     let found =
         |l: &str| l.contains("found xspice xspice-92") && l.contains(&format!("pid {xorg},"));
     {
-        let mut d = Daemon::spawn(&all(), &config, None)?;
+        let mut d = spawn_daemon(&all(), &config, None)?;
         d.wait_line(found, Duration::from_secs(30))
             .context("control: all capabilities")?;
     }
     for need in privilege::ATTACH {
         let name = privilege::name(need.cap);
         let caps: Vec<Need> = all().into_iter().filter(|n| n.cap != need.cap).collect();
-        pins.reset()?;
-        let mut d = Daemon::spawn(&caps, &config, None)?;
+        pins.reset_for(UID)?;
+        let mut d = spawn_daemon(&caps, &config, None)?;
         let (st, log) = d.wait_exit(Duration::from_secs(30))?;
+        let log = log.join("\n");
         println!("without {name}: {st}: {}", log.lines().last().unwrap_or(""));
         ensure!(
             !st.success(),
@@ -649,8 +400,8 @@ fn service_each_capability_is_needed() -> Result<()> {
     for need in privilege::STEADY {
         let name = privilege::name(need.cap);
         let caps: Vec<Need> = all().into_iter().filter(|n| n.cap != need.cap).collect();
-        pins.reset()?;
-        let mut d = Daemon::spawn(&caps, &config, None)?;
+        pins.reset_for(UID)?;
+        let mut d = spawn_daemon(&caps, &config, None)?;
         let warned = d.wait_line(
             |l| l.contains("WARN") && l.contains(&format!("lacks {name}")),
             Duration::from_secs(30),
@@ -667,17 +418,17 @@ fn service_each_capability_is_needed() -> Result<()> {
 
     // The optional one: with CAP_SYS_ADMIN too, bpf_stats works, also after the drop (run
     // counts are read through the program descriptors), and CAP_SYS_ADMIN is dropped too.
-    pins.reset()?;
+    pins.reset_for(UID)?;
     let config = write_config(&rig, &pins, "scan_ms = 200\nbpf_stats = true\n")?;
     let mut caps = all();
     caps.push(Need {
         cap: privilege::BPF_STATS_CAP,
         why: "BPF_ENABLE_STATS",
     });
-    let mut d = Daemon::spawn(&caps, &config, None)?;
+    let mut d = spawn_daemon(&caps, &config, None)?;
     d.wait_line(found, Duration::from_secs(30))?;
     thread::sleep(Duration::from_secs(1));
-    let s = Scrape::take()?;
+    let s = Scrape::take(LISTEN)?;
     s.check_run(0.0)?;
     let runs: f64 = s
         .find("spice_observer_bpf_runs_total", &[])
@@ -704,19 +455,17 @@ fn service_each_capability_is_needed() -> Result<()> {
 #[test]
 fn service_sighup_reload_keeps_counts() -> Result<()> {
     const T: &str = "service_sighup_reload_keeps_counts";
-    if !privileged(T) || !can_run_as_user(T)? {
+    let Some((mut rig, pins)) = service_rig(T)? else {
         return Ok(());
-    }
-    let mut rig = Rig::new(T)?;
+    };
     let body = |sample: u64, relays: &str| {
         format!(
             "sample_ms = {sample}\nscan_ms = 200\nbpf_stats = false\n[discovery]\nrelays = [{relays}]\n"
         )
     };
-    let pins = PinDir::new(T)?;
     let config = write_config(&rig, &pins, &body(100, ""))?;
     let mut notify = Notify::bind(rig.state.join("notify.sock"))?;
-    let mut daemon = Daemon::spawn(&all(), &config, Some(&notify.path))?;
+    let mut daemon = spawn_daemon(&all(), &config, Some(&notify.path))?;
     daemon.wait_line(
         |l| l.contains("listening on http://"),
         Duration::from_secs(60),
@@ -736,8 +485,8 @@ fn service_sighup_reload_keeps_counts() -> Result<()> {
     thread::sleep(Duration::from_secs(3));
     let (_, landing) = get("/")?;
     ensure!(landing.contains("sample_ms 100,"), "{landing}");
-    let s1 = Scrape::take()?;
-    let m1 = s1.display_sent("xspice-91")?;
+    let s1 = Scrape::take(LISTEN)?;
+    let m1 = display_sent(&s1, "xspice-91")?;
     let started = s1.one("spice_observer_start_time_seconds", &[])?;
     ensure!(m1 > 10.0, "display messages before the reload: {m1}");
     ensure!(
@@ -750,7 +499,7 @@ fn service_sighup_reload_keeps_counts() -> Result<()> {
         &config,
         format!(
             "listen = \"127.0.0.1:19595\"\n{}{}",
-            pins.line(),
+            pins.config_line(),
             body(250, "{ name = \"socat\" }")
         ),
     )?;
@@ -782,11 +531,11 @@ fn service_sighup_reload_keeps_counts() -> Result<()> {
         code == 200 && landing.contains("sample_ms 250,") && landing.contains("relays [socat]"),
         "landing page after the reload {code}: {landing}"
     );
-    let s2 = Scrape::take()?;
-    let m2 = s2.display_sent("xspice-91")?;
+    let s2 = Scrape::take(LISTEN)?;
+    let m2 = display_sent(&s2, "xspice-91")?;
     thread::sleep(Duration::from_secs(2));
-    let s3 = Scrape::take()?;
-    let m3 = s3.display_sent("xspice-91")?;
+    let s3 = Scrape::take(LISTEN)?;
+    let m3 = display_sent(&s3, "xspice-91")?;
     println!("display messages: {m1} before the reload, {m2} just after, {m3} 2 s later");
     ensure!(
         m1 <= m2 && m2 < m3,
@@ -797,7 +546,7 @@ fn service_sighup_reload_keeps_counts() -> Result<()> {
         "engine restarted"
     );
     s3.check_run(0.0)?;
-    ensure!(daemon.child.try_wait()?.is_none(), "daemon exited");
+    ensure!(daemon.exited()?.is_none(), "daemon exited");
     Ok(())
 }
 
@@ -851,16 +600,7 @@ fn service_unit_verifies() -> Result<()> {
             return Ok(());
         }
     };
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    ensure!(
-        out.status.success() && said.trim().is_empty(),
-        "systemd-analyze verify ({}):\n{said}",
-        out.status
-    );
+    common::silent_success(&out, "systemd-analyze verify")?;
 
     // The sysusers.d file creates the unit's User= and Group= (in a scratch root; needs root
     // to write its files with their owners).

@@ -311,20 +311,7 @@ fn pairing_through_socat() -> Result<()> {
         return Ok(());
     }
     let mut rig = Rig::new(T)?;
-    let xorg = rig.xspice(
-        5951,
-        51,
-        &[
-            "--mode",
-            "rects",
-            "--fps",
-            "50",
-            "--count",
-            "20",
-            "--seconds",
-            "6",
-        ],
-    )?;
+    let xorg = rig.xspice_rects(5951, 51, 6)?;
     let relay = rig.relay("socat", "127.0.0.1", 6951, "127.0.0.1", 5951)?;
     let o = Oracle::start(&rig, 5951, "lo", 6951)?;
     let obs = observe_or_skip!(T, &[xorg, relay], 9.0, json(&rig), &o.args());
@@ -343,20 +330,7 @@ fn pairing_through_haproxy_from_another_netns() -> Result<()> {
         return Ok(());
     }
     let mut rig = Rig::new(T)?;
-    let xorg = rig.xspice(
-        5952,
-        52,
-        &[
-            "--mode",
-            "rects",
-            "--fps",
-            "50",
-            "--count",
-            "20",
-            "--seconds",
-            "6",
-        ],
-    )?;
+    let xorg = rig.xspice_rects(5952, 52, 6)?;
     rig.shaped_link(&["veth"], None)?;
     let relay = rig.relay("haproxy", "198.18.0.1", 6952, "127.0.0.1", 5952)?;
     let o = Oracle::start(&rig, 5952, "rigr0", 6952)?;

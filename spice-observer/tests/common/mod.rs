@@ -15,6 +15,7 @@
 //! lacks. Every privileged test checks its run with [`check_run`].
 #![allow(dead_code)]
 
+pub mod daemon;
 pub mod peer;
 pub mod summary;
 
@@ -89,6 +90,23 @@ pub fn sh(cmd: &mut Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// A checker's verdict that must be silent: exit 0 and nothing on stdout or stderr (as
+/// `promtool check metrics` and `systemd-analyze verify` answer a clean input); otherwise an
+/// error naming `what` with its status and output.
+pub fn silent_success(out: &std::process::Output, what: &str) -> Result<()> {
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        out.status.success() && said.trim().is_empty(),
+        "{what} ({}):\n{said}",
+        out.status
+    );
+    Ok(())
+}
+
 fn read_pid(path: &Path) -> Result<u32> {
     let s = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     s.trim()
@@ -130,6 +148,26 @@ impl Rig {
             .args(["start", &port.to_string(), &display.to_string(), "--"])
             .args(anim))?;
         read_pid(&run.join("Xorg.pid"))
+    }
+
+    /// [`Rig::xspice`] drawing many small rectangles: 20 a frame at 50 frames/s for `seconds`
+    /// seconds, then idle.
+    pub fn xspice_rects(&mut self, port: u16, display: u32, seconds: u32) -> Result<u32> {
+        let seconds = seconds.to_string();
+        self.xspice(
+            port,
+            display,
+            &[
+                "--mode",
+                "rects",
+                "--fps",
+                "50",
+                "--count",
+                "20",
+                "--seconds",
+                &seconds,
+            ],
+        )
     }
 
     /// QEMU (TCG) with spice-server on 127.0.0.1:`port`; the guest draws `frames` frames of
@@ -257,6 +295,24 @@ impl Drop for Rig {
             let _ = c.stdout(Stdio::null()).stderr(Stdio::null()).status();
         }
     }
+}
+
+/// Ends `child` if it still runs: SIGTERM, then SIGKILL if it has not exited within 5 s; reaps
+/// it. A child already reaped gets no signal (its pid may have been reused).
+pub fn terminate(child: &mut Child) {
+    if !matches!(child.try_wait(), Ok(None)) {
+        return;
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(5) {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// A headless spice-gtk client (rig/client.py), optionally inside network namespace `netns`.
@@ -570,6 +626,22 @@ impl PinDir {
             .args(["daemon", "--pin-dir"])
             .arg(&self.path)
             .arg("--unpin"))
+    }
+
+    /// Empties it ([`PinDir::unpin`]: a daemon started next loads afresh) and creates it again
+    /// owned by `uid`, as a unit's `ExecStartPre=` does for a daemon that runs unprivileged
+    /// and cannot create it on the BPF filesystem itself.
+    pub fn reset_for(&self, uid: u32) -> Result<()> {
+        self.unpin()?;
+        std::fs::create_dir_all(&self.path)
+            .with_context(|| format!("creating {} (bpffs)", self.path.display()))?;
+        std::os::unix::fs::chown(&self.path, Some(uid), Some(uid))?;
+        Ok(())
+    }
+
+    /// The config line naming it: `pin_dir = "PATH"`.
+    pub fn config_line(&self) -> String {
+        format!("pin_dir = {:?}\n", self.path)
     }
 }
 
