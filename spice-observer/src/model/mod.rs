@@ -859,6 +859,51 @@ mod tests {
         assert!(a.unparsed().is_none());
     }
 
+    /// trial2 (tester): README "Restarts and pinned state" says that after a downtime that
+    /// filled the ring "the totals and the window, read from the map, stay exact". When the
+    /// ring is still full as the new agent reads the map, the kernel drops records of
+    /// messages AFTER the totals it read (ordinals > `restored_upto`): the model counts
+    /// them in `lost_records` but not in the totals, so `messages_total` stays short of the
+    /// kernel's `msg_count` for good (seen on a real Xspice session: 49 + 1 messages short
+    /// of the packet capture, `records_lost_total` 50). Expected: the totals equal the
+    /// kernel's count (the record's ordinal says how many messages there were).
+    #[test]
+    fn restore_with_ring_full_after_the_map_read_keeps_totals_exact() {
+        let mut f = Feed::started(channel::DISPLAY, &[302, 302, 302]);
+        f.k.dir[dir::SEND as usize].role = Role::ServerToClient as u8;
+        f.k.dir[dir::SEND as usize].caps_known = 1;
+        f.k.dir[dir::RECV as usize].role = Role::ClientToServer as u8;
+        f.k.dir[dir::RECV as usize].caps_known = 1;
+        f.k.dir[dir::RECV as usize].channel_type = channel::DISPLAY;
+        let at_restart = f.k;
+        // After the map read: three messages, the middle record dropped (ring full).
+        let a = f.kernel(dir::SEND, 40, 302, [0, 0]);
+        let _dropped = f.kernel(dir::SEND, 41, 302, [0, 0]);
+        let c = f.kernel(dir::SEND, 42, 302, [0, 0]);
+        let mut m = Model::default();
+        m.restore(
+            &Restored {
+                cookie: 7,
+                state: at_restart,
+                comm: "Xorg".into(),
+                local: None,
+                remote: None,
+                tcp: None,
+            },
+            35,
+        );
+        m.restored_at(35);
+        m.apply(&a);
+        m.apply(&c);
+        let s = &m.sockets[&7];
+        assert_eq!(s.dirs[dir::SEND as usize].lost_records, 1);
+        assert_eq!(
+            s.dirs[dir::SEND as usize].messages,
+            f.k.dir[dir::SEND as usize].msg_count,
+            "messages total vs the kernel's msg_count"
+        );
+    }
+
     /// A socket unknown at the restore (destroyed while no agent ran) whose first record in
     /// the ring predates the restore and is not its SOCKET record: reported `restarted`,
     /// no lost records.
