@@ -59,11 +59,17 @@ pub struct DirStats {
     pub link: Option<LinkEvent>,
     /// Data header length in use: 6 (mini) or 18 (full); 0 before the first message.
     pub hdr_len: u8,
-    /// Messages started.
+    /// Messages started: the kernel's count at the newest read of its socket map
+    /// ([`Self::base_index`]) plus the records applied since with a higher ordinal, and at
+    /// least the highest ordinal seen ([`Self::last_index`], less [`Self::uncounted`]): exact
+    /// up to the newest record, lost records included.
     pub messages: u64,
-    /// Bytes of those messages (headers + bodies).
+    /// Bytes of those messages (headers + bodies): the kernel's `SockState::msg_bytes` at the
+    /// newest read plus the bytes of the records applied since with a higher ordinal. Short by
+    /// the bytes of records lost after that read until the next read rebases it.
     pub bytes: u64,
-    /// Per message type: (messages, bytes).
+    /// Per message type: (messages, bytes) of the records applied (lost records are not in
+    /// them: the kernel keeps no per-type counts).
     pub by_type: BTreeMap<u16, (u64, u64)>,
     /// Messages first reported from a send that failed with EAGAIN.
     pub eagain_starts: u64,
@@ -83,9 +89,24 @@ pub struct DirStats {
     /// The first [`FINGERPRINT`] messages.
     pub first: Vec<MsgSpan>,
     /// Messages counted from the kernel's socket map when a restarted agent took this socket
-    /// over ([`Model::restore`]): ring records with an ordinal up to this one are already in
-    /// [`Self::messages`] and [`Self::bytes`] and are not counted again. 0 otherwise.
+    /// over ([`Model::restore`]): ring records with an ordinal up to this one were the old
+    /// agent's; they are already in the totals and in the window taken from the map, and only
+    /// their spans are kept. 0 otherwise.
     pub restored_upto: u64,
+    /// The kernel's message count (`DirState::msg_count`, plus an EAGAIN send's early message)
+    /// at the newest read of its socket map that rebased the totals ([`Model::kernel_state`],
+    /// [`Model::restore`]): records with an ordinal up to this one are in [`Self::messages`]
+    /// and [`Self::bytes`] already (equal means counted) and add only to the per-type counts,
+    /// spans and window. 0 before any read.
+    pub base_index: u64,
+    /// Messages before the first record of a socket this agent did not see from its start
+    /// and found no map entry for (a socket reported `restarted`): not in
+    /// [`Self::messages`].
+    pub uncounted: u64,
+    /// Bytes of the records applied, on top of the bytes taken from the map at a restore or
+    /// at the newest comparison that resynchronised after lost records: the record-derived
+    /// figure [`KernelCheck`] compares with `SockState::msg_bytes`.
+    pub derived_bytes: u64,
 }
 
 impl DirStats {
@@ -234,9 +255,15 @@ impl SocketModel {
         }
         ds.last_index = ds.last_index.max(m.index);
         ds.hdr_len = m.hdr_len;
-        ds.messages += 1;
         let bytes = m.hdr_len as u64 + m.size as u64;
-        ds.bytes += bytes;
+        ds.derived_bytes += bytes;
+        if m.index > ds.base_index {
+            // Not in the kernel's totals taken at the newest read: counted here.
+            ds.messages += 1;
+            ds.bytes += bytes;
+        }
+        // The ordinal says how many messages there were up to this one, lost records included.
+        ds.messages = ds.messages.max(ds.last_index.saturating_sub(ds.uncounted));
         let e = ds.by_type.entry(m.msg_type).or_default();
         e.0 += 1;
         e.1 += bytes;
@@ -287,19 +314,48 @@ impl SocketModel {
             return;
         }
         let mut diff = self.window.differences(&k.window);
-        if self.dirs[0].bytes != k.bytes[0] {
+        if self.dirs[0].derived_bytes != k.bytes[0] {
             diff.push("bytes_sent");
         }
-        if self.dirs[1].bytes != k.bytes[1] {
+        if self.dirs[1].derived_bytes != k.bytes[1] {
             diff.push("bytes_received");
         }
         self.kernel.compared += 1;
+        let lost = self.lost_records();
         if !diff.is_empty() {
             self.kernel.differed += 1;
             self.kernel.differences = diff;
+            if lost > self.kernel.lost_seen {
+                // Records were lost since the last comparison: the record-derived state
+                // drifted, and the kernel's state at this read is exactly what the records
+                // applied so far should have given. Continue from it.
+                self.window.resync(&k.window, k.read_ns);
+                for d in 0..2 {
+                    self.dirs[d].derived_bytes = k.bytes[d];
+                }
+                self.kernel.resynced += 1;
+            }
         }
+        self.kernel.lost_seen = lost;
         self.kernel.last = Some(k);
         self.kernel.pending = None;
+    }
+
+    /// Takes the message and byte totals of every direction from the kernel read `k`
+    /// ([`DirStats::base_index`]), for a direction whose records the model has not applied
+    /// beyond the read (the usual case: the engine reads the map after draining the ring).
+    /// A direction the model is ahead of keeps its totals (records applied after the read
+    /// cannot be told from lost ones there) and is rebased at the next read.
+    fn rebase(&mut self, k: &KernelRead) {
+        for (d, ds) in self.dirs.iter_mut().enumerate() {
+            let n = k.messages[d];
+            if n < ds.last_index || n < ds.base_index {
+                continue;
+            }
+            ds.base_index = n;
+            ds.messages = n;
+            ds.bytes = k.bytes[d];
+        }
     }
 }
 
@@ -347,6 +403,12 @@ pub struct KernelCheck {
     /// The fields that differed in the newest read that differed ([`AckWindow::differences`]
     /// names, `bytes_sent`, `bytes_received`).
     pub differences: Vec<&'static str>,
+    /// Compared reads that differed after records of the socket were lost, from which the
+    /// window's counters and the record-derived byte totals were taken
+    /// ([`AckWindow::resync`]).
+    pub resynced: u64,
+    /// The socket's lost records ([`SocketModel::lost_records`]) at the newest comparison.
+    pub lost_seen: u64,
 }
 
 /// A process event seen while observing.
@@ -479,8 +541,10 @@ impl Model {
             let taken = k.msg_count + u64::from(k.announced_at != 0);
             ds.messages = taken;
             ds.bytes = st.msg_bytes[d];
+            ds.derived_bytes = st.msg_bytes[d];
             ds.last_index = taken;
             ds.restored_upto = taken;
+            ds.base_index = taken;
             if k.is_unparsed() {
                 ds.unparsed = Some(Unparsed {
                     reason: UnparsedReason::from_u8(k.reason),
@@ -541,6 +605,7 @@ impl Model {
             // Its earlier messages are not lost records: they were the old agent's.
             let ds = &mut s.dirs[(m.hdr.dir & 1) as usize];
             ds.last_index = m.index.saturating_sub(1);
+            ds.uncounted = ds.last_index;
         }
     }
 
@@ -664,12 +729,20 @@ impl Model {
         }
     }
 
-    /// Hands the model a read of socket `cookie`'s kernel state (`SOCKETS`) made at `read_ns`:
-    /// compared with the record-derived state at once or when the records it covers have been
-    /// applied ([`KernelCheck`]). Unknown sockets are ignored.
+    /// Hands the model a read of socket `cookie`'s kernel state (`SOCKETS`) made at `read_ns`.
+    /// The message and byte totals are taken from it at once (the kernel counts every
+    /// message it framed, whether its ring record reached the agent or not): records with an
+    /// ordinal up to the read's count add to everything but the totals
+    /// ([`DirStats::base_index`]), so a lost record leaves the totals short only until the
+    /// next read. The read is also compared with the record-derived window and bytes at once
+    /// or when the records it covers have been applied ([`KernelCheck`]); if they differ after
+    /// records were lost, the window's counters continue from the kernel's
+    /// ([`AckWindow::resync`]). Unknown sockets are ignored.
     pub fn kernel_state(&mut self, cookie: u64, st: &SockState, read_ns: u64) {
         if let Some(s) = self.sockets.get_mut(&cookie) {
-            s.kernel.pending = Some(KernelRead::new(st, read_ns));
+            let k = KernelRead::new(st, read_ns);
+            s.rebase(&k);
+            s.kernel.pending = Some(k);
             s.compare_kernel();
         }
     }
@@ -902,6 +975,134 @@ mod tests {
             f.k.dir[dir::SEND as usize].msg_count,
             "messages total vs the kernel's msg_count"
         );
+    }
+
+    /// Records lost mid-stream between two reads of the kernel's map: the message total is
+    /// exact from the next record on (its ordinal), the byte total is short by the lost
+    /// records' bytes until the next read, which makes both equal the kernel's; both only
+    /// grow (they are Prometheus counters); every loss stays counted.
+    #[test]
+    fn a_read_after_lost_records_makes_the_totals_the_kernels() {
+        let mut f = Feed::started(channel::DISPLAY, &[302, 302]);
+        f.m.kernel_state(7, &f.k, 30);
+        let s = dir::SEND as usize;
+        assert_eq!(f.socket().dirs[s].messages, f.k.dir[s].msg_count);
+        // Two draws whose records are lost (ring full), then one that arrives.
+        let _lost = [
+            f.kernel(dir::SEND, 31, 302, [0, 0]),
+            f.kernel(dir::SEND, 32, 302, [0, 0]),
+        ];
+        f.send(dir::SEND, 33, 302, [0, 0]);
+        let before = (f.socket().dirs[s].messages, f.socket().dirs[s].bytes);
+        assert_eq!(
+            before.0, f.k.dir[s].msg_count,
+            "the ordinal bounds the total"
+        );
+        assert_eq!(
+            before.1,
+            f.k.msg_bytes[s] - 2 * 16,
+            "short by the lost records"
+        );
+        assert_eq!(f.socket().dirs[s].lost_records, 2);
+        // One more message still in the ring when the next read comes.
+        let held = f.kernel(dir::SEND, 34, 302, [0, 0]);
+        f.m.kernel_state(7, &f.k, 40);
+        let d = &f.socket().dirs[s];
+        assert_eq!(
+            (d.messages, d.bytes),
+            (f.k.dir[s].msg_count, f.k.msg_bytes[s])
+        );
+        assert!(d.messages >= before.0 && d.bytes >= before.1);
+        f.m.apply(&held);
+        let d = &f.socket().dirs[s];
+        assert_eq!(
+            (d.messages, d.bytes),
+            (f.k.dir[s].msg_count, f.k.msg_bytes[s])
+        );
+        assert_eq!(d.lost_records, 2);
+        // Per-type counts hold the records applied only.
+        assert_eq!(d.by_type[&302].0, 4);
+        let r = dir::RECV as usize;
+        let d = &f.socket().dirs[r];
+        assert_eq!(
+            (d.messages, d.bytes),
+            (f.k.dir[r].msg_count, f.k.msg_bytes[r])
+        );
+    }
+
+    /// Records of messages the kernel had counted at a read (ordinal ≤ the read's count)
+    /// that arrive after it: not counted again in the totals, but in the per-type counts and
+    /// the window, and the read compares equal once they are in.
+    #[test]
+    fn records_up_to_a_read_arriving_after_it_are_not_counted_twice() {
+        let mut f = Feed::started(channel::DISPLAY, &[302]);
+        let held = [
+            f.kernel(dir::SEND, 30, 302, [0, 0]),
+            f.kernel(dir::RECV, 31, msg_client::ACK, [0, 0]),
+            f.kernel(dir::SEND, 32, 302, [0, 0]),
+        ];
+        f.m.kernel_state(7, &f.k, 40);
+        let totals = |f: &Feed| {
+            let s = f.socket();
+            [0, 1].map(|d| (s.dirs[d].messages, s.dirs[d].bytes))
+        };
+        let kernel = [0, 1].map(|d| (f.k.dir[d].msg_count, f.k.msg_bytes[d]));
+        assert_eq!(totals(&f), kernel);
+        for e in &held {
+            f.m.apply(e);
+            assert_eq!(totals(&f), kernel);
+        }
+        let s = f.socket();
+        assert_eq!(s.dirs[dir::SEND as usize].by_type[&302].0, 3);
+        assert_eq!(s.window.acks, 1);
+        assert_eq!(s.lost_records(), 0);
+        assert_eq!((s.kernel.compared, s.kernel.differed), (1, 0));
+        // A message after the read counts once.
+        f.send(dir::SEND, 50, 302, [0, 0]);
+        let s = f.socket();
+        let d = dir::SEND as usize;
+        assert_eq!(s.dirs[d].messages, f.k.dir[d].msg_count);
+        assert_eq!(s.dirs[d].bytes, f.k.msg_bytes[d]);
+    }
+
+    /// A lost ACK record (the one that ended a stall): the first read after the gap shows
+    /// (the next record of its direction) differs, and the window continues from the
+    /// kernel's counters; the next read agrees. A lost record that is the newest at a read
+    /// leaves that read uncompared (the model jumps past it).
+    #[test]
+    fn lost_window_records_resync_the_window_counters() {
+        // W = 2: SET_ACK and four draws put 5 = 2W+1 in flight (stalled).
+        let mut f = Feed::started(channel::DISPLAY, &[302, 302, 302, 302]);
+        assert!(f.socket().window.stalled());
+        let _lost = f.kernel(dir::RECV, 40, msg_client::ACK, [0, 0]);
+        f.m.kernel_state(7, &f.k, 41);
+        assert_eq!(f.socket().kernel.compared, 0);
+        f.send(dir::RECV, 42, msg_client::ACK, [0, 0]);
+        assert_eq!(f.socket().kernel.pending, None, "jumped past");
+        f.m.kernel_state(7, &f.k, 43);
+        let k = &f.socket().kernel;
+        assert_eq!((k.compared, k.differed, k.resynced), (1, 1, 1));
+        assert_eq!(k.differences, ["acks", "stall_began_ns", "bytes_received"]);
+        let w = &f.socket().window;
+        assert_eq!((w.acks, w.count, w.messages_window), (2, 1, 1));
+        assert!(!w.stalled() && w.stall_began_ns.is_none());
+        assert!(w.differences(&f.k.window).is_empty());
+        // Records after it continue from the kernel's state: the next read agrees.
+        f.send(dir::SEND, 50, 302, [0, 0]);
+        f.send(dir::SEND, 51, 302, [0, 0]);
+        f.send(dir::RECV, 52, msg_client::ACK, [0, 0]);
+        f.m.kernel_state(7, &f.k, 60);
+        let k = &f.socket().kernel;
+        assert_eq!((k.compared, k.differed, k.resynced), (2, 1, 1));
+        assert_eq!(f.socket().window.acks, 3);
+        assert_eq!(f.socket().lost_records(), 1);
+        // A difference without a lost record is shown, not taken over.
+        let mut g = Feed::started(channel::DISPLAY, &[302]);
+        g.k.window.acks += 1;
+        g.m.kernel_state(7, &g.k, 70);
+        let k = &g.socket().kernel;
+        assert_eq!((k.compared, k.differed, k.resynced), (1, 1, 0));
+        assert_eq!(g.socket().window.acks, 0);
     }
 
     /// A socket unknown at the restore (destroyed while no agent ran) whose first record in

@@ -199,6 +199,47 @@ impl AckWindow {
         }
     }
 
+    /// Continues from the kernel's state `k`, read at `read_ns`, after records were lost: `k`
+    /// is the state the records applied so far should have given ([`crate::model::KernelCheck`]
+    /// compares only then), and they differed. W, the generations, the count,
+    /// `messages_window`, every counter, the current generation's maximum and stalls, and the
+    /// stall start ([`WindowState::stall_began_ns`]) are taken from `k`; the time statistics
+    /// stay derived from the records (the lost ones' intervals are charged to the count the
+    /// records showed). If a SET_ACK was lost (the kernel counted more), the current
+    /// generation's time statistics start again at its SET_ACK or the newest record,
+    /// whichever is later.
+    pub fn resync(&mut self, k: &WindowState, read_ns: u64) {
+        let new_generation = k.active() && (!self.active() || k.set_acks != self.set_acks);
+        if new_generation {
+            let since = k
+                .generation_began_ns
+                .clamp(self.last_ns, read_ns.max(self.last_ns));
+            self.since_ns = Some(since);
+            self.last_ns = since;
+            self.time_at.clear();
+            self.stalled_ns = 0;
+        }
+        self.window = k.window;
+        self.generation = k.generation;
+        self.client_generation =
+            (k.flags & state_flag::CLIENT_GENERATION != 0).then_some(k.client_generation);
+        self.count = k.count;
+        self.messages_window = k.messages_window;
+        self.set_acks = k.set_acks;
+        self.ack_syncs = k.ack_syncs;
+        self.acks = k.acks;
+        self.acks_ignored = k.acks_ignored;
+        self.ack_surplus = k.ack_surplus;
+        self.messages_after_set_ack = k.messages_after_set_ack;
+        self.starts_while_stalled = k.starts_while_stalled;
+        self.urgent_pair_peaks = k.urgent_pair_peaks;
+        self.max = k.max;
+        self.stalls = u64::from(k.stalls);
+        self.stalls_total = k.stalls_total;
+        self.stall_began_ns = k.stalled().then_some(k.stall_began_ns);
+        self.generation_began_ns = k.active().then_some(k.generation_began_ns);
+    }
+
     /// Whether a SET_ACK has been seen (only then are the other fields meaningful).
     pub fn active(&self) -> bool {
         self.since_ns.is_some()

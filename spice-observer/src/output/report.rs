@@ -282,6 +282,9 @@ pub struct KernelWindowReport {
     pub differed: u64,
     /// Fields that differed in the newest read that differed (empty if none did).
     pub differences: Vec<String>,
+    /// Reads that differed after records of the socket were lost, from which the agent took
+    /// the window's counters (and its record-derived byte totals) over.
+    pub resynced: u64,
 }
 
 impl KernelWindowReport {
@@ -317,6 +320,7 @@ impl KernelWindowReport {
             compared: k.compared,
             differed: k.differed,
             differences: k.differences.iter().map(|d| d.to_string()).collect(),
+            resynced: k.resynced,
         })
     }
 }
