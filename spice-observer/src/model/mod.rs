@@ -2,7 +2,9 @@
 //! message counts per direction and type, and statistics of the ACK window the kernel keeps.
 //! Built from kernel records ([`crate::events::Event`]), in ring order (the ring serialises
 //! reservations, so records of one thread arrive in program order), and checked against the
-//! kernel's own per-socket state when the agent reads it ([`Model::kernel_state`]).
+//! kernel's own per-socket state when the agent reads it ([`Model::kernel_state`]), which is
+//! also where the message and byte totals are taken from: a lost record leaves them short only
+//! until the next read.
 
 pub mod chain;
 pub mod hist;

@@ -28,7 +28,9 @@
 //! length.
 //!
 //! A restarted agent continues from the kernel's state with [`AckWindow::resume_from`]: the
-//! counters continue exactly, the time statistics start again at the resume.
+//! counters continue exactly, the time statistics start again at the resume. After lost
+//! records, a read of the kernel's state that differs continues the counters from it
+//! ([`AckWindow::resync`]).
 
 use std::collections::BTreeMap;
 

@@ -992,9 +992,10 @@ impl Engine {
     }
 
     /// Reads the kernel's state (`SOCKETS`) of every open socket that carried messages and
-    /// hands it to the model, which compares it with the record-derived window and byte totals
-    /// once it has applied exactly the records the kernel had written at the read
-    /// ([`crate::model::KernelCheck`]; report `kernel_window`). Called by [`Engine::sample`];
+    /// hands it to the model, which takes the message and byte totals from it (records lost
+    /// since the previous read are then in the totals) and compares it with the
+    /// record-derived window and byte totals once it has applied exactly the records the
+    /// kernel had written at the read ([`crate::model::KernelCheck`]; report `kernel_window`). Called by [`Engine::sample`];
     /// call it before the last [`Engine::drain`] for a comparison at the end.
     pub fn read_kernel_state(&mut self) {
         let now = monotonic_ns();
