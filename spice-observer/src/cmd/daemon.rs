@@ -250,6 +250,9 @@ pub fn unpin_dir(args: &DaemonArgs) -> Result<PathBuf> {
 /// `daemon --unpin`: removes the daemon's pins and the pin directory, says what it did.
 /// Refused while a daemon holds the directory's lock, unless `force`.
 fn unpin(dir: &Path, force: bool) -> Result<()> {
+    if dir.is_dir() {
+        crate::loader::check_pin_dir_access(dir, "remove pins")?;
+    }
     // Held while removing: no daemon can start on the directory meanwhile.
     let lock = if dir.is_dir() {
         crate::loader::PinLock::try_take(dir)?
@@ -264,9 +267,6 @@ fn unpin(dir: &Path, force: bool) -> Result<()> {
              pins, then run --unpin), or add --force",
             dir.display()
         );
-    }
-    if dir.is_dir() {
-        crate::loader::check_pin_dir_access(dir, "remove pins")?;
     }
     let (gone, left) = crate::loader::unpin(dir)?;
     drop(lock);
