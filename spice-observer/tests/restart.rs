@@ -865,6 +865,8 @@ fn restart_unpin_bind_mounted_pin_dir() -> Result<()> {
     let config = write_config(&rig)?;
     let pins = PinDir::new(T)?;
     let d = start_daemon(&config, &pins.path, &[])?;
+    // Served once the loop runs: its SIGTERM handler is installed.
+    Scrape::take(LISTEN)?.check_run(0.0)?;
     let (st, _) = d.stop(libc::SIGTERM)?;
     ensure!(st.success(), "SIGTERM: {st}");
     ensure!(!spice_programs()?.is_empty(), "pins gone after SIGTERM");

@@ -813,6 +813,8 @@ fn service_unwritable_pin_dir_is_named() -> Result<()> {
 
     // Pins of a root daemon, kept by its SIGTERM.
     let root = Daemon::start(&config, &pins.path, &[], OnDrop::Kill)?;
+    // Served once the loop runs: its SIGTERM handler is installed.
+    ensure!(get("/healthz")?.0 == 200, "root daemon's /healthz");
     let (st, _) = root.stop(libc::SIGTERM)?;
     ensure!(st.success(), "root daemon SIGTERM: {st}");
     std::fs::set_permissions(&pins.path, std::fs::Permissions::from_mode(0o755))?;
