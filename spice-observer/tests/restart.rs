@@ -731,6 +731,8 @@ fn restart_foreign_pins_are_never_removed() -> Result<()> {
     }
     let rig = Rig::new(T)?;
     let config = write_config(&rig)?;
+    // A failed run leaves its foreign entries, which PinDir's --unpin refuses to remove.
+    let _ = std::fs::remove_dir_all(format!("/sys/fs/bpf/spice-observer-test-{T}"));
     let pins = PinDir::new(T)?;
     std::fs::create_dir_all(pins.path.join("inner"))?;
     foreign_map(&pins.path, "FOREIGN_MAP")?;
