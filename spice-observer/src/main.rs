@@ -69,6 +69,13 @@ enum Command {
     },
     /// Run as a host daemon: find SPICE servers (QEMU, Xspice) and configured relays as they
     /// come and go, watch them, and serve Prometheus metrics on 127.0.0.1:19590. Run as root.
+    ///
+    /// Signals: SIGTERM (or SIGINT) stops it with exit status 0 and keeps the kernel state
+    /// pinned under the pin directory (`--unpin` removes it, as the unit's stop action does).
+    /// SIGUSR2 stops it with exit status 75 and keeps the pins too, for a restart in place:
+    /// the next daemon on the same pin directory continues every count. SIGHUP re-reads the
+    /// config file (sample_ms, scan_ms and [discovery] apply at once; listen and bpf_stats
+    /// need a restart).
     Daemon(spice_observer::cmd::daemon::DaemonArgs),
 }
 

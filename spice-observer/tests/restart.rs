@@ -669,3 +669,236 @@ fn restart_layout_mismatch_marks_restarted() -> Result<()> {
     d.stop(libc::SIGTERM)?;
     Ok(())
 }
+
+/// `spice-observer daemon ARGS…` run to its end: (success, stdout, stderr).
+fn run_bin(args: &[&str], pins: &Path) -> Result<(bool, String, String)> {
+    let out = Command::new(env!("CARGO_BIN_EXE_spice-observer"))
+        .arg("daemon")
+        .args(["--pin-dir", pins.to_str().unwrap()])
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    Ok((
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// `bpftool map create DIR/NAME type hash key 4 value 4 entries 4 name NAME`: a pin of
+/// another tool (or, with one of the daemon's names, a stale pin of the wrong shape).
+fn foreign_map(dir: &Path, name: &str) -> Result<()> {
+    common::sh(Command::new("bpftool").args([
+        "map",
+        "create",
+        dir.join(name).to_str().unwrap(),
+        "type",
+        "hash",
+        "key",
+        "4",
+        "value",
+        "4",
+        "entries",
+        "4",
+        "name",
+        &name.to_lowercase(),
+    ]))?;
+    Ok(())
+}
+
+/// Waits up to 20 s for a daemon that must refuse to start: its stderr as one text. An error
+/// if it is still running (it did not refuse) or exited 0.
+fn refused(mut d: Daemon, what: &str) -> Result<String> {
+    let (st, lines) = d
+        .wait_exit(Duration::from_secs(20))
+        .with_context(|| format!("{what}: the daemon did not refuse to start"))?;
+    ensure!(!st.success(), "{what}: the daemon exited {st}");
+    Ok(lines.join("\n"))
+}
+
+/// A pin directory holding another tool's pin (made by bpftool) and a subdirectory with a pin
+/// in it, beside a stale pin of the daemon's own name: the daemon refuses to start and
+/// `--unpin` refuses, each naming the foreign entries and asking for a dedicated directory,
+/// and every entry is still there afterwards (bpftool can read the foreign map). Once the
+/// foreign entries are moved away the daemon starts, reloading (the stale pin is its own),
+/// and scrapes clean. A layout override that is not a number stops the daemon with an error
+/// naming the variable.
+#[test]
+fn restart_foreign_pins_are_never_removed() -> Result<()> {
+    const T: &str = "restart_foreign_pins_are_never_removed";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let rig = Rig::new(T)?;
+    let config = write_config(&rig)?;
+    // A failed run leaves its foreign entries, which PinDir's --unpin refuses to remove.
+    let _ = std::fs::remove_dir_all(format!("/sys/fs/bpf/spice-observer-test-{T}"));
+    let pins = PinDir::new(T)?;
+    std::fs::create_dir_all(pins.path.join("inner"))?;
+    foreign_map(&pins.path, "FOREIGN_MAP")?;
+    foreign_map(&pins.path.join("inner"), "INNER")?;
+    foreign_map(&pins.path, "SOCKETS")?;
+    let entries = ["FOREIGN_MAP", "inner", "inner/INNER", "SOCKETS"];
+    let all_there = || -> Result<()> {
+        for e in entries {
+            ensure!(pins.path.join(e).exists(), "{e} was removed");
+        }
+        common::sh(Command::new("bpftool").args([
+            "map",
+            "show",
+            "pinned",
+            pins.path.join("FOREIGN_MAP").to_str().unwrap(),
+        ]))?;
+        Ok(())
+    };
+    let names_them = |t: &str, what: &str| -> Result<()> {
+        ensure!(
+            t.contains("FOREIGN_MAP") && t.contains("inner/") && t.contains("dedicated"),
+            "{what} does not name the foreign entries: {t}"
+        );
+        ensure!(!t.contains("SOCKETS,"), "{what} calls SOCKETS foreign: {t}");
+        Ok(())
+    };
+
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_spice-observer"));
+    cmd.args(["daemon", "--config"])
+        .arg(&config)
+        .arg("--pin-dir")
+        .arg(&pins.path)
+        .env("RUST_BACKTRACE", "0");
+    let text = refused(Daemon::spawn(cmd, OnDrop::Kill, "daemon")?, "daemon start")?;
+    names_them(&text, "the daemon's error")?;
+    all_there()?;
+
+    let (ok, out, err) = run_bin(&["--unpin"], &pins.path)?;
+    ensure!(!ok, "--unpin on a foreign directory succeeded: {out} {err}");
+    names_them(&err, "--unpin's error")?;
+    all_there()?;
+
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_spice-observer"));
+    cmd.args(["daemon", "--config"])
+        .arg(&config)
+        .arg("--pin-dir")
+        .arg(&pins.path)
+        .env("RUST_BACKTRACE", "0")
+        .env(OVERRIDE, "abc");
+    std::fs::remove_file(pins.path.join("FOREIGN_MAP"))?;
+    std::fs::remove_file(pins.path.join("inner/INNER"))?;
+    std::fs::remove_dir(pins.path.join("inner"))?;
+    let text = refused(Daemon::spawn(cmd, OnDrop::Kill, "daemon")?, "override abc")?;
+    ensure!(
+        text.contains(OVERRIDE) && text.contains("\"abc\""),
+        "override abc: {text}"
+    );
+
+    let mut d = start_daemon(&config, &pins.path, &[])?;
+    d.wait_line(
+        |l| l.contains("reloaded the kernel programs"),
+        Duration::from_secs(5),
+    )?;
+    Scrape::take(LISTEN)?.check_run(0.0)?;
+    let (st, _) = d.stop(libc::SIGTERM)?;
+    ensure!(st.success(), "SIGTERM: {st}");
+    Ok(())
+}
+
+/// `--unpin` while a daemon runs on the pins: refused (exit status not 0, the error says a
+/// daemon is running and names --force), every pin and `spice_` program still there and the
+/// daemon still serving clean scrapes; `--unpin --force` then removes the directory, and the
+/// daemon exits 0 on SIGTERM.
+#[test]
+fn restart_unpin_refused_while_running() -> Result<()> {
+    const T: &str = "restart_unpin_refused_while_running";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let rig = Rig::new(T)?;
+    let config = write_config(&rig)?;
+    let pins = PinDir::new(T)?;
+    let d = start_daemon(&config, &pins.path, &[])?;
+    let before: Vec<_> = std::fs::read_dir(&pins.path)?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<Result<_, _>>()?;
+    ensure!(
+        before.iter().any(|n| n == "LAYOUT") && before.iter().any(|n| n == "link_spice_sys_enter"),
+        "pins: {before:?}"
+    );
+    let (ok, out, err) = run_bin(&["--unpin"], &pins.path)?;
+    ensure!(
+        !ok,
+        "--unpin beside a running daemon succeeded: {out} {err}"
+    );
+    ensure!(
+        err.contains("running") && err.contains("--force"),
+        "--unpin's error: {err}"
+    );
+    let after: Vec<_> = std::fs::read_dir(&pins.path)?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<Result<_, _>>()?;
+    ensure!(
+        after.len() == before.len(),
+        "pins {before:?} became {after:?}"
+    );
+    ensure!(!spice_programs()?.is_empty(), "no spice_ program attached");
+    Scrape::take(LISTEN)?.check_run(0.0)?;
+
+    let (ok, out, err) = run_bin(&["--unpin", "--force"], &pins.path)?;
+    ensure!(
+        ok && out.contains("removed"),
+        "--unpin --force: {out} {err}"
+    );
+    ensure!(!pins.path.exists(), "--unpin --force left {:?}", pins.path);
+    let (st, _) = d.stop(libc::SIGTERM)?;
+    ensure!(st.success(), "SIGTERM: {st}");
+    Ok(())
+}
+
+/// The pin directory as the unit sees it (`ReadWritePaths=` bind-mounts it), emulated with
+/// `unshare -m` and `mount --bind DIR DIR`: `--unpin` after a daemon's SIGTERM exits 0,
+/// removes every pin (no `spice_` program left attached) and says at info level that the
+/// directory, a mount point, stays; outside the namespace the directory is there and empty.
+#[test]
+fn restart_unpin_bind_mounted_pin_dir() -> Result<()> {
+    const T: &str = "restart_unpin_bind_mounted_pin_dir";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let rig = Rig::new(T)?;
+    let config = write_config(&rig)?;
+    let pins = PinDir::new(T)?;
+    let d = start_daemon(&config, &pins.path, &[])?;
+    // Served once the loop runs: its SIGTERM handler is installed.
+    Scrape::take(LISTEN)?.check_run(0.0)?;
+    let (st, _) = d.stop(libc::SIGTERM)?;
+    ensure!(st.success(), "SIGTERM: {st}");
+    ensure!(!spice_programs()?.is_empty(), "pins gone after SIGTERM");
+    let p = pins.path.to_str().unwrap();
+    let out = Command::new("unshare")
+        .args(["-m", "sh", "-c"])
+        .arg(format!(
+            "mount --bind {p} {p} && exec {} daemon --pin-dir {p} --unpin",
+            env!("CARGO_BIN_EXE_spice-observer")
+        ))
+        .env("RUST_LOG", "warn,spice_observer=info")
+        .output()?;
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    ensure!(out.status.success(), "--unpin on a bind mount: {out:?}");
+    ensure!(so.contains("removed"), "--unpin said {so:?}");
+    ensure!(
+        se.contains("INFO") && se.contains("mount point"),
+        "no info line about the mount point: {se:?}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&pins.path)?.collect();
+    ensure!(left.is_empty(), "left in {p}: {left:?}");
+    let mut progs = spice_programs()?;
+    let t0 = Instant::now();
+    while !progs.is_empty() && t0.elapsed() < Duration::from_secs(5) {
+        thread::sleep(Duration::from_millis(100));
+        progs = spice_programs()?;
+    }
+    ensure!(progs.is_empty(), "programs still attached: {progs:?}");
+    Ok(())
+}

@@ -643,7 +643,9 @@ fn service_unit_verifies() -> Result<()> {
 /// service result variable values") and the built binary on a scratch pin directory, removes
 /// the pins after a stop (exit 0; SIGTERM before the handler is installed) and keeps them
 /// after the restart in place (75) and after failures (exit 1, SIGKILL, a core dump, a
-/// timeout). Not privileged: `--unpin` on a plain directory removes its files as on bpffs.
+/// timeout). The line names the pin directory (`--pin-dir`), replaced here by the scratch one,
+/// and the config file has a typo: the unpin must not depend on it. Not privileged: `--unpin`
+/// on a plain directory removes its files as on bpffs.
 #[test]
 fn service_stop_post_unpins_only_on_stop() -> Result<()> {
     let unit_path =
@@ -671,7 +673,13 @@ fn service_stop_post_unpins_only_on_stop() -> Result<()> {
     let pins = dir.join("pins");
     let config = dir.join("spice-observer.toml");
     std::fs::create_dir_all(&dir)?;
-    std::fs::write(&config, format!("pin_dir = \"{}\"\n", pins.display()))?;
+    // A config with a typo: the stop action must not depend on it (it names the pin
+    // directory itself).
+    std::fs::write(&config, format!("pin_dri = \"{}\"\n", pins.display()))?;
+    ensure!(
+        script.contains("--pin-dir /sys/fs/bpf/spice-observer --unpin"),
+        "ExecStopPost= does not name the pin directory: {script}"
+    );
     let script = script
         .replace(
             "/usr/local/bin/spice-observer",
@@ -680,7 +688,8 @@ fn service_stop_post_unpins_only_on_stop() -> Result<()> {
         .replace(
             "/etc/spice-observer/spice-observer.toml",
             config.to_str().unwrap(),
-        );
+        )
+        .replace("/sys/fs/bpf/spice-observer", pins.to_str().unwrap());
     // (SERVICE_RESULT, EXIT_CODE, EXIT_STATUS, pins removed)
     let cases = [
         ("success", "exited", "0", true),
@@ -722,5 +731,124 @@ fn service_stop_post_unpins_only_on_stop() -> Result<()> {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// `daemon --help` says what each signal does (SIGTERM: exit 0, pins kept; SIGUSR2: exit 75,
+/// pins kept, restart in place; SIGHUP: reload), and `--unpin`'s help says it is refused
+/// while a daemon runs (with `--force`), not that it detaches a running daemon's programs.
+/// Not privileged.
+#[test]
+fn service_daemon_help_says_signals() -> Result<()> {
+    let out = Command::new(env!("CARGO_BIN_EXE_spice-observer"))
+        .args(["daemon", "--help"])
+        .output()?;
+    ensure!(out.status.success(), "daemon --help: {out:?}");
+    let help = String::from_utf8_lossy(&out.stdout).replace('\n', " ");
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    for want in [
+        "SIGTERM (or SIGINT) stops it with exit status 0 and keeps the kernel state pinned",
+        "SIGUSR2 stops it with exit status 75 and keeps the pins too, for a restart in place",
+        "SIGHUP re-reads the config file",
+        "Refused while a daemon runs on the directory",
+        "--force",
+    ] {
+        ensure!(help.contains(want), "daemon --help lacks {want:?}: {help}");
+    }
+    ensure!(
+        !help.contains("programs detached unless"),
+        "daemon --help: {help}"
+    );
+    Ok(())
+}
+
+/// A pin directory the service user may not write: root's, mode 0700 (no `ExecStartPre=`
+/// chown), and then one a root daemon left its pins in. The daemon as `nobody` with the
+/// unit's capabilities (setpriv) fails at start with an error whose headline names the
+/// directory, its owner (uid 0) and mode, and the fixes (chown, or `--unpin` as root), not
+/// "something else refuses"; `--unpin` as `nobody` on the root daemon's pins says the same
+/// and removes nothing; as root it removes them.
+#[test]
+fn service_unwritable_pin_dir_is_named() -> Result<()> {
+    const T: &str = "service_unwritable_pin_dir_is_named";
+    let Some((rig, pins)) = service_rig(T)? else {
+        return Ok(());
+    };
+    let config = write_config(&rig, &pins, "bpf_stats = false\n")?;
+    std::os::unix::fs::chown(&pins.path, Some(0), Some(0))?;
+    std::fs::set_permissions(&pins.path, std::fs::Permissions::from_mode(0o700))?;
+    let check = |text: &str, what: &str, mode: &str| -> Result<()> {
+        let headline = text
+            .lines()
+            .find(|l| l.starts_with("Error: "))
+            .ok_or_else(|| anyhow!("{what}: no Error: line in {text}"))?;
+        for want in [
+            pins.path.to_str().unwrap(),
+            "owned by uid 0",
+            mode,
+            "chown",
+            "--unpin",
+        ] {
+            ensure!(
+                headline.contains(want),
+                "{what}: headline lacks {want:?}: {headline}"
+            );
+        }
+        ensure!(
+            !text.contains("something else refuses"),
+            "{what}: misleading explanation: {text}"
+        );
+        Ok(())
+    };
+    let mut d = spawn_daemon(&all(), &config, None)?;
+    let (st, lines) = d
+        .wait_exit(Duration::from_secs(20))
+        .context("the daemon did not fail on an unwritable pin directory")?;
+    ensure!(!st.success(), "daemon exited {st}");
+    check(
+        &lines.join("\n"),
+        "daemon on root's 0700 directory",
+        "mode 0700",
+    )?;
+
+    // Pins of a root daemon, kept by its SIGTERM.
+    let root = Daemon::start(&config, &pins.path, &[], OnDrop::Kill)?;
+    // Served once the loop runs: its SIGTERM handler is installed.
+    ensure!(get("/healthz")?.0 == 200, "root daemon's /healthz");
+    let (st, _) = root.stop(libc::SIGTERM)?;
+    ensure!(st.success(), "root daemon SIGTERM: {st}");
+    std::fs::set_permissions(&pins.path, std::fs::Permissions::from_mode(0o755))?;
+    let count = || std::fs::read_dir(&pins.path).map(|d| d.count());
+    let pinned = count()?;
+    ensure!(pinned >= 11, "root daemon pinned {pinned} entries");
+    let out = Command::new("setpriv")
+        .args([
+            &format!("--reuid={UID}"),
+            &format!("--regid={UID}"),
+            "--clear-groups",
+            &format!("--inh-caps={}", setpriv_caps(&all())),
+            &format!("--ambient-caps={}", setpriv_caps(&all())),
+            &format!("--bounding-set={}", setpriv_caps(&all())),
+        ])
+        .arg(daemon_binary()?)
+        .args(["daemon", "--pin-dir"])
+        .arg(&pins.path)
+        .arg("--unpin")
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    ensure!(!out.status.success(), "--unpin as {UID}: {out:?}");
+    check(
+        &String::from_utf8_lossy(&out.stderr),
+        "--unpin as nobody",
+        "mode 0755",
+    )?;
+    ensure!(count()? == pinned, "--unpin as nobody removed pins");
+    let mut d = spawn_daemon(&all(), &config, None)?;
+    let (st, lines) = d.wait_exit(Duration::from_secs(20))?;
+    ensure!(!st.success(), "daemon on root's pins exited {st}");
+    check(&lines.join("\n"), "daemon on root's pins", "mode 0755")?;
+    ensure!(count()? == pinned, "the daemon as nobody removed pins");
+    let said = pins.unpin()?;
+    ensure!(said.contains("removed"), "--unpin as root: {said}");
     Ok(())
 }

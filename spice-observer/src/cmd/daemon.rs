@@ -13,7 +13,8 @@
 //! continues it (README "Restarts and pinned state"); SIGINT and SIGTERM leave the pins and
 //! exit 0, SIGUSR2 leaves them and exits [`EXIT_RESTART`] (a restart in place: the unit
 //! restarts the daemon and keeps the pins, see packaging/spice-observer.service);
-//! `--unpin` removes them.
+//! `--unpin` removes them (refused while a daemon runs on them, unless `--force`; never
+//! anything in the directory that is not the daemon's own pin).
 //!
 //! HTTP paths: `/` (a landing page naming the paths, the version and the hook set),
 //! `/metrics` (Prometheus text format 0.0.4), `/healthz` (`200 ok` while the loop answers;
@@ -33,7 +34,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use axum::{
     Router,
     extract::State,
@@ -112,10 +113,19 @@ pub struct DaemonArgs {
     /// /sys/fs/bpf/spice-observer): a restarted daemon continues from it.
     #[arg(long, value_name = "DIR")]
     pub pin_dir: Option<PathBuf>,
-    /// Remove everything pinned under the pin directory (program links first, which detaches
-    /// the programs, then the maps) and exit. Idempotent.
+    /// Remove the daemon's pins from the pin directory (program links first, which detaches
+    /// the programs, then the maps), then the directory, and exit. Idempotent. Refused while
+    /// a daemon runs on the directory (it holds its lock): stop it first (SIGTERM), or add
+    /// --force. Refused, removing nothing, if the directory holds anything but the daemon's
+    /// own pins. The directory is --pin-dir if given, else the config file's `pin_dir` if the
+    /// file parses, else (with a warning) /sys/fs/bpf/spice-observer.
     #[arg(long)]
     pub unpin: bool,
+    /// With --unpin: remove the pins even while a daemon runs on them (its programs stay
+    /// attached until it exits, then they are gone; a new daemon may start on the directory
+    /// meanwhile).
+    #[arg(long, requires = "unpin")]
+    pub force: bool,
 }
 
 /// The effective settings: the config file (`--config`, else [`DEFAULT_CONFIG`] if it
@@ -189,10 +199,10 @@ pub fn resolve(args: &DaemonArgs) -> Result<(Config, Option<PathBuf>)> {
 /// (pins kept too; the unit restarts it). SIGHUP re-reads the config
 /// ([`crate::cmd::service`]). With `--unpin` it removes the pins and returns.
 pub fn run(args: DaemonArgs) -> Result<()> {
-    let (cfg, path) = resolve(&args)?;
     if args.unpin {
-        return unpin(&cfg.pin_dir);
+        return unpin(&unpin_dir(&args)?, args.force);
     }
+    let (cfg, path) = resolve(&args)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -206,13 +216,63 @@ pub fn run(args: DaemonArgs) -> Result<()> {
     }
 }
 
-/// `daemon --unpin`: removes the pin directory's contents and the directory, says what it did.
-fn unpin(dir: &Path) -> Result<()> {
-    let running = crate::loader::PinLock::held(dir);
-    let gone = crate::loader::unpin(dir)?;
+/// The pin directory of `daemon --unpin`: `--pin-dir` if given (it must be absolute), else
+/// the config file's `pin_dir` (the file of [`resolve`]) if it parses, else the built-in
+/// default with a warning: a stop action must still unpin when the config has a typo.
+pub fn unpin_dir(args: &DaemonArgs) -> Result<PathBuf> {
+    if let Some(d) = &args.pin_dir {
+        if !d.is_absolute() {
+            bail!("--pin-dir {} must be an absolute path", d.display());
+        }
+        return Ok(d.clone());
+    }
+    let from_file = match &args.config {
+        Some(p) if !p.exists() => Err(anyhow!("config file {} does not exist", p.display())),
+        Some(p) => Config::load(p).map(|c| c.pin_dir),
+        None => match Some(Path::new(DEFAULT_CONFIG)).filter(|p| p.exists()) {
+            Some(p) => Config::load(p).map(|c| c.pin_dir),
+            None => Ok(Config::default().pin_dir),
+        },
+    };
+    match from_file {
+        Ok(d) => Ok(d),
+        Err(e) => {
+            let d = Config::default().pin_dir;
+            warn!(
+                "{e:#}; unpinning the default pin directory {} (give --pin-dir to name another)",
+                d.display()
+            );
+            Ok(d)
+        }
+    }
+}
+
+/// `daemon --unpin`: removes the daemon's pins and the pin directory, says what it did.
+/// Refused while a daemon holds the directory's lock, unless `force`.
+fn unpin(dir: &Path, force: bool) -> Result<()> {
+    if dir.is_dir() {
+        crate::loader::check_pin_dir_access(dir, "remove pins")?;
+    }
+    // Held while removing: no daemon can start on the directory meanwhile.
+    let lock = if dir.is_dir() {
+        crate::loader::PinLock::try_take(dir)?
+    } else {
+        None
+    };
+    let running = dir.is_dir() && lock.is_none();
+    if running && !force {
+        bail!(
+            "a spice-observer daemon is running on the pin directory {} (it holds its lock): \
+             unpinning would detach the programs it uses. Stop it first (SIGTERM keeps the \
+             pins, then run --unpin), or add --force",
+            dir.display()
+        );
+    }
+    let (gone, left) = crate::loader::unpin(dir)?;
+    drop(lock);
     if running {
         println!(
-            "a daemon is still running on {}: its programs stay attached until it exits",
+            "--force: a daemon is still running on {}: its programs stay attached until it exits",
             dir.display()
         );
     }
@@ -222,11 +282,18 @@ fn unpin(dir: &Path) -> Result<()> {
         let links = gone.iter().filter(|n| n.starts_with("link_")).count();
         println!(
             "removed {} from {}: {} program link(s) (programs detached unless a running daemon \
-             still holds them) and {} map(s)",
+             still holds them) and {} other pin(s)",
             gone.len(),
             dir.display(),
             links,
             gone.len() - links
+        );
+    }
+    if left == crate::loader::DirLeft::MountPoint {
+        info!(
+            "{} is a mount point (e.g. the unit's ReadWritePaths= bind mount): every pin is \
+             removed, the directory stays, empty",
+            dir.display()
         );
     }
     Ok(())
@@ -660,6 +727,7 @@ mod tests {
             relay_ports: Vec::new(),
             pin_dir: None,
             unpin: false,
+            force: false,
         }
     }
 
@@ -717,6 +785,38 @@ mod tests {
         let mut a = args(None);
         a.relay_names = vec!["/usr/bin/socat".into()];
         assert!(format!("{:#}", resolve(&a).unwrap_err()).contains("--relay-name"));
+    }
+
+    /// `--unpin`'s directory: `--pin-dir`, else a config that parses, else the default
+    /// (a config with a typo must not stop the unpin).
+    #[test]
+    fn unpin_dir_survives_a_bad_config() {
+        let dir =
+            std::env::temp_dir().join(format!("spice-observer-unpindir-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.toml");
+        std::fs::write(&good, "pin_dir = \"/sys/fs/bpf/from-config\"\n").unwrap();
+        let bad = dir.join("bad.toml");
+        std::fs::write(&bad, "pin_dri = \"/sys/fs/bpf/typo\"\n").unwrap();
+        let mut a = args(Some(&bad));
+        a.unpin = true;
+        a.pin_dir = Some("/sys/fs/bpf/given".into());
+        assert_eq!(unpin_dir(&a).unwrap(), Path::new("/sys/fs/bpf/given"));
+        a.pin_dir = None;
+        assert_eq!(
+            unpin_dir(&a).unwrap(),
+            Path::new(crate::config::DEFAULT_PIN_DIR)
+        );
+        a.config = Some(dir.join("missing.toml"));
+        assert_eq!(
+            unpin_dir(&a).unwrap(),
+            Path::new(crate::config::DEFAULT_PIN_DIR)
+        );
+        a.config = Some(good);
+        assert_eq!(unpin_dir(&a).unwrap(), Path::new("/sys/fs/bpf/from-config"));
+        a.pin_dir = Some("relative".into());
+        assert!(unpin_dir(&a).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn state(tx: mpsc::Sender<Request>) -> AppState {

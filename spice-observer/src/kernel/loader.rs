@@ -79,6 +79,137 @@ pub const MAP_NAMES: [&str; 11] = [
 /// The sock_ops program's name (its link is pinned only when it was attached).
 const SOCKOPS: &str = "spice_sockops";
 
+/// Every program of the object that may be attached and pinned (`link_<name>`,
+/// `prog_<name>`): `raw_tracepoint/sys_enter`, the [`BTF_TRACEPOINTS`] and sock_ops.
+const PROGRAMS: [&str; 8] = [
+    "spice_sys_enter",
+    BTF_TRACEPOINTS[0].0,
+    BTF_TRACEPOINTS[1].0,
+    BTF_TRACEPOINTS[2].0,
+    BTF_TRACEPOINTS[3].0,
+    BTF_TRACEPOINTS[4].0,
+    BTF_TRACEPOINTS[5].0,
+    SOCKOPS,
+];
+
+/// Whether `name` is a pin this agent makes in a pin directory: a map of [`MAP_NAMES`], or
+/// `link_<program>` / `prog_<program>` of one of its programs. Only such names are ever
+/// removed from a pin directory.
+pub fn is_owned_pin(name: &str) -> bool {
+    MAP_NAMES.contains(&name)
+        || name
+            .strip_prefix("link_")
+            .or_else(|| name.strip_prefix("prog_"))
+            .is_some_and(|p| PROGRAMS.contains(&p))
+}
+
+/// The entries of `dir` that are not this agent's pins ([`is_owned_pin`]), sorted; a
+/// subdirectory (whatever its name) is foreign and listed with a trailing `/`. Empty when
+/// `dir` does not exist. Errors when it cannot be read.
+pub fn foreign_entries(dir: &Path) -> Result<Vec<String>> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", dir.display())),
+    };
+    let mut foreign = Vec::new();
+    for e in entries {
+        let e = e.with_context(|| format!("reading {}", dir.display()))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let is_dir = e.file_type().map(|t| t.is_dir()).unwrap_or(false);
+        if is_dir {
+            foreign.push(format!("{name}/"));
+        } else if !is_owned_pin(&name) {
+            foreign.push(name);
+        }
+    }
+    foreign.sort();
+    Ok(foreign)
+}
+
+/// Refuses a pin directory that holds anything but this agent's pins ([`foreign_entries`]):
+/// the error names the foreign entries (the first 10) and says to give a dedicated directory.
+/// Nothing is removed.
+pub fn refuse_foreign(dir: &Path) -> Result<()> {
+    let foreign = foreign_entries(dir)?;
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    let shown: Vec<&str> = foreign.iter().take(10).map(String::as_str).collect();
+    let more = foreign.len().saturating_sub(shown.len());
+    bail!(
+        "pin directory {} holds {} entr{} that {} not spice-observer's: {}{}; spice-observer \
+         only ever removes its own pins (its maps and the link_/prog_ files of its programs) \
+         and leaves these alone: pick a dedicated directory for --pin-dir / `pin_dir` (default \
+         {}), or move these entries away",
+        dir.display(),
+        foreign.len(),
+        if foreign.len() == 1 { "y" } else { "ies" },
+        if foreign.len() == 1 { "is" } else { "are" },
+        shown.join(", "),
+        if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        },
+        crate::config::DEFAULT_PIN_DIR,
+    );
+}
+
+/// The name of user `uid` from /etc/passwd, if it has one there.
+fn user_name(uid: u32) -> Option<String> {
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    passwd.lines().find_map(|l| {
+        let mut f = l.split(':');
+        let name = f.next()?;
+        let id: u32 = f.nth(1)?.parse().ok()?;
+        (id == uid).then(|| name.to_string())
+    })
+}
+
+/// Checks that this process may make and remove pins in `dir` (an existing directory):
+/// write and search permission on it (`BPF_OBJ_PIN` and `unlink` check them, as for any
+/// file made in a directory), and read permission to list it, checked with the effective
+/// ids and capabilities (`faccessat(2)` with `AT_EACCESS`). `what` says what the caller is
+/// about to do, for the message.
+///
+/// Errors name the directory, its owner and mode, this process's user, and the two ways
+/// out: give the directory to the service user, or remove the pins as root.
+pub fn check_pin_dir_access(dir: &Path, what: &str) -> Result<()> {
+    use std::os::unix::{ffi::OsStrExt as _, fs::MetadataExt as _};
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    let mode = libc::R_OK | libc::W_OK | libc::X_OK;
+    // SAFETY: `c` is a NUL-terminated path.
+    if unsafe { libc::faccessat(libc::AT_FDCWD, c.as_ptr(), mode, libc::AT_EACCESS) } == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() != Some(libc::EACCES) {
+        return Err(err).with_context(|| format!("checking access to {}", dir.display()));
+    }
+    let md = std::fs::metadata(dir).with_context(|| format!("stat {}", dir.display()))?;
+    let who = |uid: u32| match user_name(uid) {
+        Some(n) => format!("uid {uid} ({n})"),
+        None => format!("uid {uid}"),
+    };
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    bail!(
+        "this process ({}) may not {what} in the pin directory {}: it is owned by {}, group \
+         {}, mode {:04o}, and pins are made and removed with write and search access to the \
+         directory. Give it to the service user (`chown -R USER: {}`, as the unit's \
+         ExecStartPre= does for spice-observer), or remove the pins as root (`spice-observer \
+         daemon --pin-dir {} --unpin`)",
+        who(me),
+        dir.display(),
+        who(md.uid()),
+        md.gid(),
+        md.mode() & 0o7777,
+        dir.display(),
+        dir.display(),
+    );
+}
+
 /// Environment variable read at run time by [`layout_version`], for tests only: a decimal
 /// number that replaces [`LAYOUT_VERSION`], so that a test can play a daemon of another
 /// layout without a second build. Never set it in production: a wrong value makes the daemon
@@ -86,23 +217,37 @@ const SOCKOPS: &str = "spice_sockops";
 pub const LAYOUT_VERSION_OVERRIDE_ENV: &str = "SPICE_OBSERVER_LAYOUT_VERSION_OVERRIDE";
 
 /// The layout version this agent writes into and expects from a pinned set:
-/// [`LAYOUT_VERSION`], unless [`LAYOUT_VERSION_OVERRIDE_ENV`] holds a number (tests).
-pub fn layout_version() -> u32 {
-    std::env::var(LAYOUT_VERSION_OVERRIDE_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(LAYOUT_VERSION)
+/// [`LAYOUT_VERSION`], unless [`LAYOUT_VERSION_OVERRIDE_ENV`] is set (tests).
+///
+/// Errors when the variable is set but is not a decimal `u32` (or not UTF-8): a typo there
+/// must not silently run with the real version.
+pub fn layout_version() -> Result<u32> {
+    match std::env::var_os(LAYOUT_VERSION_OVERRIDE_ENV) {
+        None => Ok(LAYOUT_VERSION),
+        Some(v) => parse_layout_override(&v.to_string_lossy()),
+    }
+}
+
+/// Parses the value of [`LAYOUT_VERSION_OVERRIDE_ENV`]: a decimal `u32`, surrounding
+/// whitespace allowed. The error names the variable and the value.
+fn parse_layout_override(v: &str) -> Result<u32> {
+    v.trim().parse().map_err(|e| {
+        anyhow!(
+            "{LAYOUT_VERSION_OVERRIDE_ENV}={v:?} is not a layout version (a decimal number): {e}"
+        )
+    })
 }
 
 /// What this agent writes into the pinned `LAYOUT` map (indexes of
-/// [`spice_ebpf_common::config::layout`]), without the hook bits.
-fn expected_layout() -> [u32; layout::HOOKS as usize] {
-    [
-        layout_version(),
+/// [`spice_ebpf_common::config::layout`]), without the hook bits. Errors as
+/// [`layout_version`].
+fn expected_layout() -> Result<[u32; layout::HOOKS as usize]> {
+    Ok([
+        layout_version()?,
         std::mem::size_of::<SockState>() as u32,
         std::mem::size_of::<TcpSnapshot>() as u32,
         std::mem::size_of::<MessageEvent>() as u32,
-    ]
+    ])
 }
 
 /// `bpf_map_update_elem` flag: update only an existing element (include/uapi/linux/bpf.h).
@@ -124,10 +269,12 @@ fn on_bpffs(path: &Path) -> Result<bool> {
     Ok(st.f_type as i64 == BPF_FS_MAGIC)
 }
 
-/// Checks that `dir` is (or would be created) on a BPF filesystem, and creates it.
+/// Checks that `dir` is (or would be created) on a BPF filesystem, creates it, and checks
+/// that this process may pin into it and remove its pins ([`check_pin_dir_access`]).
 ///
 /// Errors: the nearest existing ancestor of `dir` is not on a bpffs (the message says how to
-/// mount one), or `dir` cannot be created.
+/// mount one), `dir` cannot be created (an ancestor this process may not write is named with
+/// its owner and mode), or this process may not write `dir`.
 pub fn prepare_pin_dir(dir: &Path) -> Result<()> {
     let mut probe = dir;
     while !probe.exists() {
@@ -142,7 +289,11 @@ pub fn prepare_pin_dir(dir: &Path) -> Result<()> {
             probe.display()
         );
     }
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))
+    if !dir.exists() {
+        check_pin_dir_access(probe, "create the pin directory")?;
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    check_pin_dir_access(dir, "make or remove pins")
 }
 
 /// An exclusive `flock(2)` on a pin directory, held by the daemon that uses it for as long as
@@ -156,21 +307,30 @@ impl PinLock {
     /// Takes the lock on `dir` (which must exist) without waiting. Errors when another
     /// process holds it (the message names the directory), or `dir` cannot be opened.
     pub fn take(dir: &Path) -> Result<PinLock> {
+        match Self::try_take(dir)? {
+            Some(l) => Ok(l),
+            None => bail!(
+                "another spice-observer daemon is using the pin directory {} (it holds its \
+                 lock); stop it first, or give this one another --pin-dir",
+                dir.display()
+            ),
+        }
+    }
+
+    /// Takes the lock on `dir` (which must exist) without waiting: `None` when another
+    /// process holds it. Errors when `dir` cannot be opened or locked.
+    pub fn try_take(dir: &Path) -> Result<Option<PinLock>> {
         use std::os::fd::AsRawFd as _;
         let f = File::open(dir).with_context(|| format!("opening {}", dir.display()))?;
         // SAFETY: flock on an fd we own.
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                bail!(
-                    "another spice-observer daemon is using the pin directory {} (it holds its \
-                     lock); stop it first, or give this one another --pin-dir",
-                    dir.display()
-                );
+                return Ok(None);
             }
             return Err(e).with_context(|| format!("locking {}", dir.display()));
         }
-        Ok(PinLock { _dir: f })
+        Ok(Some(PinLock { _dir: f }))
     }
 
     /// Whether a running process holds the lock of `dir` (false if `dir` does not exist).
@@ -186,38 +346,65 @@ impl PinLock {
     }
 }
 
-/// Removes everything pinned in `dir` (program links first, then maps) but keeps the
-/// directory (and so a [`PinLock`] on it). Returns the names removed.
+/// Removes this agent's pins from `dir` (program links first, then programs and maps) but
+/// keeps the directory (and so a [`PinLock`] on it). Returns the names removed.
+///
+/// Errors, removing nothing, when `dir` holds anything that is not this agent's pin
+/// ([`refuse_foreign`]: other tools' pins, subdirectories): those are never unlinked.
 pub fn unpin_contents(dir: &Path) -> Result<Vec<String>> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e).with_context(|| format!("reading {}", dir.display())),
     };
+    refuse_foreign(dir)?;
     let mut names: Vec<String> = entries
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| is_owned_pin(n))
         .collect();
-    // Links before maps.
+    // Links before the rest.
     names.sort_by_key(|n| (!n.starts_with("link_"), n.clone()));
     for n in &names {
         let p = dir.join(n);
-        std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
+        match std::fs::remove_file(&p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("removing {}", p.display())),
+        }
     }
     Ok(names)
 }
 
+/// What [`unpin`] did with the directory itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DirLeft {
+    /// Removed, or there was none.
+    Removed,
+    /// Kept, empty: it is a mount point (EBUSY), e.g. the bind mount systemd makes of a
+    /// unit's `ReadWritePaths=` directory.
+    MountPoint,
+}
+
 /// Removes a pin directory: the program links first (which detaches the programs, unless a
 /// running process still holds them), then the maps, then the directory. Idempotent: a
-/// missing directory removes nothing. Returns the names removed.
-pub fn unpin(dir: &Path) -> Result<Vec<String>> {
+/// missing directory removes nothing. Returns the names removed and whether the directory
+/// went; a directory that is a mount point (`rmdir` EBUSY) once empty stays and is not an
+/// error.
+///
+/// Errors, removing nothing, when `dir` holds anything but this agent's pins
+/// ([`unpin_contents`]).
+pub fn unpin(dir: &Path) -> Result<(Vec<String>, DirLeft)> {
     let names = unpin_contents(dir)?;
     match std::fs::remove_dir(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+            return Ok((names, DirLeft::MountPoint));
+        }
         Err(e) => return Err(e).with_context(|| format!("removing {}", dir.display())),
     }
-    Ok(names)
+    Ok((names, DirLeft::Removed))
 }
 
 /// The processes (`WATCHED_TGIDS` keys) of the set pinned under `dir`, read without trusting
@@ -360,6 +547,8 @@ impl Capture {
     }
 
     fn load_into(pin: Option<&Path>) -> Result<Self> {
+        // Before anything is loaded: a bad test override fails here, not after attaching.
+        layout_version()?;
         // Pinned links: kept here until every pin is made (dropping one closes its fd only).
         let mut links: Vec<PinnedLink> = Vec::new();
         let mut programs: Vec<(String, u32)> = Vec::new();
@@ -500,7 +689,7 @@ impl Capture {
                 ebpf.map_mut("LAYOUT")
                     .ok_or_else(|| anyhow!("map LAYOUT missing from the object"))?,
             )?;
-            for (i, v) in expected_layout().into_iter().enumerate() {
+            for (i, v) in expected_layout()?.into_iter().enumerate() {
                 lay.set(i as u32, v, 0)?;
             }
             let hooks = if hook_set.ends_with("+sockops") {
@@ -555,8 +744,12 @@ impl Capture {
     /// [`Pinned::Reusable`] needs the `LAYOUT` map to record this agent's
     /// [`layout_version`] and the sizes of `SockState`, `TcpSnapshot` and `MessageEvent`, and
     /// every map of [`MAP_NAMES`] and every program link the set recorded (sock_ops only if
-    /// it was attached) to be pinned. Errors only when the directory cannot be read.
+    /// it was attached) to be pinned. Errors when the directory cannot be read, when it holds
+    /// anything but this agent's pins ([`refuse_foreign`]: the caller must not remove such a
+    /// directory's contents), and when [`layout_version`] does.
     pub fn open_pinned(dir: &Path) -> Result<Pinned> {
+        refuse_foreign(dir)?;
+        let want = expected_layout()?;
         let present: Vec<String> = match std::fs::read_dir(dir) {
             Ok(e) => e
                 .filter_map(|e| e.ok())
@@ -572,7 +765,6 @@ impl Capture {
             Ok(l) => l,
             Err(e) => return Ok(Pinned::Stale(format!("no readable LAYOUT map ({e:#})"))),
         };
-        let want = expected_layout();
         if layout[..want.len()] != want {
             return Ok(Pinned::Stale(format!(
                 "pinned layout version {} (SockState {} B, TcpSnapshot {} B, MessageEvent {} B), \
@@ -1058,6 +1250,87 @@ mod tests {
             ));
             assert!(!t.contains(UNAVAILABLE), "{t}");
             assert!(t.contains("raw_tracepoint/sys_enter"), "{t}");
+        }
+    }
+
+    /// Only the agent's own names are its pins: its maps, link_/prog_ of its programs.
+    #[test]
+    fn owned_pin_names() {
+        for n in ["LAYOUT", "SOCKETS", "link_spice_exit", "prog_spice_sockops"] {
+            assert!(is_owned_pin(n), "{n}");
+        }
+        for n in [
+            "FOREIGN_MAP",
+            "link_other",
+            "prog_",
+            "tc",
+            "layout",
+            "link_LAYOUT",
+        ] {
+            assert!(!is_owned_pin(n), "{n}");
+        }
+    }
+
+    /// A directory with anything foreign (a file of another name, a subdirectory even of an
+    /// owned name) is refused by `unpin_contents`/`unpin`, naming the entries and removing
+    /// nothing; without them only the owned pins go. (Plain files stand in for pins: the
+    /// names are what is checked.)
+    #[test]
+    fn unpin_never_removes_foreign_entries() {
+        let dir =
+            std::env::temp_dir().join(format!("spice-observer-foreign-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("SOCKETS_dir/LAYOUT")).unwrap();
+        for f in [
+            "LAYOUT",
+            "link_spice_sys_enter",
+            "prog_spice_fork",
+            "FOREIGN_MAP",
+        ] {
+            std::fs::write(dir.join(f), "").unwrap();
+        }
+        let mut sub = dir.join("LAYOUT");
+        sub.set_file_name("EVENTS");
+        std::fs::create_dir(&sub).unwrap();
+        assert_eq!(
+            foreign_entries(&dir).unwrap(),
+            ["EVENTS/", "FOREIGN_MAP", "SOCKETS_dir/"]
+        );
+        for r in [unpin_contents(&dir).map(|_| ()), unpin(&dir).map(|_| ())] {
+            let t = text(&r.unwrap_err());
+            assert!(
+                t.contains("FOREIGN_MAP") && t.contains("EVENTS/") && t.contains("dedicated"),
+                "{t}"
+            );
+        }
+        for f in [
+            "LAYOUT",
+            "link_spice_sys_enter",
+            "prog_spice_fork",
+            "FOREIGN_MAP",
+        ] {
+            assert!(dir.join(f).exists(), "{f} removed");
+        }
+        std::fs::remove_file(dir.join("FOREIGN_MAP")).unwrap();
+        std::fs::remove_dir_all(dir.join("SOCKETS_dir")).unwrap();
+        std::fs::remove_dir(&sub).unwrap();
+        let (gone, left) = unpin(&dir).unwrap();
+        assert_eq!(gone, ["link_spice_sys_enter", "LAYOUT", "prog_spice_fork"]);
+        assert_eq!(left, DirLeft::Removed);
+        assert!(!dir.exists());
+        assert_eq!(unpin(&dir).unwrap(), (Vec::new(), DirLeft::Removed));
+    }
+
+    /// The test override of the layout version is a decimal number or an error.
+    #[test]
+    fn layout_override_must_be_a_number() {
+        assert_eq!(parse_layout_override(" 7\n").unwrap(), 7);
+        for bad in ["abc", "", "-1", "1.5", "99999999999"] {
+            let t = text(&parse_layout_override(bad).unwrap_err());
+            assert!(
+                t.contains(LAYOUT_VERSION_OVERRIDE_ENV) && t.contains(&format!("{bad:?}")),
+                "{t}"
+            );
         }
     }
 
