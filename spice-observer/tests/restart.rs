@@ -4,7 +4,7 @@
 //! it runs, and reloaded (SIGHUP) with a new sample period. Scrapes of /metrics are read into
 //! typed samples (the `prometheus-parse` crate); the totals are compared with the relay's legs
 //! and with a packet capture of the server leg, framed by this test's own SPICE parser
-//! (`tests/common/oracle.rs` for the server → client messages, [`c2s_messages`] here for the
+//! (`tests/common/oracle.rs` for the server → client messages, [`oracle::c2s_messages`] for the
 //! client's), which shares no code with the observer.
 //!
 //! Ports 5955/6955 and 5956/6956, displays :55 and :56, daemon on 127.0.0.1:19593. Each test
@@ -22,7 +22,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, anyhow, ensure};
-use common::daemon::{Daemon, OnDrop, Scrape, http_get};
+use common::daemon::{self, Daemon, OnDrop, Scrape, TotalKey, http_get};
 use common::{Client, PinDir, Rig, oracle, privileged};
 
 const LISTEN: &str = "127.0.0.1:19593";
@@ -39,35 +39,10 @@ fn start_daemon(config: &Path, pins: &Path, env: &[(&str, &str)]) -> Result<Daem
     Daemon::start(config, pins, &env, OnDrop::Kill)
 }
 
-/// Every `spice_observer_messages_total` and `_bytes_total` of `vm` in `s`: (metric, leg,
-/// channel, channel_id, direction) → value.
-fn vm_totals(s: &Scrape, vm: &str) -> BTreeMap<(String, String, String, String, String), f64> {
-    let mut out = BTreeMap::new();
-    for m in [
-        "spice_observer_messages_total",
-        "spice_observer_bytes_total",
-    ] {
-        for x in s.find(m, &[("vm", vm)]) {
-            let l = &x.labels;
-            out.insert(
-                (
-                    m.to_string(),
-                    l["leg"].clone(),
-                    l["channel"].clone(),
-                    l["channel_id"].clone(),
-                    l["direction"].clone(),
-                ),
-                x.value,
-            );
-        }
-    }
-    out
-}
-
 /// `later` continues `earlier`: the same series, none smaller (no reset).
 fn continues(
-    earlier: &BTreeMap<(String, String, String, String, String), f64>,
-    later: &BTreeMap<(String, String, String, String, String), f64>,
+    earlier: &BTreeMap<TotalKey, f64>,
+    later: &BTreeMap<TotalKey, f64>,
     what: &str,
 ) -> Result<()> {
     for (k, v) in earlier {
@@ -116,42 +91,27 @@ enum Event {
     RestartInPlace,
 }
 
-/// The client's data messages in a captured connection: (type, first 4 body bytes, bytes
-/// with the header, stream offset of the header) in order.
-/// Link message (16 + H_c), then the auth mechanism word if the client's common caps have
-/// PROTOCOL_AUTH_SELECTION (bit 0), then the 128-byte ticket (docs/spice-protocol.md §1.5),
-/// then headers of 6 (mini) or 18 bytes (§1.9).
+/// [`oracle::c2s_messages`] with each message's first 4 body bytes (little-endian; 0 if the
+/// body is shorter): (type, first body word, bytes with the header, stream offset of the
+/// header) in order. An error if a body of 4 bytes or more is cut by the capture's end.
 fn c2s_messages(c: &oracle::SpiceConn) -> Result<Vec<(u16, u32, u64, u64)>> {
     let b = &c.conn.c2s.bytes;
-    let u32le = |at: usize| -> Result<u32> {
-        let s = b
-            .get(at..at + 4)
-            .ok_or_else(|| anyhow!("client stream ends before {}", at + 4))?;
-        Ok(u32::from_le_bytes(s.try_into().unwrap()))
-    };
-    let h_c = u32le(12)? as usize;
-    let common = if u32le(22)? > 0 {
-        u32le(16 + u32le(30)? as usize)?
-    } else {
-        0
-    };
-    let mut pos = 16 + h_c + if common & 1 != 0 { 4 } else { 0 } + 128;
     let hdr = if c.mini_header { 6 } else { 18 };
-    let mut out = Vec::new();
-    while pos + hdr <= b.len() {
-        let (ty, size) = if c.mini_header {
-            (u16::from_le_bytes([b[pos], b[pos + 1]]), u32le(pos + 2)?)
-        } else {
-            (
-                u16::from_le_bytes([b[pos + 8], b[pos + 9]]),
-                u32le(pos + 10)?,
-            )
-        };
-        let first = if size >= 4 { u32le(pos + hdr)? } else { 0 };
-        out.push((ty, first, (hdr + size as usize) as u64, pos as u64));
-        pos += hdr + size as usize;
-    }
-    Ok(out)
+    oracle::c2s_messages(c)?
+        .into_iter()
+        .map(|(ty, len, at)| {
+            let first = if len >= hdr + 4 {
+                let at = (at + hdr) as usize;
+                let s = b
+                    .get(at..at + 4)
+                    .ok_or_else(|| anyhow!("client stream ends before {}", at + 4))?;
+                u32::from_le_bytes(s.try_into().unwrap())
+            } else {
+                0
+            };
+            Ok((ty, first, len, at))
+        })
+        .collect()
 }
 
 /// spice-server's in-flight count at the end of a captured display or cursor connection, by
@@ -224,17 +184,6 @@ fn in_flight_range(c: &oracle::SpiceConn, from: f64, to: f64) -> Result<(i64, i6
     Ok((lo, hi))
 }
 
-/// Programs named `spice_*` loaded in the kernel (`bpftool prog show`).
-fn spice_programs() -> Result<Vec<String>> {
-    let out = common::sh(Command::new("bpftool").args(["prog", "show"]))?;
-    Ok(out
-        .lines()
-        .filter_map(|l| l.split_whitespace().skip_while(|w| *w != "name").nth(1))
-        .filter(|n| n.starts_with("spice_"))
-        .map(str::to_string)
-        .collect())
-}
-
 /// Mid-session, while the animation runs: the daemon killed with SIGKILL, stopped with
 /// SIGTERM, reloaded with SIGHUP (config `sample_ms` 100 -> 50: the log says it was applied
 /// and the landing page shows it) and restarted in place with SIGUSR2 (exit status 75, the
@@ -296,7 +245,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
         println!("restart {restarts}: {event:?} at {:?}", t0.elapsed());
         let before = Scrape::take(LISTEN)?;
         before.check_run(0.0)?;
-        let b = vm_totals(&before, vm);
+        let b = before.vm_totals(vm);
         ensure!(
             b.keys().any(|k| k.2 == "display"),
             "no display totals before restart {restarts}: {b:?}"
@@ -350,7 +299,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
                         );
                     }
                     ensure!(
-                        !spice_programs()?.is_empty(),
+                        !common::spice_programs()?.is_empty(),
                         "SIGUSR2: no spice_ program loaded after the exit"
                     );
                 }
@@ -382,7 +331,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
         }
         mid.push((restarts, t_a, t_b, counts));
         after.check_run(0.0)?;
-        let a = vm_totals(&after, vm);
+        let a = after.vm_totals(vm);
         continues(&b, &a, &format!("restart {restarts} ({event:?})"))?;
         let disp = |m: &BTreeMap<_, f64>| {
             m.get(&(
@@ -406,7 +355,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
     // channel 15 s after its start when idle: not in the middle of the comparison).
     thread::sleep(Duration::from_secs(17).saturating_sub(t0.elapsed()));
     let idle = Scrape::take(LISTEN)?;
-    continues(&last, &vm_totals(&idle, vm), "before the idle restart")?;
+    continues(&last, &idle.vm_totals(vm), "before the idle restart")?;
     d.stop(libc::SIGKILL)?;
     d = start_daemon(&config, &pins.path, &[])?;
     d.wait_line(
@@ -419,8 +368,8 @@ fn restart_continues_counts_exactly() -> Result<()> {
     let end = Scrape::take(LISTEN)?;
     let t_b = epoch();
     end.check_run(0.0)?;
-    let totals = vm_totals(&end, vm);
-    continues(&vm_totals(&idle, vm), &totals, "idle restart")?;
+    let totals = end.vm_totals(vm);
+    continues(&idle.vm_totals(vm), &totals, "idle restart")?;
     // The capture runs on for a second, so that it holds every packet up to the scrape; only
     // messages seen by the scrape's time are counted (a ping may come in between).
     thread::sleep(Duration::from_secs(1));
@@ -445,63 +394,8 @@ fn restart_continues_counts_exactly() -> Result<()> {
             c.messages.iter().map(|m| m.ty).take(20).collect::<Vec<_>>(),
             c.trailing
         );
-        let seen =
-            |d: &oracle::Direction, off: u64, t: f64| d.first_seen(off).is_some_and(|x| x <= t);
-        let complete: Vec<&oracle::Message> = c
-            .messages
-            .iter()
-            .filter(|m| m.last < c.conn.s2c.bytes.len() as u64)
-            .collect();
-        let client = c2s_messages(c)?;
-        // (messages, bytes) captured by time t, each direction.
-        let by = |t: f64| {
-            let s: Vec<&&oracle::Message> = complete
-                .iter()
-                .filter(|m| seen(&c.conn.s2c, m.start, t))
-                .collect();
-            let k: Vec<&(u16, u32, u64, u64)> = client
-                .iter()
-                .filter(|m| seen(&c.conn.c2s, m.3, t))
-                .collect();
-            (
-                (
-                    s.len() as u64,
-                    s.iter().map(|m| m.last + 1 - m.start).sum::<u64>(),
-                ),
-                (k.len() as u64, k.iter().map(|m| m.2).sum::<u64>()),
-            )
-        };
-        let (lo, hi) = (by(lo_t), by(hi_t));
-        for (dir, (lo_m, lo_b), (hi_m, hi_b)) in [
-            ("server_to_client", lo.0, hi.0),
-            ("client_to_server", lo.1, hi.1),
-        ] {
-            for leg in ["server", "relay_backend", "relay_client"] {
-                for (metric, lo, hi) in [
-                    ("spice_observer_messages_total", lo_m, hi_m),
-                    ("spice_observer_bytes_total", lo_b, hi_b),
-                ] {
-                    let got = totals
-                        .get(&(
-                            metric.to_string(),
-                            leg.to_string(),
-                            ty.to_string(),
-                            id.clone(),
-                            dir.to_string(),
-                        ))
-                        .copied()
-                        .ok_or_else(|| anyhow!("no {metric} {leg} {ty} {id} {dir}"))?;
-                    let line = format!(
-                        "{metric} {ty} {id} {dir} {leg}: daemon {got}, capture {lo}..={hi}"
-                    );
-                    println!("{line}");
-                    if got < lo as f64 || got > hi as f64 {
-                        wrong.push(line);
-                    }
-                    compared += 1;
-                }
-            }
-        }
+        let window = (oracle::captured_by(c, lo_t)?, oracle::captured_by(c, hi_t)?);
+        compared += daemon::compare_totals(&totals, c, window, &mut wrong)?;
         if ty == "display" || ty == "cursor" {
             let (a, w) = capture_in_flight(c, lo_t)?;
             let (b, _) = capture_in_flight(c, hi_t)?;
@@ -562,7 +456,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
         "SIGTERM removed the pins"
     );
     ensure!(
-        !spice_programs()?.is_empty(),
+        !common::spice_programs()?.is_empty(),
         "no spice_ program while pinned"
     );
     let said = pins.unpin()?;
@@ -576,10 +470,10 @@ fn restart_continues_counts_exactly() -> Result<()> {
     );
     // Program release is asynchronous (RCU); give it a moment.
     let t = Instant::now();
-    let mut left = spice_programs()?;
+    let mut left = common::spice_programs()?;
     while !left.is_empty() && t.elapsed() < Duration::from_secs(3) {
         thread::sleep(Duration::from_millis(100));
-        left = spice_programs()?;
+        left = common::spice_programs()?;
     }
     ensure!(
         left.is_empty(),
@@ -839,7 +733,10 @@ fn restart_unpin_refused_while_running() -> Result<()> {
         after.len() == before.len(),
         "pins {before:?} became {after:?}"
     );
-    ensure!(!spice_programs()?.is_empty(), "no spice_ program attached");
+    ensure!(
+        !common::spice_programs()?.is_empty(),
+        "no spice_ program attached"
+    );
     Scrape::take(LISTEN)?.check_run(0.0)?;
 
     let (ok, out, err) = run_bin(&["--unpin", "--force"], &pins.path)?;
@@ -871,7 +768,10 @@ fn restart_unpin_bind_mounted_pin_dir() -> Result<()> {
     Scrape::take(LISTEN)?.check_run(0.0)?;
     let (st, _) = d.stop(libc::SIGTERM)?;
     ensure!(st.success(), "SIGTERM: {st}");
-    ensure!(!spice_programs()?.is_empty(), "pins gone after SIGTERM");
+    ensure!(
+        !common::spice_programs()?.is_empty(),
+        "pins gone after SIGTERM"
+    );
     let p = pins.path.to_str().unwrap();
     let out = Command::new("unshare")
         .args(["-m", "sh", "-c"])
@@ -893,11 +793,11 @@ fn restart_unpin_bind_mounted_pin_dir() -> Result<()> {
     );
     let left: Vec<_> = std::fs::read_dir(&pins.path)?.collect();
     ensure!(left.is_empty(), "left in {p}: {left:?}");
-    let mut progs = spice_programs()?;
+    let mut progs = common::spice_programs()?;
     let t0 = Instant::now();
     while !progs.is_empty() && t0.elapsed() < Duration::from_secs(5) {
         thread::sleep(Duration::from_millis(100));
-        progs = spice_programs()?;
+        progs = common::spice_programs()?;
     }
     ensure!(progs.is_empty(), "programs still attached: {progs:?}");
     Ok(())

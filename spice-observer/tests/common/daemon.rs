@@ -16,7 +16,7 @@ use std::{
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 
-use super::PinDir;
+use super::{PinDir, oracle};
 
 /// How a [`Daemon`] that still runs is ended when dropped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -250,6 +250,10 @@ pub struct Sample {
     pub value: f64,
 }
 
+/// (metric, leg, channel, channel_id, direction) of a message or byte total
+/// ([`Scrape::vm_totals`]).
+pub type TotalKey = (String, String, String, String, String);
+
 /// A `/metrics` body parsed with the `prometheus-parse` crate.
 pub struct Scrape {
     /// The body as served.
@@ -341,6 +345,30 @@ impl Scrape {
         }
     }
 
+    /// Every `spice_observer_messages_total` and `_bytes_total` of `vm`: [`TotalKey`] → value.
+    pub fn vm_totals(&self, vm: &str) -> BTreeMap<TotalKey, f64> {
+        let mut out = BTreeMap::new();
+        for m in [
+            "spice_observer_messages_total",
+            "spice_observer_bytes_total",
+        ] {
+            for x in self.find(m, &[("vm", vm)]) {
+                let l = &x.labels;
+                out.insert(
+                    (
+                        m.to_string(),
+                        l["leg"].clone(),
+                        l["channel"].clone(),
+                        l["channel_id"].clone(),
+                        l["direction"].clone(),
+                    ),
+                    x.value,
+                );
+            }
+        }
+        out
+    }
+
     /// The run checks of a scrape (as [`super::check_run`] for a report): the expected hook
     /// set ([`super::expected_hook_set`]), `degraded` degraded features, and at least 9
     /// information-lost counters, every one 0.
@@ -359,4 +387,51 @@ impl Scrape {
         }
         Ok(())
     }
+}
+
+/// Compares the daemon's message and byte totals of captured connection `c` (`totals` from
+/// [`Scrape::vm_totals`]) with the capture: both directions on spice-server's socket and on
+/// the relay's two legs (`server`, `relay_backend`, `relay_client`) must lie within the
+/// capture's counts `lo..=hi` ([`oracle::captured_by`] at the two ends of the scrape's
+/// window). Prints a line per total, adds those outside to `wrong`, and returns how many were
+/// compared (12). An error if one of the totals is missing.
+pub fn compare_totals(
+    totals: &BTreeMap<TotalKey, f64>,
+    c: &oracle::SpiceConn,
+    (lo, hi): (oracle::Counts, oracle::Counts),
+    wrong: &mut Vec<String>,
+) -> Result<usize> {
+    let ty = oracle::type_name(c.channel_type);
+    let id = c.channel_id.to_string();
+    let mut compared = 0;
+    for (dir, (lo_m, lo_b), (hi_m, hi_b)) in [
+        ("server_to_client", lo.0, hi.0),
+        ("client_to_server", lo.1, hi.1),
+    ] {
+        for leg in ["server", "relay_backend", "relay_client"] {
+            for (metric, lo, hi) in [
+                ("spice_observer_messages_total", lo_m, hi_m),
+                ("spice_observer_bytes_total", lo_b, hi_b),
+            ] {
+                let got = totals
+                    .get(&(
+                        metric.to_string(),
+                        leg.to_string(),
+                        ty.to_string(),
+                        id.clone(),
+                        dir.to_string(),
+                    ))
+                    .copied()
+                    .ok_or_else(|| anyhow!("no {metric} {leg} {ty} {id} {dir}"))?;
+                let line =
+                    format!("{metric} {ty} {id} {dir} {leg}: daemon {got}, capture {lo}..={hi}");
+                println!("{line}");
+                if got < lo as f64 || got > hi as f64 {
+                    wrong.push(line);
+                }
+                compared += 1;
+            }
+        }
+    }
+    Ok(compared)
 }

@@ -90,6 +90,19 @@ pub fn sh(cmd: &mut Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// Names of the `spice_*` programs loaded in the kernel (`bpftool prog show`), sorted.
+pub fn spice_programs() -> Result<Vec<String>> {
+    let out = sh(Command::new("bpftool").args(["prog", "show"]))?;
+    let mut v: Vec<String> = out
+        .lines()
+        .filter_map(|l| l.split_whitespace().skip_while(|w| *w != "name").nth(1))
+        .filter(|n| n.starts_with("spice_"))
+        .map(str::to_string)
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
 /// A checker's verdict that must be silent: exit 0 and nothing on stdout or stderr (as
 /// `promtool check metrics` and `systemd-analyze verify` answer a clean input); otherwise an
 /// error naming `what` with its status and output.

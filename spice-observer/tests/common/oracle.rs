@@ -649,6 +649,61 @@ pub fn parse_capture(cap: &Path) -> Result<Vec<SpiceConn>> {
     Ok(out)
 }
 
+/// The client's data messages in a captured connection: (type, bytes with the header, stream
+/// offset of the header) in order, the last one possibly cut by the capture's end. Link
+/// message (16 + H_c), then the auth mechanism word if the client's common caps have
+/// PROTOCOL_AUTH_SELECTION (bit 0), then the 128-byte ticket (docs/spice-protocol.md §1.5),
+/// then headers of 6 (mini) or 18 bytes (§1.9). An error if the link phase is cut.
+pub fn c2s_messages(c: &SpiceConn) -> Result<Vec<(u16, u64, u64)>> {
+    let b = &c.conn.c2s.bytes;
+    let h_c = u32le(b, 12)? as usize;
+    let common = if u32le(b, 22)? > 0 {
+        u32le(b, 16 + u32le(b, 30)? as usize)?
+    } else {
+        0
+    };
+    let mut pos = 16 + h_c + if common & 1 != 0 { 4 } else { 0 } + 128;
+    let hdr = if c.mini_header { 6 } else { 18 };
+    let mut out = Vec::new();
+    while pos + hdr <= b.len() {
+        let (ty, size) = if c.mini_header {
+            (u16::from_le_bytes([b[pos], b[pos + 1]]), u32le(b, pos + 2)?)
+        } else {
+            (
+                u16::from_le_bytes([b[pos + 8], b[pos + 9]]),
+                u32le(b, pos + 10)?,
+            )
+        };
+        out.push((ty, (hdr + size as usize) as u64, pos as u64));
+        pos += hdr + size as usize;
+    }
+    Ok(out)
+}
+
+/// ((server → client messages, bytes), (client → server messages, bytes)) of a captured
+/// connection ([`captured_by`]).
+pub type Counts = ((u64, u64), (u64, u64));
+
+/// The [`Counts`] of `c` whose header the capture saw by `t` (epoch seconds): the server →
+/// client messages captured whole ([`SpiceConn::messages`]) and the client's
+/// ([`c2s_messages`]), bytes with the header.
+pub fn captured_by(c: &SpiceConn, t: f64) -> Result<Counts> {
+    let seen = |d: &Direction, off: u64| d.first_seen(off).is_some_and(|x| x <= t);
+    let s: Vec<&Message> = c
+        .messages
+        .iter()
+        .filter(|m| m.last < c.conn.s2c.bytes.len() as u64 && seen(&c.conn.s2c, m.start))
+        .collect();
+    let k: Vec<(u16, u64, u64)> = c2s_messages(c)?
+        .into_iter()
+        .filter(|m| seen(&c.conn.c2s, m.2))
+        .collect();
+    Ok((
+        (s.len() as u64, s.iter().map(|m| m.last + 1 - m.start).sum()),
+        (k.len() as u64, k.iter().map(|m| m.1).sum()),
+    ))
+}
+
 /// Channel type name as the observer writes it (§2.1).
 pub fn type_name(t: u8) -> &'static str {
     match t {
