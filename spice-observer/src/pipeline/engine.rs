@@ -836,17 +836,23 @@ impl Engine {
                 );
             }
         }
+        Ok(self.add_root(tgid, tgids, ports, existing.len()))
+    }
+
+    /// Records `tgid` (with `tgids`, itself and the children watched for it) as watched and
+    /// returns what watching it found.
+    fn add_root(&mut self, tgid: u32, tgids: Vec<u32>, ports: usize, existing: usize) -> Watched {
         let watched = Watched {
             pid: tgid,
             comm: sockdiag::comm(tgid).unwrap_or_default(),
             ports_enrolled: ports,
-            existing_connections: existing.len(),
+            existing_connections: existing,
         };
         self.roots.push(Root {
             watched: watched.clone(),
             tgids,
         });
-        Ok(watched)
+        watched
     }
 
     /// How this engine found its pin directory ([`Restart::Unpinned`] without one).
@@ -912,17 +918,7 @@ impl Engine {
             self.model
                 .add_existing_as(e.cookie, e.pid, e.local, e.remote, now, reason);
         }
-        let watched = Watched {
-            pid: tgid,
-            comm: sockdiag::comm(tgid).unwrap_or_default(),
-            ports_enrolled: ports,
-            existing_connections: existing.len(),
-        };
-        self.roots.push(Root {
-            watched: watched.clone(),
-            tgids,
-        });
-        Ok(watched)
+        Ok(self.add_root(tgid, tgids, ports, existing.len()))
     }
 
     /// Stops watching `pid` and its children (the process exited or is no longer a target);
