@@ -53,7 +53,7 @@ pub struct KernelConfig {
 /// ...), of the ring records and of [`KernelConfig`], and the meaning of their fields. Bump it
 /// with any such change: a new agent that finds another version pinned reloads the programs
 /// and marks the open channels `restarted` instead of misreading the old state.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 
 /// Values of the `WATCHED_TGIDS` map (key: tgid): the pid the watch descends from (the one
 /// given to `--pid` or found by discovery; forked children inherit it) in the low bits, and
@@ -81,6 +81,22 @@ pub mod watch {
     pub const ROUTE_PRIMARY: u8 = 2;
     /// [`route`] bit: records to `TAP_EVENTS`.
     pub const ROUTE_TAP: u8 = 1;
+}
+
+/// Values of the `PREEXISTING` map (key: socket cookie): a connection that was open before
+/// observation started, so its framing begins by hunting for message boundaries
+/// ([`crate::framing::Phase::Hunt`]). The value tells which SPICE role each direction has,
+/// from how the socket came to be: SPICE clients always connect and servers always accept
+/// (`docs/spice-protocol.md` §1.1), relays included (a relay accepts the client and connects
+/// to the server), so an accepted socket sends server → client bytes.
+pub mod preexisting {
+    /// Role not known: hunting validates types of both directions' sets.
+    pub const UNKNOWN: u8 = 1;
+    /// Accepted from a listener (its local port is a listening port): sends are
+    /// server → client, receives client → server.
+    pub const ACCEPTED: u8 = 2;
+    /// Connected by the process: sends are client → server, receives server → client.
+    pub const CONNECTED: u8 = 3;
 }
 
 /// Indexes into the `LAYOUT` array map, which records what a pinned set of maps holds.
@@ -128,8 +144,16 @@ pub mod counter {
     /// A `TAP_EVENTS` record could not be reserved (that ring full): information lost for an
     /// `observe` beside the daemon, not for the daemon (not in [`is_loss`]; see [`is_tap_loss`]).
     pub const TAP_RING_FULL: u32 = 11;
+    /// Hunting candidates tried: a header validated at a call start of a direction that has
+    /// lost (or never had) its message boundaries (self metric, not a loss).
+    pub const HUNT_CANDIDATES: u32 = 12;
+    /// Locks: a hunting direction found its message boundaries again (self metric).
+    pub const LOCKS: u32 = 13;
+    /// Resyncs: a framed direction met a header that failed validation and went back to
+    /// hunting (the bytes until the next lock are not framed; see `DirState::unframed`).
+    pub const RESYNCS: u32 = 14;
     /// Number of counters.
-    pub const COUNT: u32 = 12;
+    pub const COUNT: u32 = 15;
 
     /// Names used in reports and JSON (`kernel_counters`), by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -145,6 +169,9 @@ pub mod counter {
         "messages_framed",
         "sockops_updates",
         "tap_ring_full",
+        "hunt_candidates",
+        "locks",
+        "resyncs",
     ];
 
     /// True for counters that mean information was lost (they add up to `events_lost`).

@@ -25,6 +25,12 @@ pub mod kind {
     pub const EXIT: u8 = 6;
     /// [`super::CloseEvent`]: a tracked socket closed.
     pub const CLOSE: u8 = 7;
+    /// [`super::HuntEvent`]: a direction has no message boundaries (joined mid-stream, or a
+    /// header failed validation) and hunts for them.
+    pub const HUNT: u8 = 8;
+    /// [`super::LockEvent`]: a hunting direction found its boundaries; the next message
+    /// record of that direction (flag [`super::msg_flags::LOCK`]) is the first one counted.
+    pub const LOCK: u8 = 9;
 }
 
 /// Direction of bytes relative to the watched process ([`EventHeader::dir`]).
@@ -40,6 +46,31 @@ pub mod msg_flags {
     /// Reported from a send call that failed with EAGAIN before any byte was taken: spice-server
     /// has already counted the message (`docs/spice-protocol.md` §3.2).
     pub const EAGAIN_START: u8 = 1;
+    /// The first message after a lock ([`super::LockEvent`] just before it): the messages
+    /// between the previous counted one and this one were not framed.
+    pub const LOCK: u8 = 2;
+}
+
+/// How a hunting direction found its boundaries ([`LockEvent::how`]).
+pub mod lock_how {
+    /// The chain began at a send call that followed a send which moved everything it was
+    /// asked: spice-server writes one message per writev and spice-gtk one per write, so the
+    /// next write starts a message (`docs/spice-protocol.md` §4.2, §4.7).
+    pub const SEND_AFTER_COMPLETE: u8 = 1;
+    /// The chain began at a receive call that asked for exactly a data header (6 or 18 bytes)
+    /// and got it: spice-server reads the header, then the body (§4.6).
+    pub const RECV_HEADER_READ: u8 = 2;
+    /// The chain began at a call start without such an anchor (relays): content alone.
+    pub const CONTENT: u8 = 3;
+    /// Short name for reports and JSON.
+    pub const fn name(how: u8) -> &'static str {
+        match how {
+            SEND_AFTER_COMPLETE => "send_after_complete",
+            RECV_HEADER_READ => "recv_header_read",
+            CONTENT => "content",
+            _ => "none",
+        }
+    }
 }
 
 /// Common prefix of every record. 24 bytes.
@@ -119,6 +150,57 @@ pub struct UnparsedEvent {
     pub reason: u8,
     pub _pad: [u8; 3],
     pub detail: u32,
+}
+
+/// A direction lost (or never had) its message boundaries and hunts for them from stream
+/// offset `at`. 48 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HuntEvent {
+    pub hdr: EventHeader,
+    /// Stream offset from which bytes are not framed until the next [`LockEvent`].
+    pub at: u64,
+    /// Why ([`crate::framing::UnparsedReason`]): `AttachedMidStream` for a connection open
+    /// before observation started, `BadHeader` for a header that failed validation.
+    pub reason: u8,
+    /// [`crate::framing::Role`] the hunt assumes for this direction (0: unknown).
+    pub role: u8,
+    pub _pad: [u8; 2],
+    /// Detail of the reason (`BadHeader`: the type that failed).
+    pub detail: u32,
+    /// Locks of this direction lost so far, this one included ([`DirState::resyncs`]).
+    pub resyncs: u32,
+    pub _pad2: u32,
+}
+
+/// A hunting direction locked on its message boundaries. 64 bytes. The next message record of
+/// this direction carries [`msg_flags::LOCK`] and is the first one counted after the lock.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LockEvent {
+    pub hdr: EventHeader,
+    /// Stream offset of the first counted message's header.
+    pub at: u64,
+    /// Bytes not framed in this hunt (from its [`HuntEvent::at`] to `at`).
+    pub skipped: u64,
+    /// Ordinal the first counted message gets ([`MessageEvent::index`]).
+    pub index: u64,
+    /// [`lock_how`]: what the validated chain began at.
+    pub how: u8,
+    /// Consecutive headers that validated, the lock message's included.
+    pub run: u8,
+    /// 6 (mini) or 18 (full), as the chain found it.
+    pub hdr_len: u8,
+    /// [`crate::framing::Role`] of this direction.
+    pub role: u8,
+    /// Channel types every validated header fits (bit `1 << channel_type`,
+    /// [`crate::protocol::channel`]): a hint for the agent's inference.
+    pub channel_mask: u16,
+    pub _pad: u16,
+    /// Candidates this direction tried so far ([`DirState::candidates`]).
+    pub candidates: u32,
+    /// Locks this direction lost so far ([`DirState::resyncs`]).
+    pub resyncs: u32,
 }
 
 /// First use of a TCP socket by a watched process.

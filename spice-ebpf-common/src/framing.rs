@@ -18,11 +18,15 @@
 //! Zeroed memory is the valid initial state ([`DirState::default`] is all zeros), so the kernel
 //! can create an entry from a zero template without a 200-byte stack copy.
 
-use crate::protocol::{
-    AUTH_MECHANISM_LEN, AUTH_MECHANISM_SASL, AUTH_MECHANISM_SPICE, CAP_AUTH_SELECTION,
-    CAP_MINI_HEADER, FULL_HEADER_LEN, LINK_HEADER_LEN, LINK_MESS_MAX, LINK_MESS_MIN,
-    LINK_REPLY_CAPS_FIELDS, LINK_REPLY_MIN, LINK_RESULT_LEN, MINI_HEADER_LEN, SPICE_MAGIC,
-    SPICE_VERSION_MAJOR, TICKET_LEN, channel, msg_client, msg_server,
+use crate::{
+    event::lock_how,
+    protocol::{
+        AUTH_MECHANISM_LEN, AUTH_MECHANISM_SASL, AUTH_MECHANISM_SPICE, CAP_AUTH_SELECTION,
+        CAP_MINI_HEADER, FULL_HEADER_LEN, LINK_HEADER_LEN, LINK_MESS_MAX, LINK_MESS_MIN,
+        LINK_REPLY_CAPS_FIELDS, LINK_REPLY_MIN, LINK_RESULT_LEN, MINI_HEADER_LEN, SPICE_MAGIC,
+        SPICE_VERSION_MAJOR, TICKET_LEN, c2s_channels, channel, msg_client, msg_server,
+        s2c_channels,
+    },
 };
 
 /// Size of the per-direction scratch buffer. Elements never exceed [`MAX_WANT`] bytes; the rest
@@ -37,6 +41,17 @@ pub const MAX_WANT: u32 = 26;
 pub const MAX_MESSAGE_SIZE: u32 = 256 << 20;
 /// Largest message type accepted: the highest defined number is display 322 (`spice.proto`).
 pub const MAX_MESSAGE_TYPE: u16 = 1000;
+/// Largest body size a hunted header may claim (16 MiB): real messages stay at a few MiB
+/// (`docs/spice-protocol.md` §5.5), and a random 32-bit size passes with odds 1 in 256.
+pub const MAX_HUNT_SIZE: u32 = 16 << 20;
+/// Consecutive valid headers that lock a hunt whose chain began at an anchor of the peer's
+/// call pattern ([`lock_how::SEND_AFTER_COMPLETE`], [`lock_how::RECV_HEADER_READ`]).
+pub const LOCK_RUN_ANCHORED: u8 = 3;
+/// Consecutive valid headers that lock a hunt on content alone ([`lock_how::CONTENT`]).
+pub const LOCK_RUN_CONTENT: u8 = 4;
+/// `want_at` of a hunting direction with no candidate: nothing is read until the next call
+/// start offers one ([`DirState::hunt_call_start`]).
+pub const NOWHERE: u64 = u64::MAX;
 
 /// What the state machine is reading next in one direction.
 #[repr(u8)]
@@ -63,6 +78,9 @@ pub enum Phase {
     DataPrefix = 8,
     /// Framing stopped; see [`DirState::reason`].
     Unparsed = 9,
+    /// Message boundaries unknown (joined mid-stream, or a header failed validation): hunting
+    /// for a chain of valid headers ([`DirState::hunt_call_start`]); `reason` says why.
+    Hunt = 10,
 }
 
 /// Which way this direction's bytes flow in SPICE terms (decided at its link header: the
@@ -237,7 +255,34 @@ pub struct DirState {
     /// Client link message: channel type and id.
     pub channel_type: u8,
     pub channel_id: u8,
-    pub _pad: [u8; 6],
+    /// Hunting: consecutive headers validated in the current chain (0: no chain yet).
+    pub run: u8,
+    /// Hunting: [`lock_how`] of what the current chain began at.
+    pub how: u8,
+    /// 1 when `hdr_len` came from the link phase: hunting then tries only that length.
+    pub hdr_fixed: u8,
+    /// 1 when the previous call of this direction moved every byte it asked for (kept by the
+    /// kernel for send calls while hunting: the anchor of [`lock_how::SEND_AFTER_COMPLETE`]).
+    pub call_complete: u8,
+    /// Set at a lock until the lock message is reported ([`MessageInfo::lock`]).
+    pub lock_pending: u8,
+    /// 1 once this direction hunted: `msg_count` counts messages from its first lock, not
+    /// from the link phase.
+    pub joined: u8,
+    /// Hunting: channel types every header of the chain fits ([`crate::protocol::channel_bit`]).
+    pub chain_mask: u16,
+    pub _pad: u16,
+    /// Hunting, full headers: low 32 bits of the chain's last serial.
+    pub last_serial: u32,
+    /// Locks lost: a header failed validation and the direction went back to hunting.
+    pub resyncs: u32,
+    /// Hunting candidates whose first header validated.
+    pub candidates: u32,
+    /// Stream offset where the current (or last) hunt began.
+    pub hunt_from: u64,
+    /// Bytes not framed because the direction was hunting, all hunts (lock offset minus hunt
+    /// start, summed at each lock).
+    pub unframed: u64,
     /// The element being read.
     pub buf: [u8; BUF_LEN],
 }
@@ -290,6 +335,8 @@ pub struct MessageInfo {
     /// First body words, little-endian: SET_ACK (generation, window), ACK_SYNC (generation, 0),
     /// main INIT (session_id, 0); zero otherwise.
     pub prefix: [u32; 2],
+    /// [`lock_how`] if this is the first message counted after a lock, else 0.
+    pub lock: u8,
 }
 
 /// Result of completing an element. (Never crosses a BPF function boundary; see
@@ -301,6 +348,12 @@ pub enum Output {
     Message(MessageInfo),
     /// Framing stopped at stream offset `at`.
     Unparsed {
+        reason: UnparsedReason,
+        detail: u32,
+        at: u64,
+    },
+    /// Boundaries lost (or unknown) from stream offset `at`: hunting ([`Phase::Hunt`]).
+    Hunt {
         reason: UnparsedReason,
         detail: u32,
         at: u64,
@@ -375,6 +428,7 @@ impl DirState {
             7 => Phase::DataHeader,
             8 => Phase::DataPrefix,
             9 => Phase::Unparsed,
+            10 => Phase::Hunt,
             _ => Phase::LinkHeader,
         }
     }
@@ -427,6 +481,7 @@ impl DirState {
             } else {
                 FULL_HEADER_LEN
             };
+            self.hdr_fixed = 1;
             self.want_len = self.hdr_len as u32;
             self.have = 0;
         }
@@ -438,7 +493,7 @@ impl DirState {
     #[inline(always)]
     pub fn need(&self) -> (u64, u32) {
         (
-            self.want_at + self.have as u64,
+            self.want_at.saturating_add(self.have as u64),
             self.want_len.saturating_sub(self.have),
         )
     }
@@ -618,25 +673,8 @@ impl DirState {
                 self.hdr_len = 0;
                 Output::None
             }
-            Phase::DataHeader => {
-                let (msg_type, size) = if self.hdr_len == FULL_HEADER_LEN {
-                    (le_u16(&self.buf, 8), le_u32(&self.buf, 10))
-                } else {
-                    (le_u16(&self.buf, 0), le_u32(&self.buf, 2))
-                };
-                if msg_type == 0 || msg_type > MAX_MESSAGE_TYPE || size > MAX_MESSAGE_SIZE {
-                    return self.stop(UnparsedReason::BadHeader, msg_type as u32);
-                }
-                self.msg_type = msg_type;
-                self.msg_size = size;
-                let extra = prefix_len(Role::from_u8(self.role), self.channel_type, msg_type, size);
-                if extra > 0 {
-                    self.want_len = self.hdr_len as u32 + extra;
-                    self.phase = Phase::DataPrefix as u8;
-                    return Output::None;
-                }
-                self.finish_message([0, 0])
-            }
+            Phase::DataHeader => self.data_header(),
+            Phase::Hunt => self.hunt_header(),
             Phase::DataPrefix => {
                 // Constant offsets only (hdr_len is 6 or 18): the kernel verifier refuses
                 // variable-offset reads of a stack copy.
@@ -655,6 +693,164 @@ impl DirState {
         }
     }
 
+    /// A complete data header is in `buf` (`hdr_len` bytes): validate it loosely (a framed
+    /// stream accepts any type up to [`MAX_MESSAGE_TYPE`]), then read its prefix or report it.
+    /// A header that fails goes back to hunting ([`Self::hunt`], counted in `resyncs`).
+    #[inline(always)]
+    fn data_header(&mut self) -> Output {
+        let (msg_type, size) = if self.hdr_len == FULL_HEADER_LEN {
+            (le_u16(&self.buf, 8), le_u32(&self.buf, 10))
+        } else {
+            (le_u16(&self.buf, 0), le_u32(&self.buf, 2))
+        };
+        if msg_type == 0 || msg_type > MAX_MESSAGE_TYPE || size > MAX_MESSAGE_SIZE {
+            return self.hunt(UnparsedReason::BadHeader, msg_type as u32, self.want_at);
+        }
+        self.msg_type = msg_type;
+        self.msg_size = size;
+        let extra = prefix_len(Role::from_u8(self.role), self.channel_type, msg_type, size);
+        if extra > 0 {
+            self.want_len = self.hdr_len as u32 + extra;
+            self.phase = Phase::DataPrefix as u8;
+            return Output::None;
+        }
+        self.finish_message([0, 0])
+    }
+
+    /// Starts hunting for message boundaries from stream offset `at`: a connection joined
+    /// mid-stream ([`UnparsedReason::AttachedMidStream`], `role` from how the socket was made,
+    /// see [`crate::config::preexisting`]) or a header that failed validation
+    /// ([`UnparsedReason::BadHeader`], counted in `resyncs`). Nothing is read until a call
+    /// start offers a candidate ([`Self::hunt_call_start`]).
+    #[inline(always)]
+    pub fn hunt(&mut self, reason: UnparsedReason, detail: u32, at: u64) -> Output {
+        if self.phase != Phase::Hunt as u8 && reason != UnparsedReason::AttachedMidStream {
+            self.resyncs = self.resyncs.wrapping_add(1);
+        }
+        self.phase = Phase::Hunt as u8;
+        self.reason = reason as u8;
+        self.detail = detail;
+        self.joined = 1;
+        self.run = 0;
+        self.lock_pending = 0;
+        self.hunt_from = at;
+        self.want_at = NOWHERE;
+        self.want_len = 0;
+        self.have = 0;
+        Output::Hunt { reason, detail, at }
+    }
+
+    /// A call of this direction starts at stream offset `at` (its first byte) while hunting:
+    /// offers it as a candidate header start. `anchor` says what the call start is
+    /// ([`lock_how`]); `hdr` is the header length a receive asked for exactly (6 or 18), else
+    /// 0. A chain that expects a header exactly here continues; an anchored call start
+    /// replaces any other chain or candidate; a plain call start (content) is taken only when
+    /// nothing is pending. No effect outside [`Phase::Hunt`].
+    #[inline(always)]
+    pub fn hunt_call_start(&mut self, at: u64, anchor: u8, hdr: u8) {
+        if self.phase != Phase::Hunt as u8 {
+            return;
+        }
+        if self.run > 0 && self.want_at == at && self.have == 0 {
+            return;
+        }
+        let pending = self.want_at != NOWHERE;
+        if pending && anchor == lock_how::CONTENT {
+            return;
+        }
+        self.run = 0;
+        self.how = anchor;
+        self.chain_mask = 0;
+        self.want_at = at;
+        self.have = 0;
+        self.want_len = if hdr == MINI_HEADER_LEN || hdr == FULL_HEADER_LEN {
+            hdr as u32
+        } else if self.hdr_fixed != 0 {
+            self.hdr_len as u32
+        } else {
+            MINI_HEADER_LEN as u32
+        };
+    }
+
+    /// A complete candidate header is in `buf` (`want_len` bytes) while hunting. It must fit
+    /// some channel type in this direction ([`s2c_channels`] / [`c2s_channels`]: a known type
+    /// with a size it can have), the same channel types as the chain's earlier headers, a size
+    /// up to [`MAX_HUNT_SIZE`], and for full headers a serial one above the previous one.
+    /// [`LOCK_RUN_ANCHORED`] or [`LOCK_RUN_CONTENT`] such headers in a row lock: the last one
+    /// becomes the first counted message. A mini header that fails a fresh candidate is tried
+    /// again as a full header; any other failure drops the chain.
+    #[inline(always)]
+    fn hunt_header(&mut self) -> Output {
+        let at = self.want_at;
+        let full = self.want_len == FULL_HEADER_LEN as u32;
+        let (msg_type, size) = if full {
+            (le_u16(&self.buf, 8), le_u32(&self.buf, 10))
+        } else {
+            (le_u16(&self.buf, 0), le_u32(&self.buf, 2))
+        };
+        let role = Role::from_u8(self.role);
+        let mut mask = match role {
+            Role::ServerToClient => s2c_channels(msg_type, size),
+            Role::ClientToServer => c2s_channels(msg_type, size),
+            Role::Unknown => s2c_channels(msg_type, size) | c2s_channels(msg_type, size),
+        };
+        if size > MAX_HUNT_SIZE {
+            mask = 0;
+        }
+        let serial = le_u32(&self.buf, 0);
+        if full {
+            let serial_ok = le_u32(&self.buf, 4) == 0
+                && serial != 0
+                && (self.run == 0 || serial == self.last_serial.wrapping_add(1))
+                && le_u32(&self.buf, 14) <= size;
+            if !serial_ok {
+                mask = 0;
+            }
+        }
+        if self.run > 0 {
+            mask &= self.chain_mask;
+        }
+        if mask == 0 {
+            if self.run == 0
+                && !full
+                && self.hdr_fixed == 0
+                && self.how != lock_how::RECV_HEADER_READ
+            {
+                self.want_len = FULL_HEADER_LEN as u32;
+                return Output::None;
+            }
+            self.run = 0;
+            self.want_at = NOWHERE;
+            self.want_len = 0;
+            self.have = 0;
+            return Output::None;
+        }
+        if self.run == 0 {
+            self.candidates = self.candidates.wrapping_add(1);
+        }
+        self.chain_mask = mask;
+        self.run = self.run.saturating_add(1);
+        self.last_serial = serial;
+        let need = if self.how == lock_how::CONTENT {
+            LOCK_RUN_CONTENT
+        } else {
+            LOCK_RUN_ANCHORED
+        };
+        if self.run >= need {
+            self.unframed = self
+                .unframed
+                .wrapping_add(at.saturating_sub(self.hunt_from));
+            self.hdr_len = self.want_len as u8;
+            self.phase = Phase::DataHeader as u8;
+            self.lock_pending = 1;
+            return self.data_header();
+        }
+        let next = at + self.want_len as u64 + size as u64;
+        self.want_at = next;
+        self.have = 0;
+        Output::None
+    }
+
     #[inline(always)]
     fn finish_message(&mut self, prefix: [u32; 2]) -> Output {
         let at = self.want_at;
@@ -665,6 +861,8 @@ impl DirState {
         }
         let hdr_len = self.hdr_len;
         let size = self.msg_size;
+        let lock = if self.lock_pending != 0 { self.how } else { 0 };
+        self.lock_pending = 0;
         let out = MessageInfo {
             at,
             index: self.msg_count,
@@ -673,6 +871,7 @@ impl DirState {
             hdr_len,
             already_reported,
             prefix,
+            lock,
         };
         self.want(
             at + hdr_len as u64 + size as u64,
@@ -732,8 +931,23 @@ impl DirState {
 /// `segments`, in order) through `st`, calling `emit` for every output. Bytes before `st.pos`
 /// are never seen again; bodies are skipped by offset, not copied. Used by the unit tests, the
 /// scripted-peer checks and anything that frames captured bytes on the host.
-pub fn feed<F: FnMut(Output)>(st: &mut DirState, peer: &PeerView, segments: &[&[u8]], mut emit: F) {
+pub fn feed<F: FnMut(Output)>(st: &mut DirState, peer: &PeerView, segments: &[&[u8]], emit: F) {
+    feed_call(st, peer, segments, lock_how::CONTENT, 0, emit)
+}
+
+/// [`feed`] for a call whose start is an anchor of the peer's call pattern while hunting:
+/// `anchor` and `hdr` as in [`DirState::hunt_call_start`] (the kernel works them out from the
+/// call's arguments and the previous call's result).
+pub fn feed_call<F: FnMut(Output)>(
+    st: &mut DirState,
+    peer: &PeerView,
+    segments: &[&[u8]],
+    anchor: u8,
+    hdr: u8,
+    mut emit: F,
+) {
     let call_start = st.pos;
+    st.hunt_call_start(call_start, anchor, hdr);
     let total: u64 = segments.iter().map(|s| s.len() as u64).sum();
     let call_end = call_start + total;
     let mut seg_i = 0usize;

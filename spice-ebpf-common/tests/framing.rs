@@ -87,6 +87,13 @@ fn msgs(out: &[Output]) -> Vec<MessageInfo> {
         .collect()
 }
 
+fn hunt(out: &[Output]) -> (UnparsedReason, u32, u64) {
+    match out {
+        [Output::Hunt { reason, detail, at }] => (*reason, *detail, *at),
+        other => panic!("expected one Hunt output, got {other:?}"),
+    }
+}
+
 fn unparsed(out: &[Output]) -> (UnparsedReason, u32, u64) {
     match out {
         [Output::Unparsed { reason, detail, at }] => (*reason, *detail, *at),
@@ -104,6 +111,7 @@ fn m(at: u64, index: u64, msg_type: u16, size: u32, hdr_len: u8) -> MessageInfo 
         hdr_len,
         already_reported: false,
         prefix: [0, 0],
+        lock: 0,
     }
 }
 
@@ -734,7 +742,7 @@ fn error_reply_after_ok_reply() {
 }
 
 #[test]
-fn bad_headers_stop_at_their_offset() {
+fn bad_headers_start_a_hunt_at_their_offset() {
     let sess = display_session();
     // Type 0 as the third message.
     let mut k = Sock::default();
@@ -746,7 +754,7 @@ fn bad_headers_stop_at_their_offset() {
     assert_eq!(out.len(), 3);
     assert_eq!(msgs(&out[..2]).len(), 2);
     assert_eq!(
-        unparsed(&out[2..]),
+        hunt(&out[2..]),
         (UnparsedReason::BadHeader, 0, 206 + 16 + 6)
     );
 
@@ -758,7 +766,7 @@ fn bad_headers_stop_at_their_offset() {
     bytes.extend(wire::full_header(2, 304, MAX_MESSAGE_SIZE + 1, 0));
     let out = k.s(&[&bytes]);
     assert_eq!(msgs(&out[..1]), vec![m(202, 1, 102, 0, 18)]);
-    assert_eq!(unparsed(&out[1..]), (UnparsedReason::BadHeader, 304, 220));
+    assert_eq!(hunt(&out[1..]), (UnparsedReason::BadHeader, 304, 220));
     // MAX_MESSAGE_SIZE itself is accepted.
     let mut k = Sock::default();
     k.link(&sess);
@@ -770,7 +778,7 @@ fn bad_headers_stop_at_their_offset() {
     let mut k = Sock::default();
     k.link(&sess);
     let out = k.c(&[&wire::mini_header(1001, 0)]);
-    assert_eq!(unparsed(&out), (UnparsedReason::BadHeader, 1001, 170));
+    assert_eq!(hunt(&out), (UnparsedReason::BadHeader, 1001, 170));
 }
 
 #[test]

@@ -25,8 +25,8 @@ use aya_ebpf::helpers::{
 use spice_ebpf_common::{
     config::{MAX_STEPS_PER_CALL, counter},
     event::{
-        EventHeader, LinkEvent, MessageEvent, PendingCall, SockState, SocketEvent, TcpSnapshot,
-        UnparsedEvent, call_kind, dir as dirs, kind, msg_flags, tcp_source,
+        EventHeader, HuntEvent, LinkEvent, MessageEvent, PendingCall, SockState, SocketEvent,
+        TcpSnapshot, UnparsedEvent, call_kind, dir as dirs, kind, msg_flags, tcp_source,
     },
     framing::{
         BUF_LEN, DirState, LinkInfo, MAX_WANT, MessageInfo, Output, PeerView, Role, UnparsedReason,
@@ -97,7 +97,27 @@ fn emit(ec: &EmitCtx, out: &Output, st: &DirState, peer: &PeerView) {
         Output::Unparsed { reason, detail, at } => {
             emit_unparsed(&ec.hdr, ec.route, *reason as u8, *detail, *at)
         }
+        Output::Hunt { reason, detail, at } => {
+            count(counter::RESYNCS);
+            emit_hunt(&ec.hdr, ec.route, *reason as u8, *detail, *at, st)
+        }
     }
+}
+
+#[inline(never)]
+fn emit_hunt(hdr: &EventHeader, route: u8, reason: u8, detail: u32, at: u64, st: &DirState) {
+    let (role, resyncs) = (st.role, st.resyncs);
+    write_record::<HuntEvent>(route, |p| unsafe {
+        (*p).hdr = *hdr;
+        (*p).hdr.kind = kind::HUNT;
+        (*p).at = at;
+        (*p).reason = reason;
+        (*p).role = role;
+        (*p)._pad = [0; 2];
+        (*p).detail = detail;
+        (*p).resyncs = resyncs;
+        (*p)._pad2 = 0;
+    });
 }
 
 /// Writes the record of a [`DirState::stop`] or [`DirState::prepare`] output (of those, only

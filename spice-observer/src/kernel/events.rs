@@ -5,8 +5,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use anyhow::{Result, bail};
 use spice_ebpf_common::{
     event::{
-        CloseEvent, EventHeader, LinkEvent, MessageEvent, ProcEvent, SocketEvent, TcpSnapshot,
-        UnparsedEvent, kind,
+        CloseEvent, EventHeader, HuntEvent, LinkEvent, LockEvent, MessageEvent, ProcEvent,
+        SocketEvent, TcpSnapshot, UnparsedEvent, kind,
     },
     framing::UnparsedReason,
 };
@@ -34,6 +34,12 @@ pub enum Event {
         reason: UnparsedReason,
         detail: u32,
     },
+    /// Direction `hdr.dir` has no message boundaries from stream offset `at` and hunts for
+    /// them: joined mid-stream, or a header failed validation.
+    Hunt(HuntEvent),
+    /// Direction `hdr.dir` locked on its boundaries again; its next message record is the
+    /// first one counted.
+    Lock(LockEvent),
     /// A watched process forked `child`.
     Fork {
         hdr: EventHeader,
@@ -101,6 +107,8 @@ pub fn decode(buf: &[u8]) -> Result<Event> {
                 detail: e.detail,
             }
         }
+        kind::HUNT => Event::Hunt(read(buf)?),
+        kind::LOCK => Event::Lock(read(buf)?),
         kind::FORK => {
             let e: ProcEvent = read(buf)?;
             Event::Fork {

@@ -969,9 +969,13 @@ impl Capture {
         Ok(())
     }
 
-    /// Marks a socket that existed before observation started: it is reported, never framed.
-    pub fn mark_preexisting(&mut self, cookie: u64) -> Result<()> {
-        self.hash::<u64, u8>("PREEXISTING")?.insert(cookie, 1, 0)?;
+    /// Marks a socket that existed before observation started: the kernel hunts for its
+    /// message boundaries instead of expecting a link phase. `how` is one of
+    /// [`spice_ebpf_common::config::preexisting`] (whether the socket was accepted or
+    /// connected, which gives each direction's SPICE role).
+    pub fn mark_preexisting(&mut self, cookie: u64, how: u8) -> Result<()> {
+        self.hash::<u64, u8>("PREEXISTING")?
+            .insert(cookie, how, 0)?;
         Ok(())
     }
 

@@ -34,6 +34,40 @@ pub struct Unparsed {
     pub at: u64,
 }
 
+/// A direction without message boundaries, hunting for them (kernel `Phase::Hunt`): a
+/// connection joined mid-stream, or one whose header failed validation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hunting {
+    /// `AttachedMidStream` (joined) or `BadHeader` (a lock lost; detail: the type).
+    pub reason: UnparsedReason,
+    pub detail: u32,
+    /// Stream offset (bytes) from which nothing is framed until the next lock.
+    pub at: u64,
+    /// When the hunt began (CLOCK_MONOTONIC ns: the record's time, or when the agent found
+    /// the connection).
+    pub since_ns: u64,
+}
+
+/// The newest lock of a direction that hunted ([`spice_ebpf_common::event::LockEvent`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Locked {
+    /// [`spice_ebpf_common::event::lock_how`]: what the validated chain began at.
+    pub how: u8,
+    /// Consecutive headers validated.
+    pub run: u8,
+    /// Stream offset of the first counted message.
+    pub at: u64,
+    /// Ordinal of that message.
+    pub index: u64,
+    /// Bytes not framed in that hunt.
+    pub skipped: u64,
+    /// Channel types every validated header fit (bit `1 << type`).
+    pub channel_mask: u16,
+    /// When it locked (CLOCK_MONOTONIC ns) and how long the hunt took, ns.
+    pub ts_ns: u64,
+    pub hunted_ns: u64,
+}
+
 /// One framed message, as kept for placing in-flight messages and comparing relay legs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MsgSpan {
@@ -81,6 +115,15 @@ pub struct DirStats {
     pub lost_records: u64,
     /// Set once framing stopped.
     pub unparsed: Option<Unparsed>,
+    /// Set while the direction hunts for its message boundaries (cleared at a lock).
+    pub hunting: Option<Hunting>,
+    /// The newest lock, if the direction ever hunted and found its boundaries.
+    pub locked: Option<Locked>,
+    /// Locks found, and locks lost (a header failed validation: back to hunting).
+    pub locks: u32,
+    pub resyncs: u32,
+    /// Bytes not framed because the direction was hunting, summed over its finished hunts.
+    pub unframed: u64,
     /// Timestamps (CLOCK_MONOTONIC ns) of the first and last message.
     pub first_ns: Option<u64>,
     pub last_ns: u64,
@@ -206,10 +249,18 @@ impl SocketModel {
             .min_by_key(|u| u.at)
     }
 
-    /// `"mini"`, `"full"`, `"unparsed"`, or `"pending"` (link phase not finished yet).
+    /// `"mini"`, `"full"`, `"unparsed"`, `"hunting"` (no message boundaries yet in either
+    /// direction: joined mid-stream or lost), or `"pending"` (link phase not finished yet).
     pub fn framing(&self) -> &'static str {
         if self.unparsed().is_some() {
             return "unparsed";
+        }
+        if self
+            .dirs
+            .iter()
+            .all(|d| d.hunting.is_some() && d.hdr_len == 0)
+        {
+            return "hunting";
         }
         match self.dirs.iter().map(|d| d.hdr_len).max().unwrap_or(0) {
             6 => "mini",
@@ -656,6 +707,45 @@ impl Model {
                     at: *at,
                 });
             }
+            Event::Hunt(h) => {
+                let s = self.socket(&h.hdr);
+                let ds = &mut s.dirs[(h.hdr.dir & 1) as usize];
+                if ds.role == Role::Unknown {
+                    ds.role = Role::from_u8(h.role);
+                }
+                ds.resyncs = ds.resyncs.max(h.resyncs);
+                ds.hunting = Some(Hunting {
+                    reason: UnparsedReason::from_u8(h.reason),
+                    detail: h.detail,
+                    at: h.at,
+                    since_ns: h.hdr.ts_ns,
+                });
+            }
+            Event::Lock(l) => {
+                let s = self.socket(&l.hdr);
+                let ds = &mut s.dirs[(l.hdr.dir & 1) as usize];
+                if ds.role == Role::Unknown {
+                    ds.role = Role::from_u8(l.role);
+                }
+                let since = ds.hunting.take().map(|h| h.since_ns).unwrap_or(l.hdr.ts_ns);
+                ds.locks += 1;
+                ds.resyncs = ds.resyncs.max(l.resyncs);
+                ds.unframed += l.skipped;
+                ds.hdr_len = l.hdr_len;
+                ds.locked = Some(Locked {
+                    how: l.how,
+                    run: l.run,
+                    at: l.at,
+                    index: l.index,
+                    skipped: l.skipped,
+                    channel_mask: l.channel_mask,
+                    ts_ns: l.hdr.ts_ns,
+                    hunted_ns: l.hdr.ts_ns.saturating_sub(since),
+                });
+                // Ordinals continue across a resync; the messages of the hunt were never
+                // counted, so the next ordinal is no gap.
+                ds.last_index = ds.last_index.max(l.index.saturating_sub(1));
+            }
             Event::Fork { hdr, child, comm } => {
                 self.forks += 1;
                 self.note(ProcessNote::Forked {
@@ -723,11 +813,24 @@ impl Model {
         s.local = Some(local);
         s.remote = Some(remote);
         for d in s.dirs.iter_mut() {
-            d.unparsed.get_or_insert(Unparsed {
-                reason,
-                detail: 0,
-                at: 0,
-            });
+            if reason == UnparsedReason::AttachedMidStream {
+                // The kernel hunts for its boundaries (`PREEXISTING`); its HUNT record, if
+                // any arrives, says the same.
+                if d.locked.is_none() {
+                    d.hunting.get_or_insert(Hunting {
+                        reason,
+                        detail: 0,
+                        at: 0,
+                        since_ns: now_ns,
+                    });
+                }
+            } else {
+                d.unparsed.get_or_insert(Unparsed {
+                    reason,
+                    detail: 0,
+                    at: 0,
+                });
+            }
         }
     }
 

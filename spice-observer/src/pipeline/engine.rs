@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use aya::maps::{MapData, RingBuf};
 use log::{debug, warn};
 use spice_ebpf_common::{
-    config::{counter, watch},
+    config::{counter, preexisting, watch},
     framing::UnparsedReason,
     protocol::channel,
 };
@@ -359,6 +359,13 @@ fn prepare_sockets(
     let mut existing = Vec::new();
     match sockdiag::dump_tcp() {
         Ok(socks) => {
+            // A connection whose local port some socket listens on was accepted: the watched
+            // process is its SPICE server side (or a relay's client-facing leg).
+            let listening: HashSet<u16> = socks
+                .iter()
+                .filter(|s| s.state == TCP_LISTEN)
+                .map(|s| s.local.port())
+                .collect();
             for s in socks.iter() {
                 let Some(&pid) = owner.get(&s.inode) else {
                     continue;
@@ -374,7 +381,12 @@ fn prepare_sockets(
                             continue;
                         }
                     } else {
-                        cap.mark_preexisting(s.cookie)?;
+                        let how = if listening.contains(&s.local.port()) {
+                            preexisting::ACCEPTED
+                        } else {
+                            preexisting::CONNECTED
+                        };
+                        cap.mark_preexisting(s.cookie, how)?;
                     }
                     existing.push(Existing {
                         cookie: s.cookie,

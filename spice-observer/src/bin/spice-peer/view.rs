@@ -32,6 +32,8 @@ pub(crate) struct FrameTally {
     pub(crate) peek_mismatched: u64,
     pub(crate) link: Option<LinkInfo>,
     pub(crate) unparsed: Option<(UnparsedReason, u32, u64)>,
+    /// Times the framing lost its boundaries and went back to hunting.
+    pub(crate) hunts: u64,
     /// (type, prefix) of messages with a non-zero prefix, the first 32.
     pub(crate) prefixes: Vec<(u16, [u32; 2])>,
 }
@@ -59,6 +61,7 @@ impl FrameTally {
                 }
             }
             Output::Unparsed { reason, detail, at } => self.unparsed = Some((reason, detail, at)),
+            Output::Hunt { .. } => self.hunts += 1,
         }
     }
 
@@ -71,6 +74,7 @@ impl FrameTally {
             "already_reported": self.already_reported,
             "peeked": self.peeked,
             "peek_mismatched": self.peek_mismatched,
+            "hunts": self.hunts,
             "link": self.link.map(|l| json!({
                 "role": l.role, "link_size": l.link_size, "connection_id": l.connection_id,
                 "channel_type": l.channel_type, "channel_id": l.channel_id, "common_caps": l.common_caps,
