@@ -23,6 +23,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail, ensure};
+use common::daemon::{Daemon, OnDrop, Scrape};
 use common::{Client, Rig, check_run, describe_ch, privileged, rig};
 use spice_observer::report::{ChannelReport, Report};
 
@@ -56,7 +57,9 @@ fn ss_bytes(filter: &str, zero_ok: bool) -> Result<BTreeMap<String, TcpBytes>> {
         let f: Vec<&str> = head.split_whitespace().collect();
         ensure!(f.len() >= 4, "ss line {head:?}");
         let (recv_q, send_q): (u64, u64) = (f[0].parse()?, f[1].parse()?);
-        let info = lines.next().with_context(|| format!("no info after {head:?}"))?;
+        let info = lines
+            .next()
+            .with_context(|| format!("no info after {head:?}"))?;
         let field = |name: &str| -> Result<u64> {
             let v = info
                 .split_whitespace()
@@ -156,7 +159,14 @@ fn joined_session_bytes_match_the_tcp_counters() -> Result<()> {
         port,
         display,
         &[
-            "--mode", "rects", "--fps", "50", "--count", "20", "--seconds", "1",
+            "--mode",
+            "rects",
+            "--fps",
+            "50",
+            "--count",
+            "20",
+            "--seconds",
+            "1",
         ],
     )?;
     let relay = rig.relay("socat", "127.0.0.1", rport, "127.0.0.1", port)?;
@@ -171,7 +181,14 @@ fn joined_session_bytes_match_the_tcp_counters() -> Result<()> {
     draw(
         display,
         &[
-            "--mode", "rects", "--fps", "50", "--count", "20", "--seconds", "3",
+            "--mode",
+            "rects",
+            "--fps",
+            "50",
+            "--count",
+            "20",
+            "--seconds",
+            "3",
         ],
     )?;
     thread::sleep(Duration::from_secs(1));
@@ -321,9 +338,45 @@ while True:
         print("back", back); fresh = False
 "#;
 
+/// Random bytes (not SPICE) between a source and a sink through a socat relay listening on
+/// `relay_port`; 1 MiB each way, then quiet. Returns (sink, source, relay pid).
+fn non_spice_stream(rig: &mut Rig, sink_port: u16, relay_port: u16) -> Result<(Peer, Peer, u32)> {
+    let mut sink = Peer::start(SINK, &[&sink_port.to_string()])?;
+    sink.wait("listening")?;
+    let relay = rig.relay("socat", "127.0.0.1", relay_port, "127.0.0.1", sink_port)?;
+    let mut source = Peer::start(SOURCE, &[&relay_port.to_string()])?;
+    push(&mut sink, &mut source, 0, 1 << 20, 1 << 20)?;
+    Ok((sink, source, relay))
+}
+
+/// The source sends `there` bytes, then the sink `back`; waits until both peers have
+/// received all of it (`done`: what each had before) and gone quiet.
+fn push(sink: &mut Peer, source: &mut Peer, done: u64, there: u64, back: u64) -> Result<()> {
+    source.say(&there.to_string())?;
+    source.wait("sent")?;
+    sink.say(&back.to_string())?;
+    let got = loop {
+        let g = sink.wait("got")?;
+        if g >= done + there {
+            break g;
+        }
+    };
+    let returned = loop {
+        let b = source.wait("back")?;
+        if b >= done + back {
+            break b;
+        }
+    };
+    ensure!(
+        got == done + there && returned == done + back,
+        "peers: sink got {got}, source got back {returned}, {done} before, {there} and {back} sent"
+    );
+    Ok(())
+}
+
 /// Random bytes (not SPICE) through a socat relay, connection open before the observer
 /// starts: the relay's byte totals on both legs equal what the peers sent and received
-/// while it observed: 48 MiB one way, 3 MiB back.
+/// while it observed: 48 MiB one way, 3 MiB back. The table shows their rate (`*`), not 0.
 #[test]
 fn non_spice_relay_bytes_match_the_peers() -> Result<()> {
     const T: &str = "non_spice_relay_bytes_match_the_peers";
@@ -332,38 +385,10 @@ fn non_spice_relay_bytes_match_the_peers() -> Result<()> {
     }
     let (sink_port, relay_port) = (7982u16, 7983u16);
     let mut rig = Rig::new(T)?;
-    let mut sink = Peer::start(SINK, &[&sink_port.to_string()])?;
-    sink.wait("listening")?;
-    let relay = rig.relay("socat", "127.0.0.1", relay_port, "127.0.0.1", sink_port)?;
-    let mut source = Peer::start(SOURCE, &[&relay_port.to_string()])?;
-    // Before the observer: 1 MiB each way, then quiet.
-    source.say(&(1u64 << 20).to_string())?;
-    source.wait("sent")?;
-    ensure!(sink.wait("got")? == 1 << 20, "sink before");
-    sink.say(&(1u64 << 20).to_string())?;
-    ensure!(source.wait("back")? == 1 << 20, "source before");
+    let (mut sink, mut source, relay) = non_spice_stream(&mut rig, sink_port, relay_port)?;
     let obs = observe_or_skip!(T, &[relay], 6.0, rig.state.join("report.json"));
     let (there, back) = (48u64 << 20, 3u64 << 20);
-    source.say(&there.to_string())?;
-    source.wait("sent")?;
-    sink.say(&back.to_string())?;
-    // Everything arrived (the sink and the source go quiet at the new totals).
-    let got = loop {
-        let g = sink.wait("got")?;
-        if g >= (1 << 20) + there {
-            break g;
-        }
-    };
-    let returned = loop {
-        let b = source.wait("back")?;
-        if b >= (1 << 20) + back {
-            break b;
-        }
-    };
-    ensure!(
-        got == (1 << 20) + there && returned == (1 << 20) + back,
-        "peers: sink got {got}, source got back {returned}"
-    );
+    push(&mut sink, &mut source, 1 << 20, there, back)?;
     let report: Report = obs.finish_report()?;
     check_run(&report)?;
     let src = format!("127.0.0.1:{relay_port}");
@@ -374,6 +399,7 @@ fn non_spice_relay_bytes_match_the_peers() -> Result<()> {
         .filter(|c| c.socket.starts_with(&format!("{src}->")) || c.socket.ends_with(&snk))
         .collect();
     ensure!(legs.len() == 2, "the relay's two legs: {legs:?}");
+    let table = spice_observer::report::render(&report);
     for c in legs {
         eprintln!(
             "{:<44} framing {:<8} reason {:?} written {:?} read {:?} messages {}/{}",
@@ -400,6 +426,92 @@ fn non_spice_relay_bytes_match_the_peers() -> Result<()> {
         };
         check_totals(c, want)?;
         ensure!(c.tcp.is_some(), "no TCP state: {}", describe_ch(c));
+        if c.server_to_client.messages == 0 {
+            let row = table
+                .lines()
+                .find(|l| l.starts_with(&c.socket))
+                .with_context(|| format!("no table row for {}:\n{table}", c.socket))?;
+            let mbit = row
+                .split_whitespace()
+                .find_map(|w| w.strip_suffix('*'))
+                .with_context(|| format!("MBIT/S not marked *: {row}"))?;
+            ensure!(mbit.parse::<f64>()? > 0.0, "MBIT/S 0: {row}");
+        }
     }
+    Ok(())
+}
+
+/// The daemon started while random bytes (not SPICE) flow through a socat relay it finds by
+/// name: `spice_observer_socket_bytes_total` of the relay's two legs (channel `unknown`, leg
+/// and direction from how each socket was made) equals what the peers sent and received
+/// after it joined: 48 MiB toward the sink, 3 MiB back; promtool accepts the scrape.
+#[test]
+fn daemon_socket_bytes_of_a_joined_stream() -> Result<()> {
+    const T: &str = "daemon_socket_bytes_of_a_joined_stream";
+    if !privileged(T) {
+        return Ok(());
+    }
+    const LISTEN: &str = "127.0.0.1:19681";
+    let (sink_port, relay_port) = (7984u16, 7985u16);
+    let mut rig = Rig::new(T)?;
+    let (mut sink, mut source, relay) = non_spice_stream(&mut rig, sink_port, relay_port)?;
+    let config = rig.state.join("spice-observer.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"{LISTEN}\"\nsample_ms = 100\nscan_ms = 500\n\
+             [discovery]\nqemu = false\nxspice = false\nrelays = [{{ name = \"socat\" }}]\n"
+        ),
+    )?;
+    let pins = common::PinDir::new(T)?;
+    let mut daemon = Daemon::start(&config, &pins.path, &[], OnDrop::Terminate)?.with_pins(pins);
+    daemon.wait_found(&[("socat", relay)])?;
+    thread::sleep(Duration::from_secs(1));
+    let (there, back) = (48u64 << 20, 3u64 << 20);
+    push(&mut sink, &mut source, 1 << 20, there, back)?;
+    // A sample (every 100 ms) after the stream went quiet.
+    thread::sleep(Duration::from_millis(500));
+    let scrape = Scrape::take(LISTEN)?;
+    scrape.check_run(0.0)?;
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("running promtool")?;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(scrape.text.as_bytes())?;
+    common::silent_success(&child.wait_with_output()?, "promtool check metrics")?;
+    let series = scrape.find(
+        "spice_observer_socket_bytes_total",
+        &[("vm", "socat"), ("channel", "unknown")],
+    );
+    for s in &series {
+        eprintln!("{:?} {}", s.labels, s.value);
+    }
+    // The relay accepted the source's connection (leg relay_client: it writes server →
+    // client) and made the one toward the sink (relay_backend: it writes client → server).
+    for (leg, dir, want) in [
+        ("relay_client", "client_to_server", there),
+        ("relay_client", "server_to_client", back),
+        ("relay_backend", "client_to_server", there),
+        ("relay_backend", "server_to_client", back),
+    ] {
+        let v = scrape.one(
+            "spice_observer_socket_bytes_total",
+            &[
+                ("vm", "socat"),
+                ("leg", leg),
+                ("channel", "unknown"),
+                ("direction", dir),
+            ],
+        )?;
+        ensure!(v == want as f64, "{leg} {dir}: {v}, the peers moved {want}");
+    }
+    ensure!(series.len() == 4, "{series:?}");
     Ok(())
 }
