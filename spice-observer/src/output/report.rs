@@ -84,10 +84,11 @@ pub struct FlowReport {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SocketBytesReport {
     /// Bytes written / read by the watched process on this socket since observation began
-    /// (since the kernel's entry began, for a socket a restarted daemon took over from its
-    /// pinned state). Distinct from `bytes_sent` / `bytes_received`, which count the bytes
-    /// of framed SPICE messages only: on a socket framed from its start these also hold the
-    /// link phase, and a message begun but not all moved at the read is whole in those.
+    /// (since the kernel's entry began, for a socket taken over from the pinned socket map:
+    /// a restarted daemon's, an `observe` beside the daemon's). Distinct from `bytes_sent` /
+    /// `bytes_received`, which count the bytes of framed SPICE messages only: on a socket
+    /// framed from its start these also hold the link phase, and a message begun but not all
+    /// moved at the read is whole in those.
     pub bytes_written_total: Option<u64>,
     pub bytes_read_total: Option<u64>,
     /// Mean rates, bytes per second: from when the agent first knew the socket (the restore,
