@@ -866,9 +866,10 @@ impl Model {
     pub fn kernel_state(&mut self, cookie: u64, st: &SockState, read_ns: u64) {
         if let Some(s) = self.sockets.get_mut(&cookie) {
             for (ds, k) in s.dirs.iter_mut().zip(&st.dir) {
-                if ds.traced.total.is_none() && ds.traced.base_ns == 0 {
-                    // The kernel's entry began at the socket's first traced call after the
-                    // agent knew it: count from 0 then.
+                if ds.traced.total.is_none() {
+                    // The first read (a restored socket has one from the map): the kernel's
+                    // entry began at the socket's first traced call after the agent knew it,
+                    // so count from 0 then.
                     ds.traced = traced::TracedBytes::since(0, s.first_ns);
                 }
                 ds.traced.read(k.pos, read_ns);

@@ -122,16 +122,12 @@ impl SocketBytesReport {
         }
     }
 
-    /// The server → client rate of these bytes for the table's MBIT/S column, Mbit/s: what
-    /// the process wrote if it is the server end (`end`), what it read if the client end,
-    /// both ways summed if the end is not known. `None` before a read.
-    pub fn server_to_client_mbit(&self, end: Option<&str>) -> Option<f64> {
-        let bps = match end {
-            Some("server") => self.bytes_written_per_s?,
-            Some("client") => self.bytes_read_per_s?,
-            _ => self.bytes_written_per_s? + self.bytes_read_per_s?,
-        };
-        Some(bps * 8.0 / 1e6)
+    /// The mean rate of these bytes both ways (written + read), Mbit/s, for the table's
+    /// MBIT/S column of a socket without framed server → client messages: without framing
+    /// the direction that carries the server's messages is not known for sure (a non-SPICE
+    /// stream has none). `None` before a read.
+    pub fn both_ways_mbit(&self) -> Option<f64> {
+        Some((self.bytes_written_per_s? + self.bytes_read_per_s?) * 8.0 / 1e6)
     }
 }
 
@@ -1175,7 +1171,7 @@ pub fn render(r: &Report) -> String {
         };
         let secs = c.observed_s.max(1e-9);
         // No framed server → client message: the rate of every byte moved, marked `*`.
-        let mbit = match c.traffic.server_to_client_mbit(c.end.as_deref()) {
+        let mbit = match c.traffic.both_ways_mbit() {
             Some(m) if c.server_to_client.messages == 0 => {
                 unframed_rows += 1;
                 format!("{m:.2}*")
@@ -1216,7 +1212,7 @@ pub fn render(r: &Report) -> String {
     if unframed_rows > 0 {
         let _ = writeln!(
             out,
-            "  * no framed server → client message: MBIT/S of every byte the process moved (written if it is the server end, read if the client end, both if not known; JSON bytes_written_per_s, bytes_read_per_s)"
+            "  * no framed server → client message: MBIT/S of every byte the process moved on the socket, both ways (JSON bytes_written_per_s + bytes_read_per_s)"
         );
     }
     // Window facts the columns cannot show: several generations, surplus ACKs, and starts
@@ -1864,7 +1860,7 @@ mod tests {
             (t.bytes_written_total, t.bytes_read_total),
             (Some(1_250_000), Some(2_500))
         );
-        // End not known: both ways, (1 250 000 + 2 500) × 8 / 1e6 Mbit/s.
+        // Both ways: (1 250 000 + 2 500) × 8 / 1e6 Mbit/s.
         let text = render(&r);
         assert!(text.contains(" 10.02* "), "{text}");
         assert!(
