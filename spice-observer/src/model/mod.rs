@@ -780,10 +780,17 @@ impl Model {
                     pid: hdr.tgid,
                 })
             }
-            Event::Close { hdr, tcp } => {
+            Event::Close { hdr, tcp, pos } => {
                 if let Some(s) = self.sockets.get_mut(&hdr.cookie) {
                     s.closed_ns = Some(hdr.ts_ns);
                     s.tcp = Some(*tcp);
+                    // The kernel's entry goes at tcp_destroy_sock: take its byte totals now.
+                    for (ds, &p) in s.dirs.iter_mut().zip(pos) {
+                        if ds.traced.total.is_none() {
+                            ds.traced = traced::TracedBytes::since(0, s.first_ns);
+                        }
+                        ds.traced.read(p, hdr.ts_ns);
+                    }
                     s.window.finish(hdr.ts_ns);
                 }
             }
