@@ -170,6 +170,12 @@ pub const METRICS: &[MetricDef] = &[
         CH,
         "Message records of this socket lost between the kernel and the daemon (gaps in the record index, both directions); 0 unless something is wrong."
     ),
+    def!(
+        "resyncs_total",
+        Counter,
+        CH,
+        "Times a framed direction of this socket met a header that failed validation and went back to hunting for message boundaries (both directions); the bytes until the next lock are not framed. 0 unless something is wrong."
+    ),
     // --- per channel: TCP state of the leg ---
     def!(
         "tcp_srtt_seconds",
@@ -714,6 +720,11 @@ pub fn families(input: &ScrapeInput<'_>) -> Vec<MetricFamily> {
             &l,
             c.records_lost as f64,
         );
+        let resyncs: u32 = [&c.sync_sent, &c.sync_received]
+            .iter()
+            .filter_map(|s| s.as_ref().map(|s| s.resyncs))
+            .sum();
+        b.put("spice_observer_resyncs_total", &l, resyncs as f64);
         if let Some(t) = &c.tcp {
             b.put(
                 "spice_observer_tcp_srtt_seconds",
