@@ -151,8 +151,15 @@ pub struct ChannelReport {
     pub session_id: Option<u32>,
     pub channel_type: String,
     pub channel_id: Option<u8>,
-    /// `"mini"`, `"full"`, `"unparsed"` or `"pending"` (link phase not finished).
+    /// `"mini"`, `"full"`, `"unparsed"`, `"hunting"` (joined mid-stream or lost sync, no
+    /// message boundaries found yet in either direction) or `"pending"` (link phase not
+    /// finished).
     pub framing: String,
+    /// How each direction found its message boundaries when it had to hunt for them (a
+    /// connection open before observation started, or a header that failed validation);
+    /// null for a direction framed from its link phase without a resync.
+    pub sync_sent: Option<SyncReport>,
+    pub sync_received: Option<SyncReport>,
     pub unparsed_reason: Option<String>,
     /// Human-readable detail of `unparsed_reason`.
     pub unparsed_detail: Option<String>,
@@ -265,7 +272,7 @@ pub struct ChannelReport {
 }
 
 /// How the window of a connection joined mid-stream is known ([`ChannelReport::joined_window`],
-/// [`crate::model::joined::JoinedWindow`]). Times are seconds after the socket was first seen.
+/// [`crate::model::joined::JoinedWindow`]). Times are seconds since the observation's start.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JoinedWindowReport {
     /// When counting began (both directions locked), the last time; null while not counting.
@@ -293,9 +300,9 @@ pub struct JoinedWindowReport {
 }
 
 impl JoinedWindowReport {
-    /// From the model `j` of a socket first seen at `first_ns`.
-    pub fn new(j: &crate::model::joined::JoinedWindow, first_ns: u64) -> Self {
-        let secs = |ns: u64| ns.saturating_sub(first_ns) as f64 / 1e9;
+    /// From the model `j`; `start_ns`: the observation's start (CLOCK_MONOTONIC ns).
+    pub fn new(j: &crate::model::joined::JoinedWindow, start_ns: u64) -> Self {
+        let secs = |ns: u64| ns.saturating_sub(start_ns) as f64 / 1e9;
         let cands: Vec<u32> = j.candidates().map(|c| c.window).collect();
         Self {
             counting_since_s: j.counting_since_ns.map(secs),
@@ -317,9 +324,9 @@ impl JoinedWindowReport {
 /// Fills the window-interval fields of `c` for socket `s`: from the exact window when a
 /// SET_ACK was seen, from the joined model on a connection joined mid-stream (which also
 /// gives `window`, `in_flight_limit` and, once exact, `in_flight_now`).
-fn window_interval(c: &mut ChannelReport, s: &SocketModel) {
+fn window_interval(c: &mut ChannelReport, s: &SocketModel, start_ns: u64) {
     if let Some(j) = s.joined.as_deref() {
-        c.joined_window = Some(JoinedWindowReport::new(j, s.first_ns));
+        c.joined_window = Some(JoinedWindowReport::new(j, start_ns));
         if let Some(w) = j.window() {
             c.window_source = j.window_source().map(|x| x.name().to_string());
             c.window_inferred = j.window_source() == Some(WindowSource::AckCadence);
@@ -345,6 +352,82 @@ fn window_interval(c: &mut ChannelReport, s: &SocketModel) {
         c.in_flight_high = Some(n);
         c.in_flight_exact = true;
         c.window_source = Some(WindowSource::SetAck.name().to_string());
+    }
+}
+
+/// Hunting and locking of one direction ([`ChannelReport::sync_sent`] /
+/// [`ChannelReport::sync_received`]). Its message counts start at its first lock: the messages
+/// before it (and those inside any later hunt) are not counted, their bytes are in
+/// `unframed_bytes`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SyncReport {
+    /// Still hunting now (no boundaries since the last hunt began).
+    pub hunting: bool,
+    /// Why the latest hunt began: `attached_mid_stream` (the connection was open before
+    /// observation started), `bad_header` (a header failed validation: a resync).
+    pub reason: String,
+    /// When the latest hunt began, seconds since the report's clock start (may be negative
+    /// for a connection found open at start: 0 there).
+    pub hunt_began_s: f64,
+    /// When the newest lock happened, seconds since the report's clock start, and CLOCK_MONOTONIC
+    /// ns (to compare with another observer's timeline); null while never locked.
+    pub locked_at_s: Option<f64>,
+    pub locked_mono_ns: Option<u64>,
+    /// Seconds from the start of that hunt to the lock.
+    pub hunted_s: Option<f64>,
+    /// What the validated chain began at: `send_after_complete`, `recv_header_read` or
+    /// `content` (see `spice_ebpf_common::event::lock_how`).
+    pub how: Option<String>,
+    /// Consecutive headers validated before the lock.
+    pub run: Option<u8>,
+    /// Ordinal (`messages_sent` / `messages_received` numbering) of the first counted
+    /// message after the newest lock.
+    pub first_index: Option<u64>,
+    /// Locks found and lost (resyncs: a locked stream whose header failed validation).
+    pub locks: u32,
+    pub resyncs: u32,
+    /// Bytes of this direction not framed because it was hunting, finished hunts only.
+    pub unframed_bytes: u64,
+}
+
+impl SyncReport {
+    /// The report of direction `d` (`None` if it never hunted); times relative to
+    /// `start_ns` (CLOCK_MONOTONIC).
+    pub fn new(d: &crate::model::DirStats, start_ns: u64) -> Option<Self> {
+        if d.hunting.is_none() && d.locked.is_none() {
+            return None;
+        }
+        let rel = |ns: u64| (ns as f64 - start_ns as f64).max(0.0) / 1e9;
+        let reason = d
+            .hunting
+            .map(|h| h.reason)
+            .or(if d.resyncs > 0 {
+                Some(UnparsedReason::BadHeader)
+            } else {
+                Some(UnparsedReason::AttachedMidStream)
+            })
+            .unwrap_or(UnparsedReason::AttachedMidStream);
+        let began = d
+            .hunting
+            .map(|h| h.since_ns)
+            .or(d.locked.map(|l| l.ts_ns.saturating_sub(l.hunted_ns)))
+            .unwrap_or(start_ns);
+        Some(SyncReport {
+            hunting: d.hunting.is_some(),
+            reason: reason.name().into(),
+            hunt_began_s: rel(began),
+            locked_at_s: d.locked.map(|l| rel(l.ts_ns)),
+            locked_mono_ns: d.locked.map(|l| l.ts_ns),
+            hunted_s: d.locked.map(|l| l.hunted_ns as f64 / 1e9),
+            how: d
+                .locked
+                .map(|l| spice_ebpf_common::event::lock_how::name(l.how).into()),
+            run: d.locked.map(|l| l.run),
+            first_index: d.locked.map(|l| l.index),
+            locks: d.locks,
+            resyncs: d.resyncs,
+            unframed_bytes: d.unframed,
+        })
     }
 }
 
@@ -476,7 +559,8 @@ pub struct SourceReport {
     pub pin_dir: Option<String>,
     /// Whether the counts of a framed session that began before this process started are
     /// counted from the session's start (the kernel's per-socket state was taken over).
-    /// `false`: such sessions are listed `attached_mid_stream` (or `restarted`), unframed.
+    /// `false`: such sessions are joined mid-stream (`framing` `hunting` until the kernel
+    /// finds their message boundaries, see [`SyncReport`]), counted from their lock.
     pub exact_from_session_start: bool,
     /// Whether this process consumes the records of the `TAP_EVENTS` ring (an `observe`
     /// beside the daemon) rather than of `EVENTS`: its losses are then `tap_ring_full` and
@@ -497,9 +581,11 @@ impl SourceReport {
             ),
             (_, Some(d)) => format!(
                 "loaded the programs and pinned them at {d}: sessions older than this run are \
-                 not framed"
+                 joined mid-stream (counted from when their message boundaries are found)"
             ),
-            _ => "loaded its own programs: sessions older than this run are not framed".into(),
+            _ => "loaded its own programs: sessions older than this run are joined mid-stream \
+                  (counted from when their message boundaries are found)"
+                .into(),
         }
     }
 }
@@ -683,7 +769,12 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
 /// Builds the report row of one socket. `end_ns` is the end of observation (the window's
 /// time accounting is computed up to it, or up to the close, without changing the model);
 /// `tcp` the best TCP state known for it (see [`TcpReport::source`]).
-pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> ChannelReport {
+pub fn channel_report(
+    s: &SocketModel,
+    start_ns: u64,
+    end_ns: u64,
+    tcp: Option<TcpReport>,
+) -> ChannelReport {
     let until = s.closed_ns.unwrap_or(end_ns);
     let ws = s.window.stats_at(until);
     let observed_s = until.saturating_sub(s.first_ns) as f64 / 1e9;
@@ -742,6 +833,8 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         channel_type: ctype.into(),
         channel_id: cid,
         framing: s.framing().into(),
+        sync_sent: SyncReport::new(send, start_ns),
+        sync_received: SyncReport::new(recv, start_ns),
         unparsed_reason: unparsed.map(|u| u.reason.name().into()),
         unparsed_detail: unparsed.map(|u| detail_text(u.reason, u.detail, u.at)),
         window: active.then_some(w.window),
@@ -795,7 +888,7 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         window_ceiling_msgs_per_s: None,
         verdict: None,
     };
-    window_interval(&mut c, s);
+    window_interval(&mut c, s, start_ns);
     c.verdict = verdict(&c);
     c
 }
@@ -967,7 +1060,12 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         .sockets
         .values()
         .map(|s| {
-            let mut c = channel_report(s, end_ns, tcp_final.get(&s.cookie).cloned());
+            let mut c = channel_report(
+                s,
+                clock.monotonic_ns,
+                end_ns,
+                tcp_final.get(&s.cookie).cloned(),
+            );
             if let Some(comm) = comms.get(&s.pid) {
                 c.comm = comm.clone();
             }
@@ -1391,16 +1489,44 @@ pub fn render(r: &Report) -> String {
         .iter()
         .filter(|c| c.framing == "unparsed" && !not_spice(c))
         .collect();
-    let (mid_stream, unparsed): (Vec<_>, Vec<_>) = unparsed
-        .into_iter()
-        .partition(|c| c.unparsed_reason.as_deref() == Some("attached_mid_stream"));
-    if !mid_stream.is_empty() {
+    let hunting: Vec<_> = r
+        .channels
+        .iter()
+        .filter(|c| c.framing == "hunting")
+        .collect();
+    let joined = r
+        .channels
+        .iter()
+        .filter(|c| {
+            [&c.sync_sent, &c.sync_received].iter().any(|s| {
+                s.as_ref()
+                    .is_some_and(|s| s.reason == "attached_mid_stream")
+            })
+        })
+        .count();
+    if joined > 0 {
         let _ = writeln!(
             out,
-            "unparsed (!): {} connection(s) existed before observation started (attached_mid_stream): \
-             listed with TCP state, not framed; a SPICE stream is framed from its link phase, so \
-             start the observer before the client connects (or reconnect the client)",
-            mid_stream.len()
+            "joined mid-stream: {joined} connection(s) were open before observation started: \
+             counted from when the kernel found their message boundaries (sync_sent / \
+             sync_received in --json); {} still hunting",
+            hunting.len()
+        );
+    }
+    for c in r.channels.iter().filter(|c| {
+        [&c.sync_sent, &c.sync_received]
+            .iter()
+            .any(|s| s.as_ref().is_some_and(|s| s.resyncs > 0))
+    }) {
+        let resyncs: u32 = [&c.sync_sent, &c.sync_received]
+            .iter()
+            .filter_map(|s| s.as_ref().map(|s| s.resyncs))
+            .sum();
+        let _ = writeln!(
+            out,
+            "resync (!): {} pid {}: {resyncs} header(s) failed validation; the bytes until the \
+             next lock were not framed",
+            c.socket, c.pid
         );
     }
     if !unparsed.is_empty() {
@@ -1461,6 +1587,8 @@ mod tests {
             channel_type: "display".into(),
             channel_id: Some(0),
             framing: "mini".into(),
+            sync_sent: None,
+            sync_received: None,
             unparsed_reason: None,
             unparsed_detail: None,
             window: Some(40),
@@ -1771,7 +1899,7 @@ mod tests {
         use crate::model::joined::tests::simulated_joined_model;
         let (m, truth) = simulated_joined_model(20, 100, false);
         let s = &m.sockets[&9];
-        let c = channel_report(s, s.dirs[0].last_ns, None);
+        let c = channel_report(s, 0, s.dirs[0].last_ns, None);
         let (lo, hi) = (c.in_flight_low.unwrap(), c.in_flight_high.unwrap());
         assert!(lo <= i64::from(truth) && i64::from(truth) <= hi && lo < hi);
         assert!(c.in_flight_bounded && !c.in_flight_exact && c.in_flight_now.is_none());
@@ -1805,7 +1933,7 @@ mod tests {
 
         let (m, truth) = simulated_joined_model(20, 100, true);
         let s = &m.sockets[&9];
-        let c = channel_report(s, s.dirs[0].last_ns, None);
+        let c = channel_report(s, 0, s.dirs[0].last_ns, None);
         assert_eq!(c.in_flight_now, Some(i64::from(truth)));
         assert!(c.in_flight_exact && !c.in_flight_bounded);
         let j = c.joined_window.as_ref().unwrap();
