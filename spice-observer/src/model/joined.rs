@@ -230,6 +230,11 @@ pub struct JoinedWindow {
     exact: Option<WindowState>,
     /// Whether the channel may be display (the urgent-pair exemption applies).
     display: bool,
+    /// Whether stall pins may be applied: the watched process is the server end of the
+    /// connection (spice-server, whose reaction to the ACK the resume is; or a relay's
+    /// client-facing leg). On a relay's leg toward spice-server the relay's reads of the
+    /// server's messages need not follow its ACK within [`RESUME_NS`]. Default true.
+    pub pins_allowed: bool,
     /// CLOCK_MONOTONIC ns when the current counting began; `None` while not counting.
     pub counting_since_ns: Option<u64>,
     /// When counting first began.
@@ -297,6 +302,7 @@ impl JoinedWindow {
             cands,
             exact: None,
             display,
+            pins_allowed: true,
             counting_since_ns: None,
             first_counting_ns: None,
             window_known: None,
@@ -682,7 +688,8 @@ impl JoinedWindow {
         }
         // The first ACK after a busy stream's gap may end a stall; a second ACK before any
         // start says the server was not waiting for the first.
-        self.pending_pin = (!self.ack_since_start && self.stall_gap(ts_ns)).then_some(ts_ns);
+        self.pending_pin =
+            (self.pins_allowed && !self.ack_since_start && self.stall_gap(ts_ns)).then_some(ts_ns);
         self.ack_since_start = true;
         for c in self.cands.iter_mut().filter(|c| c.dropped_at.is_none()) {
             let w = i64::from(c.window);
@@ -745,9 +752,11 @@ impl SocketModel {
         let display = self.dirs[s2c]
             .locked
             .is_none_or(|l| l.channel_mask & channel_bit(channel::DISPLAY) != 0);
+        let server_end = self.is_server_end() == Some(true);
         let Some(j) = self.joined.as_deref_mut() else {
             return;
         };
+        j.pins_allowed = server_end;
         if both {
             j.begin(m.hdr.ts_ns, display);
         }
