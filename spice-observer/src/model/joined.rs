@@ -40,9 +40,10 @@
 //! messages from its lock on (the kernel's LOCK record, then the lock message, index 1), and
 //! nothing while it hunts. While only one direction is locked, the other direction's events
 //! are unseen (ACKs missing, or starts missing), so nothing can be said about the count:
-//! counting begins at the first record after BOTH directions are locked (the integration in
-//! `model/mod.rs` calls [`JoinedWindow::begin`]), and everything of both directions from
-//! there on is seen, in the order the kernel served it. Records before that only give W if one
+//! counting begins at the first ACK (or SET_ACK) record after BOTH directions are locked (the
+//! integration in `model/mod.rs` calls [`JoinedWindow::begin`]; channels without a window
+//! never ACK, so they never count), and everything of both directions from there on is seen,
+//! in the order the kernel served it. Records before that only give W if one
 //! is a SET_ACK. A direction that goes back to hunting (a resync) ends counting; it begins
 //! again at the next lock of both, from the full interval, keeping the candidates of W (every
 //! elimination used events that were all seen).
@@ -734,8 +735,9 @@ pub fn channel_hint(s: &SocketModel) -> Option<(u8, u8)> {
 
 impl SocketModel {
     /// Feeds message record `m` of direction `role` to the joined-connection model, creating
-    /// it at the first record of a joined connection ([`is_joined`]); counting begins once
-    /// both directions are locked and neither hunts. No effect on other connections.
+    /// it at the first record of a joined connection ([`is_joined`]); counting begins at the
+    /// first ACK (or SET_ACK) once both directions are locked and neither hunts. No effect on
+    /// other connections.
     pub(super) fn joined_record(&mut self, role: Role, m: &MessageEvent) {
         if self.joined.is_none() {
             if !is_joined(self) {
@@ -757,7 +759,14 @@ impl SocketModel {
             return;
         };
         j.pins_allowed = server_end;
-        if both {
+        // Counting begins at an ACK (or a SET_ACK): channels without a window (main, inputs,
+        // …) never send one, so they never count.
+        let window_event = match role {
+            Role::ClientToServer => m.msg_type == msg_client::ACK,
+            Role::ServerToClient => m.msg_type == msg_server::SET_ACK,
+            Role::Unknown => false,
+        };
+        if both && window_event {
             j.begin(m.hdr.ts_ns, display);
         }
         let bytes = u32::from(m.hdr_len).saturating_add(m.size);
@@ -1373,6 +1382,24 @@ pub(crate) mod tests {
         lock(&mut m, dir::RECV, 40, 2);
         msg(&mut m, dir::RECV, 41, 2, msg_client::ACK);
         assert!(sock(&m).joined.as_deref().unwrap().counting());
+    }
+
+    /// A channel without a window (main: no SET_ACK, the client never ACKs) never counts,
+    /// however many messages go either way.
+    #[test]
+    fn channels_without_acks_never_count() {
+        let mut m = joined_model();
+        lock(&mut m, dir::SEND, 1, 1);
+        lock(&mut m, dir::RECV, 1, 1);
+        for i in 1..=1000 {
+            msg(&mut m, dir::SEND, 10 + i, i, 103);
+            if i % 10 == 0 {
+                msg(&mut m, dir::RECV, 10 + i, i / 10, 3);
+            }
+        }
+        let j = sock(&m).joined.as_deref().unwrap();
+        assert!(!j.counting() && j.interval().is_none());
+        assert_eq!((j.restarts, j.window()), (0, None));
     }
 
     #[test]
