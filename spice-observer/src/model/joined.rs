@@ -1197,23 +1197,46 @@ pub(crate) mod tests {
         assert_eq!(f.iv(), (6, 11));
     }
 
-    /// Real data: replays message records of one connection seen from its start (CSV made
-    /// from `observe --dump-events`: dir, ts_ns, cookie, index, size, msg_type, hdr_len,
-    /// flags, prefix0, prefix1, win_count) from many join points, and checks the interval
-    /// against the kernel's exact count after every record. Run with
-    /// `JOINED_REPLAY=file.csv JOINED_COOKIE=n cargo test -p spice-observer --lib -- --ignored replay_real`.
+    /// Real data: replays the message records of one connection seen from its start (a file
+    /// written by `observe --dump-events`, one record per line) from many join points, and
+    /// checks the interval against the kernel's exact count (`win_count`) after every record.
+    /// Run with `JOINED_REPLAY=events.txt JOINED_COOKIE=n cargo test -p spice-observer --lib
+    /// -- --ignored replay_real --nocapture`.
     #[test]
     #[ignore]
     fn replay_real_records() {
         let path = std::env::var("JOINED_REPLAY").expect("JOINED_REPLAY");
         let cookie: u64 = std::env::var("JOINED_COOKIE").unwrap().parse().unwrap();
         let text = std::fs::read_to_string(path).unwrap();
+        // The number after `name: ` in a record's debug line.
+        let field = |l: &str, name: &str| -> u64 {
+            let at = l.find(&format!(" {name}: ")).unwrap() + name.len() + 3;
+            let digits: String = l[at..].chars().take_while(|c| c.is_ascii_digit()).collect();
+            digits.parse().unwrap()
+        };
+        // Columns: dir, ts_ns, cookie, index, size, msg_type, hdr_len, flags, prefix0,
+        // prefix1, win_count.
         let rows: Vec<Vec<u64>> = text
             .lines()
+            .filter(|l| l.starts_with("Message(MessageEvent"))
             .map(|l| {
-                l.split(',')
-                    .map(|x| x.parse().unwrap())
-                    .collect::<Vec<u64>>()
+                let prefix = &l[l.find("prefix: [").unwrap() + 9..];
+                let mut p = prefix.split(|c| c == ',' || c == ']').map(|x| x.trim());
+                let p0 = p.next().unwrap().parse().unwrap();
+                let p1 = p.next().unwrap().parse().unwrap();
+                vec![
+                    field(l, "dir"),
+                    field(l, "ts_ns"),
+                    field(l, "cookie"),
+                    field(l, "index"),
+                    field(l, "size"),
+                    field(l, "msg_type"),
+                    field(l, "hdr_len"),
+                    field(l, "flags"),
+                    p0,
+                    p1,
+                    field(l, "win_count"),
+                ]
             })
             .filter(|r| r[2] == cookie)
             .collect();
