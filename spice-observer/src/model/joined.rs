@@ -1221,7 +1221,7 @@ pub(crate) mod tests {
             .filter(|l| l.starts_with("Message(MessageEvent"))
             .map(|l| {
                 let prefix = &l[l.find("prefix: [").unwrap() + 9..];
-                let mut p = prefix.split(|c| c == ',' || c == ']').map(|x| x.trim());
+                let mut p = prefix.split([',', ']']).map(|x| x.trim());
                 let p0 = p.next().unwrap().parse().unwrap();
                 let p1 = p.next().unwrap().parse().unwrap();
                 vec![
