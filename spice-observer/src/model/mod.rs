@@ -616,6 +616,33 @@ impl Model {
                     at: k.want_at,
                 });
             }
+            if k.phase() == spice_ebpf_common::framing::Phase::Hunt {
+                ds.hunting = Some(Hunting {
+                    reason: UnparsedReason::from_u8(k.reason),
+                    detail: k.detail,
+                    at: k.hunt_from,
+                    since_ns: now_ns,
+                });
+            } else if k.joined != 0 {
+                // Locked before the restart: the lock's own record went with the old agent;
+                // what the map keeps of it (how, run, where its hunt began) is enough to know
+                // the direction counts from a lock and not from its link phase.
+                ds.locked = Some(Locked {
+                    how: k.how,
+                    run: k.run,
+                    at: k.hunt_from,
+                    index: 1,
+                    skipped: 0,
+                    channel_mask: k.chain_mask,
+                    ts_ns: now_ns,
+                    hunted_ns: 0,
+                });
+            }
+            ds.resyncs = k.resyncs;
+            ds.unframed = k.unframed;
+            if ds.locked.is_some() {
+                ds.locks = 1;
+            }
             if st.seq_init[d] != 0 {
                 ds.seq_base = Some(st.seq_base[d]);
             }
