@@ -150,6 +150,23 @@ pub struct ChannelReport {
     pub session_id: Option<u32>,
     pub channel_type: String,
     pub channel_id: Option<u8>,
+    /// `channel_type` was inferred from the message types seen (the link phase was not seen:
+    /// joined mid-stream), not read from the link message; `channel_id` is null then.
+    pub channel_type_inferred: bool,
+    /// For a socket whose link phase was not seen: why `channel_type` was inferred, or why
+    /// it stays `"unknown"`. Null when the link message told.
+    pub channel_type_evidence: Option<String>,
+    /// `end` was inferred from the message types (no link phase seen, no role from how the
+    /// socket was made).
+    pub end_inferred: bool,
+    /// The session this socket belongs to, named by its main channel's `socket`: from equal
+    /// session ids, or inferred (`session_inferred`) from the client's address around the one
+    /// main channel of the process. Null when neither groups it. `session_id` is never
+    /// inferred.
+    pub session_key: Option<String>,
+    pub session_inferred: bool,
+    /// Why the socket was grouped into `session_key`.
+    pub session_evidence: Option<String>,
     /// `"mini"`, `"full"`, `"unparsed"` or `"pending"` (link phase not finished).
     pub framing: String,
     pub unparsed_reason: Option<String>,
@@ -624,9 +641,11 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         (Some(l), Some(r)) => format!("{l}->{r}"),
         _ => format!("cookie:{}", s.cookie),
     };
+    let inference = s.inference();
+    let inferred = inference.as_ref().and_then(|i| i.channel_type);
     let (ctype, cid) = match s.channel() {
         Some((t, i)) => (channel_type_name(t), Some(i)),
-        None => ("unknown", None),
+        None => (inferred.map_or("unknown", channel_type_name), None),
     };
     let mut c = ChannelReport {
         socket,
@@ -639,6 +658,12 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         session_id: s.session_id,
         channel_type: ctype.into(),
         channel_id: cid,
+        channel_type_inferred: s.channel().is_none() && inferred.is_some(),
+        channel_type_evidence: inference.map(|i| i.evidence),
+        end_inferred: s.roles_inferred(),
+        session_key: None,
+        session_inferred: false,
+        session_evidence: None,
         framing: s.framing().into(),
         unparsed_reason: unparsed.map(|u| u.reason.name().into()),
         unparsed_detail: unparsed.map(|u| detail_text(u.reason, u.detail, u.at)),
@@ -867,6 +892,14 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
             c
         })
         .collect();
+    let sessions = crate::model::infer::sessions(model);
+    for c in channels.iter_mut() {
+        if let Some(g) = sessions.get(&c.cookie) {
+            c.session_key = Some(g.key.clone());
+            c.session_inferred = g.inferred;
+            c.session_evidence = Some(g.evidence.clone());
+        }
+    }
     // Verdicts belong to spice-server's channels: a relay's legs are part of those chains.
     let relay_pids: std::collections::HashSet<u32> = channels
         .iter()
@@ -1000,6 +1033,11 @@ pub fn render(r: &Report) -> String {
         };
         let chan = if c.framing == "unparsed" {
             format!("{chan}!")
+        } else {
+            chan
+        };
+        let chan = if c.channel_type_inferred {
+            format!("{chan}?")
         } else {
             chan
         };
@@ -1296,6 +1334,12 @@ mod tests {
             session_id: Some(7),
             channel_type: "display".into(),
             channel_id: Some(0),
+            channel_type_inferred: false,
+            channel_type_evidence: None,
+            end_inferred: false,
+            session_key: None,
+            session_inferred: false,
+            session_evidence: None,
             framing: "mini".into(),
             unparsed_reason: None,
             unparsed_detail: None,
