@@ -10,7 +10,9 @@
 //! every message type seen, in both directions:
 //! - **Fit.** A type (with the smallest and largest body size seen for it) must be valid for
 //!   `c` in its direction: [`s2c_channels`] / [`c2s_channels`], the tables the kernel hunts
-//!   with (`docs/spice-protocol.md` §2.2–§2.5, `spice.proto`). In addition, SET_ACK (S→C 3),
+//!   with (`docs/spice-protocol.md` §2.2–§2.5, `spice.proto`), and the fixed bodies of
+//!   channel messages ([`size_fits`]: cursor MOVE 4 bytes, MOUSE_MOTION_ACK empty, …). In
+//!   addition, SET_ACK (S→C 3),
 //!   ACK_SYNC (C→S 1) and ACK (C→S 2) exist only on display and cursor connections:
 //!   spice-server sends SET_ACK only there, and a client ACKs only after a SET_ACK (§3.1,
 //!   `dcc.cpp` `dcc_start`, `CursorChannel::on_connect`). One message that does not fit rules
@@ -138,10 +140,48 @@ pub struct Inference {
     pub evidence: String,
 }
 
+/// Whether channel type `c`'s message `t` in direction `role` can have a body of `size` bytes:
+/// the fixed bodies of channel messages (`docs/spice-protocol.md` §2.3–§2.5, `spice.proto`),
+/// which the kernel's hunting tables leave out (they check the base messages' sizes only,
+/// [`s2c_channels`] / [`c2s_channels`]). Server → client: main MIGRATE_CANCEL,
+/// AGENT_CONNECTED, MIGRATE_END, MIGRATE_DST_SEAMLESS_ACK/NACK empty, INIT 32 bytes,
+/// AGENT_DATA ≤ 2048; display MARK, RESET, INVAL_ALL_PALETTES, STREAM_DESTROY_ALL empty,
+/// INVAL_PALETTE 8, STREAM_DESTROY 4; cursor RESET, HIDE, INVAL_ALL empty, MOVE 4,
+/// INVAL_ONE 8; inputs MOUSE_MOTION_ACK empty; playback STOP and record STOP empty. Client →
+/// server: main ATTACH_CHANNELS empty, display INIT 14, inputs KEY_DOWN / KEY_UP 4.
+pub fn size_fits(c: u8, role: Role, t: u16, size: u32) -> bool {
+    use channel::*;
+    let want = |n: u32| size == n;
+    match role {
+        Role::ServerToClient => match (c, t) {
+            (MAIN, 102 | 107 | 112 | 117 | 118) => want(0),
+            (MAIN, 103) => want(32),
+            (MAIN, 109) => size <= 2048,
+            (DISPLAY, 102 | 103 | 108 | 126) => want(0),
+            (DISPLAY, 107) => want(8),
+            (DISPLAY, 125) => want(4),
+            (CURSOR, 102 | 105 | 108) => want(0),
+            (CURSOR, 104) => want(4),
+            (CURSOR, 107) => want(8),
+            (INPUTS, 111) => want(0),
+            (PLAYBACK, 104) => want(0),
+            (RECORD, 102) => want(0),
+            _ => true,
+        },
+        Role::ClientToServer => match (c, t) {
+            (MAIN, 104) => want(0),
+            (DISPLAY, 101) => want(14),
+            (INPUTS, 101 | 102) => want(4),
+            _ => true,
+        },
+        Role::Unknown => false,
+    }
+}
+
 /// `t`'s mask in direction `role` for body sizes `lo..=hi`: the channel types for which the
-/// header is valid with both the smallest and the largest size (every size constraint of the
-/// tables is an equality or a bound, so both ends fitting means every size between fits), and
-/// the ACK-window rule.
+/// header is valid with both the smallest and the largest size ([`s2c_channels`] /
+/// [`c2s_channels`] and [`size_fits`]; every size constraint is an equality or a bound, so
+/// both ends fitting means every size between fits), and the ACK-window rule.
 fn fit(role: Role, t: &TypeSeen) -> u16 {
     let table = |size| match role {
         Role::ServerToClient => s2c_channels(t.msg_type, size),
@@ -149,6 +189,14 @@ fn fit(role: Role, t: &TypeSeen) -> u16 {
         Role::Unknown => 0,
     };
     let mut m = table(t.min_size) & table(t.max_size) & CANDIDATES;
+    for c in 1..16u8 {
+        if m & channel_bit(c) != 0
+            && !(size_fits(c, role, t.msg_type, t.min_size)
+                && size_fits(c, role, t.msg_type, t.max_size))
+        {
+            m &= !channel_bit(c);
+        }
+    }
     let ack_only = match role {
         Role::ServerToClient => t.msg_type == 3,
         Role::ClientToServer => t.msg_type == 1 || t.msg_type == 2,
@@ -701,6 +749,14 @@ mod tests {
         // MOUSE_MOTION_ACK alone: main's 111 (MIGRATE_SWITCH_HOST) fits too, unsupported.
         let i = infer(&server(&[ty(111, 3, 0)], &[]));
         assert_eq!(name(&i), "inputs", "{}", i.evidence);
+        // A real session's keys go as KEY_SCANCODE (104, 2 bytes): main's 104 is the empty
+        // ATTACH_CHANNELS, so it neither fits nor supports main.
+        let i = infer(&server(
+            &[ty(111, 36, 0)],
+            &[ty(104, 15, 2), ty(111, 156, 10)],
+        ));
+        assert_eq!(name(&i), "inputs", "{}", i.evidence);
+        assert_eq!(i.fitting, channel_bit(channel::INPUTS), "{}", i.evidence);
         // Key down alone fits record DATA, smartcard, usbredir, port and webdav DATA too.
         let i = infer(&server(&[], &[ty(101, 8, 4)]));
         assert_eq!(i.channel_type, None, "{}", i.evidence);
