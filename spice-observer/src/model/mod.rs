@@ -792,8 +792,18 @@ impl Model {
                     ds.role = Role::from_u8(h.role);
                 }
                 ds.resyncs = ds.resyncs.max(h.resyncs);
+                let mut reason = UnparsedReason::from_u8(h.reason);
+                if reason == UnparsedReason::AttachedMidStream
+                    && ds
+                        .hunting
+                        .is_some_and(|x| x.reason == UnparsedReason::Restarted)
+                {
+                    // A connection an earlier agent was counting (its pinned state could not
+                    // be reused): the kernel only knows it is open since before this run.
+                    reason = UnparsedReason::Restarted;
+                }
                 ds.hunting = Some(Hunting {
-                    reason: UnparsedReason::from_u8(h.reason),
+                    reason,
                     detail: h.detail,
                     at: h.at,
                     since_ns: h.hdr.ts_ns,
@@ -891,7 +901,7 @@ impl Model {
         s.local = Some(local);
         s.remote = Some(remote);
         for d in s.dirs.iter_mut() {
-            if reason == UnparsedReason::AttachedMidStream {
+            if reason == UnparsedReason::AttachedMidStream || reason == UnparsedReason::Restarted {
                 // The kernel hunts for its boundaries (`PREEXISTING`); its HUNT record, if
                 // any arrives, says the same.
                 if d.locked.is_none() {
