@@ -19,7 +19,8 @@
 //! `relay_backend`; `server`: a client connected to it, `relay_client`) and the `vm` of the
 //! discovery target its process is (or descends from), e.g. `socat`.
 //!
-//! Per-channel series are emitted for open sockets whose channel type is known. Two open
+//! Per-channel series are emitted for open sockets whose channel type is known or inferred
+//! (an inferred one has `channel_id` ""; `channel_info` says `channel_inferred`). Two open
 //! sockets with the same (`vm`, `leg`, `channel`, `channel_id`) would make duplicate series;
 //! then only the one that sent the most messages gets them (both keep their `_info`).
 
