@@ -1278,6 +1278,53 @@ mod tests {
             assert!(!t.contains("unknown?"), "{t}");
         }
 
+        /// A daemon restarted on its pinned maps takes over a connection an earlier agent had
+        /// joined and locked: no link in the map, no HUNT or LOCK record any more, but framed;
+        /// the records after the restart identify it.
+        #[test]
+        fn a_restored_joined_connection_is_identified_by_its_new_records() {
+            use super::super::super::Restored;
+            use spice_ebpf_common::event::SockState;
+            let mut st = SockState {
+                tgid: 10,
+                ..Default::default()
+            };
+            for (d, role) in [(S, S2C), (R, C2S)] {
+                st.dir[d as usize].role = role as u8;
+                st.dir[d as usize].hdr_len = 6;
+                st.dir[d as usize].msg_count = 50;
+            }
+            let mut m = Model::default();
+            m.restore(
+                &Restored {
+                    cookie: 5,
+                    state: st,
+                    comm: "Xorg".into(),
+                    local: "127.0.0.1:5900".parse().ok(),
+                    remote: "127.0.0.1:40000".parse().ok(),
+                    tcp: None,
+                },
+                100,
+            );
+            m.restored_at(100);
+            assert_eq!(
+                m.sockets[&5].inference().map(|i| i.evidence),
+                Some("no message framed yet".into())
+            );
+            for i in 51..60 {
+                m.apply(&Event::Message(MessageEvent {
+                    hdr: hdr(5, 10, S, 200 + i),
+                    index: i,
+                    size: 40,
+                    msg_type: 302,
+                    hdr_len: 6,
+                    ..Default::default()
+                }));
+            }
+            let t = m.sockets[&5].channel_type().unwrap();
+            assert_eq!((t.ty, t.inferred()), (channel::DISPLAY, true));
+        }
+
         #[test]
         fn known_session_ids_group_without_inference() {
             let mut m = Model::default();

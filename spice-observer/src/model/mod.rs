@@ -262,10 +262,12 @@ impl SocketModel {
     }
 
     /// What the message types say about a socket whose link phase was not seen (some
-    /// direction hunted, no link message or reply seen): [`infer::infer`] over both
+    /// direction hunted, or is framed without a link: a joined connection an agent restarted
+    /// on pinned state took over; no link message or reply seen): [`infer::infer`] over both
     /// directions. `None` for other sockets.
     pub fn inference(&self) -> Option<infer::Inference> {
-        if !self.joined() || self.dirs.iter().any(|d| d.link.is_some()) {
+        let framed = self.dirs.iter().any(|d| d.hdr_len != 0);
+        if !(self.joined() || framed) || self.dirs.iter().any(|d| d.link.is_some()) {
             return None;
         }
         let e = [0, 1].map(|d| infer::DirEvidence::from_dir(&self.dirs[d]));
