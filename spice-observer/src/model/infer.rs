@@ -1276,6 +1276,10 @@ mod tests {
                 assert!(t.contains(&format!(" {ty} ")), "{ty}: {t}");
             }
             assert!(!t.contains("unknown?"), "{t}");
+            assert!(
+                t.contains("inferred from the message types for 4 connection(s) without a link phase, 1 still unknown"),
+                "{t}"
+            );
         }
 
         /// A daemon restarted on its pinned maps takes over a connection an earlier agent had

@@ -1464,6 +1464,24 @@ pub fn render(r: &Report) -> String {
             hunting.len()
         );
     }
+    let inferred = r
+        .channels
+        .iter()
+        .filter(|c| c.channel_type_inferred)
+        .count();
+    let undecided = r
+        .channels
+        .iter()
+        .filter(|c| !c.channel_type_inferred && c.channel_type_evidence.is_some())
+        .count();
+    if inferred + undecided > 0 {
+        let _ = writeln!(
+            out,
+            "channel type (?): inferred from the message types for {inferred} connection(s) \
+             without a link phase, {undecided} still unknown (channel_type_evidence in --json \
+             says why)"
+        );
+    }
     for c in r.channels.iter().filter(|c| {
         [&c.sync_sent, &c.sync_received]
             .iter()
