@@ -714,25 +714,6 @@ pub fn is_joined(s: &SocketModel) -> bool {
     s.channel().is_none() && s.dirs.iter().any(|d| d.locked.is_some())
 }
 
-/// The channel type of a joined connection as far as its own window evidence goes, for the
-/// sample series: display if the server sent draw messages (types 302..=318, display only in
-/// `spice.proto`) or its lock's headers fit display only, cursor if they fit cursor only;
-/// `None` otherwise. Channel id 0 (a joined connection's id is not known).
-pub fn channel_hint(s: &SocketModel) -> Option<(u8, u8)> {
-    let d = &s.dirs[s.s2c()?];
-    if d.by_type.range(302..=318).next().is_some() {
-        return Some((channel::DISPLAY, 0));
-    }
-    let mask = d.locked?.channel_mask;
-    if mask == channel_bit(channel::DISPLAY) {
-        Some((channel::DISPLAY, 0))
-    } else if mask == channel_bit(channel::CURSOR) {
-        Some((channel::CURSOR, 0))
-    } else {
-        None
-    }
-}
-
 impl SocketModel {
     /// Feeds message record `m` of direction `role` to the joined-connection model, creating
     /// it at the first record of a joined connection ([`is_joined`]); counting begins at the
