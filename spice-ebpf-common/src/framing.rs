@@ -22,10 +22,10 @@ use crate::{
     event::lock_how,
     protocol::{
         AUTH_MECHANISM_LEN, AUTH_MECHANISM_SASL, AUTH_MECHANISM_SPICE, CAP_AUTH_SELECTION,
-        CAP_MINI_HEADER, FULL_HEADER_LEN, LINK_HEADER_LEN, LINK_MESS_MAX, LINK_MESS_MIN,
-        LINK_REPLY_CAPS_FIELDS, LINK_REPLY_MIN, LINK_RESULT_LEN, MINI_HEADER_LEN, SPICE_MAGIC,
-        SPICE_VERSION_MAJOR, TICKET_LEN, c2s_channels, channel, msg_client, msg_server,
-        s2c_channels,
+        CAP_MINI_HEADER, FULL_HEADER_LEN, HUNT_TYPES, HUNT_TYPES_LEN, LINK_HEADER_LEN,
+        LINK_MESS_MAX, LINK_MESS_MIN, LINK_REPLY_CAPS_FIELDS, LINK_REPLY_MIN, LINK_RESULT_LEN,
+        MINI_HEADER_LEN, SPICE_MAGIC, SPICE_VERSION_MAJOR, TICKET_LEN, c2s_size_ok, channel,
+        msg_client, msg_server, s2c_size_ok,
     },
 };
 
@@ -674,7 +674,9 @@ impl DirState {
                 Output::None
             }
             Phase::DataHeader => self.data_header(),
-            Phase::Hunt => self.hunt_header(),
+            // Hunting has its own entry point (`complete_hunt`), so that the kernel verifies
+            // it in a function of its own.
+            Phase::Hunt => Output::None,
             Phase::DataPrefix => {
                 // Constant offsets only (hdr_len is 6 or 18): the kernel verifier refuses
                 // variable-offset reads of a stack copy.
@@ -780,7 +782,14 @@ impl DirState {
     /// becomes the first counted message. A mini header that fails a fresh candidate is tried
     /// again as a full header; any other failure drops the chain.
     #[inline(always)]
-    fn hunt_header(&mut self) -> Output {
+    pub fn complete_hunt(&mut self) -> Output {
+        self.complete_hunt_with(&HUNT_TYPES)
+    }
+
+    /// [`Self::complete_hunt`] with the type table passed in (the kernel passes its own copy
+    /// in read-only data, read with a volatile load so the compiler keeps it a table).
+    #[inline(always)]
+    pub fn complete_hunt_with(&mut self, types: &[u32; HUNT_TYPES_LEN]) -> Output {
         let at = self.want_at;
         let full = self.want_len == FULL_HEADER_LEN as u32;
         let (msg_type, size) = if full {
@@ -789,10 +798,24 @@ impl DirState {
             (le_u16(&self.buf, 0), le_u32(&self.buf, 2))
         };
         let role = Role::from_u8(self.role);
+        // The load always happens, at a masked index: the kernel verifier needs a bound it can
+        // see on the table offset (a range check alone gets folded into a check of the high
+        // byte, which the verifier does not connect to the index).
+        let i = (msg_type as usize) & (HUNT_TYPES_LEN - 1);
+        // SAFETY: i < HUNT_TYPES_LEN.
+        let loaded = unsafe { core::ptr::read_volatile(types.as_ptr().add(i)) };
+        let entry = if (msg_type as usize) < HUNT_TYPES_LEN {
+            loaded
+        } else {
+            0
+        };
+        let (s2c, c2s) = ((entry >> 16) as u16, entry as u16);
         let mut mask = match role {
-            Role::ServerToClient => s2c_channels(msg_type, size),
-            Role::ClientToServer => c2s_channels(msg_type, size),
-            Role::Unknown => s2c_channels(msg_type, size) | c2s_channels(msg_type, size),
+            Role::ServerToClient => s2c & s2c_size_ok(msg_type, size),
+            Role::ClientToServer => c2s & c2s_size_ok(msg_type, size),
+            Role::Unknown => {
+                (s2c & s2c_size_ok(msg_type, size)) | (c2s & c2s_size_ok(msg_type, size))
+            }
         };
         if size > MAX_HUNT_SIZE {
             mask = 0;
@@ -983,7 +1006,11 @@ pub fn feed_call<F: FnMut(Output)>(
         st.buf[have..have + n].copy_from_slice(&seg[off..off + n]);
         st.have += n as u32;
         if st.have == st.want_len {
-            let out = st.complete(peer);
+            let out = if st.phase == Phase::Hunt as u8 {
+                st.complete_hunt()
+            } else {
+                st.complete(peer)
+            };
             if out != Output::None {
                 emit(out);
             }

@@ -269,14 +269,148 @@ pub const fn channel_bit(c: u8) -> u16 {
 /// Every channel type of [`channel`] (bits 1–11).
 pub const ALL_CHANNELS: u16 = 0x0ffe;
 
-/// Body size bound that fits every channel: [`crate::framing::MAX_HUNT_SIZE`] is enforced by
-/// the caller; this only says "any size".
-const ANY: u32 = u32::MAX;
+/// Bits `lo..=hi` of a mask of message types counted from 101 (types 101–164).
+const fn span(lo: u16, hi: u16) -> u64 {
+    let mut m = 0u64;
+    let mut t = lo;
+    while t <= hi {
+        m |= 1 << (t - 101);
+        t += 1;
+    }
+    m
+}
 
-/// Channels whose client → server messages may have `size` body bytes: spice-server refuses
-/// larger ones and disconnects (`docs/spice-protocol.md` §4.6: display and cursor 1024, main
-/// 26,624, inputs 2048; sound and the data channels have no such limit).
-const fn c2s_size_ok(size: u32) -> u16 {
+/// Channel types whose **server → client** messages include type `t`, ignoring the body size
+/// (`docs/spice-protocol.md` §2.2–§2.5, from `spice.proto`): base 1–8 on every channel; main
+/// 101–118; display 101–108, 122–126, 302–322; cursor 101–108; inputs 101, 102, 111; playback
+/// 101–107; record 101–104; smartcard 101; usbredir, port, webdav 101–102; port 201–202.
+pub const fn s2c_type_channels(t: u16) -> u16 {
+    use channel::*;
+    if t >= 1 && t <= 8 {
+        return ALL_CHANNELS;
+    }
+    if t >= 302 && t <= 322 {
+        return channel_bit(DISPLAY);
+    }
+    if t == 201 || t == 202 {
+        return channel_bit(PORT);
+    }
+    if t < 101 || t > 164 {
+        return 0;
+    }
+    let table: [(u8, u64); 10] = [
+        (MAIN, span(101, 118)),
+        (DISPLAY, span(101, 108) | span(122, 126)),
+        (CURSOR, span(101, 108)),
+        (INPUTS, span(101, 102) | span(111, 111)),
+        (PLAYBACK, span(101, 107)),
+        (RECORD, span(101, 104)),
+        (SMARTCARD, span(101, 101)),
+        (USBREDIR, span(101, 102)),
+        (PORT, span(101, 102)),
+        (WEBDAV, span(101, 102)),
+    ];
+    let mut m = 0u16;
+    let mut i = 0;
+    while i < table.len() {
+        if table[i].1 & (1 << (t - 101)) != 0 {
+            m |= channel_bit(table[i].0);
+        }
+        i += 1;
+    }
+    m
+}
+
+/// Channel types whose **client → server** messages include type `t`, ignoring the size:
+/// base 1–6 everywhere; main 101–112; display 101–105; inputs 101–104, 111–114; record
+/// 101–103; smartcard 101; usbredir, port, webdav 101–102; port 201.
+pub const fn c2s_type_channels(t: u16) -> u16 {
+    use channel::*;
+    if t >= 1 && t <= 6 {
+        return ALL_CHANNELS;
+    }
+    if t == 201 {
+        return channel_bit(PORT);
+    }
+    if t < 101 || t > 164 {
+        return 0;
+    }
+    let table: [(u8, u64); 8] = [
+        (MAIN, span(101, 112)),
+        (DISPLAY, span(101, 105)),
+        (INPUTS, span(101, 104) | span(111, 114)),
+        (RECORD, span(101, 103)),
+        (SMARTCARD, span(101, 101)),
+        (USBREDIR, span(101, 102)),
+        (PORT, span(101, 102)),
+        (WEBDAV, span(101, 102)),
+    ];
+    let mut m = 0u16;
+    let mut i = 0;
+    while i < table.len() {
+        if table[i].1 & (1 << (t - 101)) != 0 {
+            m |= channel_bit(table[i].0);
+        }
+        i += 1;
+    }
+    m
+}
+
+/// Entries of [`HUNT_TYPES`]: message types 0..1024 ([`crate::framing::MAX_MESSAGE_TYPE`] is
+/// 1000).
+pub const HUNT_TYPES_LEN: usize = 1024;
+
+/// Per message type: [`s2c_type_channels`] in the high 16 bits, [`c2s_type_channels`] in the
+/// low 16. A table, so that the kernel pays one load for it while hunting (and its verifier
+/// walks one path instead of one per channel).
+pub const HUNT_TYPES: [u32; HUNT_TYPES_LEN] = {
+    let mut t = [0u32; HUNT_TYPES_LEN];
+    let mut i = 0;
+    while i < HUNT_TYPES_LEN {
+        t[i] = ((s2c_type_channels(i as u16) as u32) << 16) | c2s_type_channels(i as u16) as u32;
+        i += 1;
+    }
+    t
+};
+
+/// What the body size of a **server → client** header with type `t` rules out: base messages
+/// with a fixed body (MIGRATE 4, SET_ACK 8, DISCONNECTING 12) or a fixed part (PING ≥ 12,
+/// WAIT_FOR_CHANNELS ≥ 1, NOTIFY ≥ 24, LIST ≥ 2), `docs/spice-protocol.md` §2.2. Returns
+/// [`ALL_CHANNELS`] if the size fits, else 0. Few branches with two outcomes: cheap for the
+/// kernel verifier.
+#[inline(always)]
+pub const fn s2c_size_ok(t: u16, size: u32) -> u16 {
+    let ok = match t {
+        1 => size == 4,
+        3 => size == 8,
+        4 => size >= 12,
+        5 => size >= 1,
+        6 => size == 12,
+        7 => size >= 24,
+        8 => size >= 2,
+        _ => true,
+    };
+    if ok { ALL_CHANNELS } else { 0 }
+}
+
+/// What the body size of a **client → server** header with type `t` rules out: ACK_SYNC 4,
+/// ACK 0, PONG 12, MIGRATE_FLUSH_MARK 0, DISCONNECTING 12 (§2.2), and spice-server's
+/// per-channel limits on client messages (§4.6: display and cursor 1024, inputs 2048, main
+/// 26,624 bytes; MIGRATE_DATA and main AGENT_DATA exempt). Returns a channel mask.
+#[inline(always)]
+pub const fn c2s_size_ok(t: u16, size: u32) -> u16 {
+    let ok = match t {
+        1 => size == 4,
+        2 | 4 => size == 0,
+        3 | 6 => size == 12,
+        _ => true,
+    };
+    if !ok {
+        return 0;
+    }
+    if t == 5 || t == 107 {
+        return ALL_CHANNELS;
+    }
     let mut m = ALL_CHANNELS;
     if size > 1024 {
         m &= !(channel_bit(channel::DISPLAY) | channel_bit(channel::CURSOR));
@@ -290,163 +424,16 @@ const fn c2s_size_ok(size: u32) -> u16 {
     m
 }
 
-/// `size` equals `want`, or any size when `want` is [`ANY`]; `min`-style checks are written
-/// out where the body has a fixed part.
-const fn is(size: u32, want: u32) -> bool {
-    want == ANY || size == want
-}
-
-/// Channel types (mask of [`channel_bit`]) for which a **server → client** data header with
-/// this type and body size is valid, from the message tables of `docs/spice-protocol.md`
-/// §2.2–§2.5 (`spice.proto`). Fixed sizes are checked where the body is fixed: SET_ACK 8,
-/// PING ≥ 12, MIGRATE 4, DISCONNECTING 12, NOTIFY ≥ 24, main INIT 32, cursor MOVE 4 and
-/// INVAL_ONE 8, and the empty messages. 0 means no channel: not a SPICE header.
-///
-/// Used only while hunting for message boundaries in a stream joined at an unknown offset
-/// ([`crate::framing::Phase::Hunt`]); framed streams accept any type up to
-/// [`crate::framing::MAX_MESSAGE_TYPE`].
-pub const fn s2c_channels(msg_type: u16, size: u32) -> u16 {
-    use channel::*;
-    let ok = match msg_type {
-        1 => is(size, 4),
-        2 => true,
-        3 => size == 8,
-        4 => size >= 12,
-        5 => size >= 1,
-        6 => size == 12,
-        7 => size >= 24,
-        8 => size >= 2,
-        _ => false,
-    };
-    if msg_type <= 8 {
-        return if ok { ALL_CHANNELS } else { 0 };
-    }
-    let mut m = 0u16;
-    // main (§2.3)
-    let main_ok = match msg_type {
-        102 | 107 | 112 | 117 | 118 => size == 0,
-        103 => size == 32,
-        109 => size <= 2048,
-        101 | 104..=106 | 108 | 110 | 111 | 113..=116 => true,
-        _ => false,
-    };
-    if main_ok {
-        m |= channel_bit(MAIN);
-    }
-    // display (§2.4)
-    let display_ok = match msg_type {
-        102 | 103 | 108 | 126 => size == 0,
-        107 => size == 8,
-        125 => size == 4,
-        101 | 104..=106 | 122..=124 | 302..=322 => true,
-        _ => false,
-    };
-    if display_ok {
-        m |= channel_bit(DISPLAY);
-    }
-    // cursor (§2.5)
-    let cursor_ok = match msg_type {
-        102 | 105 | 108 => size == 0,
-        104 => size == 4,
-        107 => size == 8,
-        101 | 103 | 106 => true,
-        _ => false,
-    };
-    if cursor_ok {
-        m |= channel_bit(CURSOR);
-    }
-    // inputs
-    let inputs_ok = match msg_type {
-        111 => size == 0,
-        101 | 102 => true,
-        _ => false,
-    };
-    if inputs_ok {
-        m |= channel_bit(INPUTS);
-    }
-    // playback, record
-    if matches!(msg_type, 101..=107) && (msg_type != 104 || size == 0) {
-        m |= channel_bit(PLAYBACK);
-    }
-    if matches!(msg_type, 101..=104) && (msg_type != 102 || size == 0) {
-        m |= channel_bit(RECORD);
-    }
-    // smartcard, usbredir, port, webdav
-    if msg_type == 101 {
-        m |= channel_bit(SMARTCARD);
-    }
-    if matches!(msg_type, 101 | 102) {
-        m |= channel_bit(USBREDIR) | channel_bit(PORT) | channel_bit(WEBDAV);
-    }
-    if matches!(msg_type, 201 | 202) {
-        m |= channel_bit(PORT);
-    }
-    m
+/// Channel types for which a **server → client** data header with this type and body size is
+/// valid: [`s2c_type_channels`] ∩ [`s2c_size_ok`]. 0: no channel, not a SPICE header. Used
+/// while hunting for message boundaries ([`crate::framing::Phase::Hunt`]); framed streams
+/// accept any type up to [`crate::framing::MAX_MESSAGE_TYPE`].
+pub const fn s2c_channels(t: u16, size: u32) -> u16 {
+    s2c_type_channels(t) & s2c_size_ok(t, size)
 }
 
 /// Channel types for which a **client → server** data header with this type and body size is
-/// valid (`docs/spice-protocol.md` §2.2–§2.5, with the server's size limits of §4.6):
-/// ACK_SYNC 4, ACK 0, PONG 12, MIGRATE_FLUSH_MARK 0, DISCONNECTING 12, main
-/// ATTACH_CHANNELS 0, display INIT 14, inputs KEY_DOWN / KEY_UP 4. See [`s2c_channels`].
-pub const fn c2s_channels(msg_type: u16, size: u32) -> u16 {
-    use channel::*;
-    let limit = c2s_size_ok(size);
-    if msg_type <= 6 {
-        let ok = match msg_type {
-            1 => size == 4,
-            2 => size == 0,
-            3 => size == 12,
-            4 => size == 0,
-            5 => true,
-            6 => size == 12,
-            _ => false,
-        };
-        // MIGRATE_DATA is exempt from the size limits (§4.6).
-        return if !ok {
-            0
-        } else if msg_type == 5 {
-            ALL_CHANNELS
-        } else {
-            limit
-        };
-    }
-    let mut m = 0u16;
-    let main_ok = match msg_type {
-        104 => size == 0,
-        101..=103 | 105..=112 => true,
-        _ => false,
-    };
-    if main_ok {
-        // AGENT_DATA is exempt from main's limit (§4.6).
-        m |= channel_bit(MAIN) & if msg_type == 107 { ALL_CHANNELS } else { limit };
-    }
-    let display_ok = match msg_type {
-        101 => size == 14,
-        102..=105 => true,
-        _ => false,
-    };
-    if display_ok {
-        m |= channel_bit(DISPLAY) & limit;
-    }
-    let inputs_ok = match msg_type {
-        101 | 102 => size == 4,
-        103 | 104 | 111..=114 => true,
-        _ => false,
-    };
-    if inputs_ok {
-        m |= channel_bit(INPUTS) & limit;
-    }
-    if matches!(msg_type, 101..=103) {
-        m |= channel_bit(RECORD);
-    }
-    if msg_type == 101 {
-        m |= channel_bit(SMARTCARD);
-    }
-    if matches!(msg_type, 101 | 102) {
-        m |= channel_bit(USBREDIR) | channel_bit(PORT) | channel_bit(WEBDAV);
-    }
-    if msg_type == 201 {
-        m |= channel_bit(PORT);
-    }
-    m
+/// valid: [`c2s_type_channels`] ∩ [`c2s_size_ok`].
+pub const fn c2s_channels(t: u16, size: u32) -> u16 {
+    c2s_type_channels(t) & c2s_size_ok(t, size)
 }

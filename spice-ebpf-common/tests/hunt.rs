@@ -136,13 +136,24 @@ fn relay_reads_lock_on_content_alone() {
         let mut rng = Rng(100 + seed);
         let (msgs, truth) = display_stream(&mut rng, HeaderKind::Mini, 400);
         let stream: Vec<u8> = msgs.concat();
-        // Joined at a random offset; the relay reads chunks of up to 8 KiB, cut anywhere.
+        // Joined at a random offset; the relay reads chunks of up to 8 KiB, cut anywhere,
+        // except that one read in four drains what the sender has written so far and so ends
+        // at a message end (spice-server writes whole messages when the socket has room).
+        let ends: Vec<usize> = truth
+            .iter()
+            .map(|t| (t.at + 6 + t.size as u64) as usize)
+            .collect();
         let start = rng.below(stream.len() as u64 / 4) as usize;
         let mut st = joined(Role::ServerToClient);
         let mut got = Vec::new();
         let mut pos = start;
         while pos < stream.len() {
-            let n = (1 + rng.below(8192) as usize).min(stream.len() - pos);
+            let mut n = (1 + rng.below(8192) as usize).min(stream.len() - pos);
+            if rng.below(4) == 0 {
+                if let Some(&e) = ends.iter().find(|&&e| e > pos && e <= pos + n) {
+                    n = e - pos;
+                }
+            }
             got.extend(call(&mut st, &stream[pos..pos + n], lock_how::CONTENT, 0));
             pos += n;
         }

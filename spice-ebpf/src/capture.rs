@@ -23,14 +23,17 @@ use aya_ebpf::helpers::{
     generated::{bpf_loop, bpf_probe_read_user},
 };
 use spice_ebpf_common::{
-    config::{MAX_STEPS_PER_CALL, counter},
+    config::{MAX_STEPS_PER_CALL, counter, preexisting},
     event::{
-        EventHeader, HuntEvent, LinkEvent, MessageEvent, PendingCall, SockState, SocketEvent,
-        TcpSnapshot, UnparsedEvent, call_kind, dir as dirs, kind, msg_flags, tcp_source,
+        EventHeader, HuntEvent, LinkEvent, LockEvent, MessageEvent, PendingCall, SockState,
+        SocketEvent, TcpSnapshot, UnparsedEvent, call_kind, dir as dirs, kind, lock_how, msg_flags,
+        tcp_source,
     },
     framing::{
-        BUF_LEN, DirState, LinkInfo, MAX_WANT, MessageInfo, Output, PeerView, Role, UnparsedReason,
+        BUF_LEN, DirState, LinkInfo, MAX_WANT, MessageInfo, Output, PeerView, Phase, Role,
+        UnparsedReason,
     },
+    protocol::{HUNT_TYPES, HUNT_TYPES_LEN},
     window::WindowState,
 };
 
@@ -40,6 +43,10 @@ use crate::{
 };
 
 const EAGAIN: i32 = 11;
+
+/// The hunting type table ([`spice_ebpf_common::protocol::HUNT_TYPES`]) in the program's
+/// read-only data: one load per candidate header.
+static HUNT_TABLE: [u32; HUNT_TYPES_LEN] = HUNT_TYPES;
 
 /// One socket call as seen by a hook.
 pub struct Call {
@@ -92,21 +99,29 @@ fn header(kind_: u8, dir: u8, cookie: u64, tgid: u32, now: u64) -> EventHeader {
 fn emit(ec: &EmitCtx, out: &Output, st: &DirState, peer: &PeerView) {
     match out {
         Output::None => {}
-        Output::Message(m) => emit_message(ec, m, 0, st.role, message_channel_type(st, peer)),
+        Output::Message(m) => {
+            if m.lock != 0 {
+                emit_lock(&ec.hdr, ec.route, m, st);
+            }
+            emit_message(ec, m, 0, st.role, message_channel_type(st, peer))
+        }
         Output::Link(l) => emit_link(&ec.hdr, ec.route, l),
         Output::Unparsed { reason, detail, at } => {
             emit_unparsed(&ec.hdr, ec.route, *reason as u8, *detail, *at)
         }
-        Output::Hunt { reason, detail, at } => {
+        Output::Hunt { .. } => {
             count(counter::RESYNCS);
-            emit_hunt(&ec.hdr, ec.route, *reason as u8, *detail, *at, st)
+            emit_hunt(&ec.hdr, ec.route, st)
         }
     }
 }
 
+/// Writes the record of a hunt `st` just began ([`DirState::hunt`]: reason, detail and start
+/// offset are in the state).
 #[inline(never)]
-fn emit_hunt(hdr: &EventHeader, route: u8, reason: u8, detail: u32, at: u64, st: &DirState) {
-    let (role, resyncs) = (st.role, st.resyncs);
+fn emit_hunt(hdr: &EventHeader, route: u8, st: &DirState) {
+    let (role, resyncs, reason, detail, at) =
+        (st.role, st.resyncs, st.reason, st.detail, st.hunt_from);
     write_record::<HuntEvent>(route, |p| unsafe {
         (*p).hdr = *hdr;
         (*p).hdr.kind = kind::HUNT;
@@ -117,6 +132,36 @@ fn emit_hunt(hdr: &EventHeader, route: u8, reason: u8, detail: u32, at: u64, st:
         (*p).detail = detail;
         (*p).resyncs = resyncs;
         (*p)._pad2 = 0;
+    });
+}
+
+/// Writes the record of the lock that message `m` ends ([`MessageInfo::lock`]), before the
+/// message's own record.
+#[inline(never)]
+fn emit_lock(hdr: &EventHeader, route: u8, m: &MessageInfo, st: &DirState) {
+    count(counter::LOCKS);
+    let (run, role, mask, candidates, resyncs, from) = (
+        st.run,
+        st.role,
+        st.chain_mask,
+        st.candidates,
+        st.resyncs,
+        st.hunt_from,
+    );
+    write_record::<LockEvent>(route, |p| unsafe {
+        (*p).hdr = *hdr;
+        (*p).hdr.kind = kind::LOCK;
+        (*p).at = m.at;
+        (*p).skipped = m.at.saturating_sub(from);
+        (*p).index = m.index;
+        (*p).how = m.lock;
+        (*p).run = run;
+        (*p).hdr_len = m.hdr_len;
+        (*p).role = role;
+        (*p).channel_mask = mask;
+        (*p)._pad = 0;
+        (*p).candidates = candidates;
+        (*p).resyncs = resyncs;
     });
 }
 
@@ -271,10 +316,24 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     }
     st.have = have + n;
     if st.have >= st.want_len {
-        let out = st.complete(&c.peer);
-        emit(&c.ec, &out, st, &c.peer);
+        if st.phase == Phase::Hunt as u8 {
+            hunt_complete(c);
+        } else {
+            let out = st.complete(&c.peer);
+            emit(&c.ec, &out, st, &c.peer);
+        }
     }
     0
+}
+
+/// A hunting direction's candidate header is complete: validate it, and at a lock report the
+/// first counted message ([`DirState::complete_hunt`]). A function of its own so that the
+/// verifier walks the hunting checks once, apart from the framing of [`step`].
+#[inline(never)]
+fn hunt_complete(c: &mut LoopCtx) {
+    let st = unsafe { &mut *c.st };
+    let out = st.complete_hunt_with(&HUNT_TABLE);
+    emit(&c.ec, &out, st, &c.peer);
 }
 
 /// Returns the tracked state of the socket, creating it (and announcing the socket) on first
@@ -295,18 +354,36 @@ fn socket_state(call: &Call, tgid: u32, now: u64) -> Option<*mut SockState> {
     state.watch = call.args.watch;
     let hdr = header(kind::SOCKET, call.dir, call.cookie, tgid, now);
     announce_socket(call.sk, &hdr, call.args.watch);
-    if PREEXISTING.get_ptr(&call.cookie).is_some() {
-        // Connected before observation started: the stream cannot be framed from here.
+    if let Some(how) = PREEXISTING.get_ptr(&call.cookie) {
+        // Connected before observation started: no link phase to start from. Both directions
+        // hunt for message boundaries, each with the SPICE role the way the socket was made
+        // gives it (config::preexisting).
+        let send_role = match unsafe { *how } {
+            preexisting::ACCEPTED => Role::ServerToClient as u8,
+            preexisting::CONNECTED => Role::ClientToServer as u8,
+            _ => Role::Unknown as u8,
+        };
+        let recv_role = match send_role {
+            1 => Role::ServerToClient as u8,
+            2 => Role::ClientToServer as u8,
+            _ => Role::Unknown as u8,
+        };
         for d in 0..2usize {
             let ds = &mut state.dir[d];
-            let out = ds.stop(UnparsedReason::AttachedMidStream, 0);
-            emit_stop(
+            ds.role = if d == dirs::SEND as usize {
+                send_role
+            } else {
+                recv_role
+            };
+            let _ = ds.hunt(UnparsedReason::AttachedMidStream, 0, 0);
+            emit_hunt(
                 &EventHeader {
+                    kind: kind::HUNT,
                     dir: d as u8,
                     ..hdr
                 },
                 call.args.watch,
-                &out,
+                ds,
             );
         }
     }
@@ -450,7 +527,11 @@ pub fn on_call(call: &Call) {
         let out = st.stop(UnparsedReason::UntracedBytes, call.ret as u32);
         emit_stop(&hdr, call.args.watch, &out);
     }
+    if st.phase == Phase::Hunt as u8 {
+        offer_call_start(st, call, call_start, moved);
+    }
     if !st.is_unparsed() {
+        let candidates = st.candidates;
         let ec = EmitCtx {
             hdr,
             seq_base: sock.seq_base[d],
@@ -463,8 +544,66 @@ pub fn on_call(call: &Call) {
             end: call_end,
         };
         frame(st, &peer, call, &ec, &span);
+        if st.candidates != candidates {
+            count(counter::HUNT_CANDIDATES);
+        }
     }
     st.pos = call_end;
+}
+
+/// Most iovecs [`asked_bytes`] adds up (spice-server's messages have a few: header and fixed
+/// fields, then bulk chunks of ≤ 64 KiB, `docs/spice-protocol.md` §4.1).
+const ASKED_IOVECS: u64 = 8;
+
+/// Bytes the call asked to move: the buffer length, or the sum of up to [`ASKED_IOVECS`]
+/// iovec lengths; `u64::MAX` if unknown (more iovecs, or unreadable).
+#[inline(never)]
+fn asked_bytes(call: &Call) -> u64 {
+    if call.args.kind == call_kind::BUFFER {
+        return call.args.len;
+    }
+    if call.args.kind != call_kind::IOVEC || call.args.len > ASKED_IOVECS {
+        return u64::MAX;
+    }
+    let mut total = 0u64;
+    for i in 0..ASKED_IOVECS {
+        if i >= call.args.len {
+            break;
+        }
+        let mut iov = [0u64; 2];
+        let src = (call.args.ptr + i * 16) as *const c_void;
+        if unsafe { bpf_probe_read_user(iov.as_mut_ptr() as *mut c_void, 16, src) } != 0 {
+            return u64::MAX;
+        }
+        total = total.wrapping_add(iov[1]);
+    }
+    total
+}
+
+/// A hunting direction's call starts at stream offset `at` and moved `moved` bytes: offers
+/// its first byte as a candidate header ([`DirState::hunt_call_start`]), anchored by the peer's
+/// call pattern where it has one (`docs/spice-protocol.md` §4.2, §4.6, §4.7):
+/// * a send after a send that moved everything it asked: spice-server writes one message per
+///   writev and spice-gtk one per write, so it starts a message;
+/// * a receive that asked for exactly 6 or 18 bytes and got them: spice-server reading a
+///   data header;
+/// * anything else (a relay's reads and writes): content alone.
+#[inline(never)]
+fn offer_call_start(st: &mut DirState, call: &Call, at: u64, moved: u64) {
+    let asked = asked_bytes(call);
+    if call.dir == dirs::SEND {
+        let anchor = if st.call_complete != 0 {
+            lock_how::SEND_AFTER_COMPLETE
+        } else {
+            lock_how::CONTENT
+        };
+        st.hunt_call_start(at, anchor, 0);
+        st.call_complete = (asked == moved) as u8;
+    } else if (asked == 6 || asked == 18) && moved == asked {
+        st.hunt_call_start(at, lock_how::RECV_HEADER_READ, asked as u8);
+    } else {
+        st.hunt_call_start(at, lock_how::CONTENT, 0);
+    }
 }
 
 /// What writing a message record needs besides the message: the record header, the
