@@ -307,8 +307,14 @@ struct DirFigures {
 }
 
 /// Compares one direction: the joined run's messages must be exactly the reference's from the
-/// joined run's lock message to its last message. Errors name the first difference.
-fn compare_dir(joined: &Run, reference: &Run, cookie: u64, dir: u8) -> Result<DirFigures> {
+/// joined run's lock message to its last message. Returns the figures and the problems found
+/// (the first difference of each kind).
+fn compare_dir(
+    joined: &Run,
+    reference: &Run,
+    cookie: u64,
+    dir: u8,
+) -> Result<(DirFigures, Vec<String>)> {
     let j = messages(&joined.recs, cookie, dir)?;
     let r = messages(&reference.recs, cookie, dir)?;
     let locks = of_kind(&joined.recs, "Lock", cookie, dir);
@@ -329,41 +335,42 @@ fn compare_dir(joined: &Run, reference: &Run, cookie: u64, dir: u8) -> Result<Di
         reference: 0,
         before_lock: 0,
     };
+    let mut problems = Vec::new();
+    let name = format!("{} {} dir {dir}", fig.channel_type, fig.socket);
     let Some(first) = j.first() else {
-        ensure!(
-            locks.is_empty(),
-            "{} dir {dir}: a LOCK record but no message after it",
-            fig.socket
-        );
-        return Ok(fig);
+        if !locks.is_empty() {
+            problems.push(format!("{name}: a LOCK record but no message after it"));
+        }
+        return Ok((fig, problems));
     };
-    ensure!(
-        locks.len() == 1,
-        "{} dir {dir}: {} locks on a real session (a resync: a lock failed validation)",
-        fig.socket,
-        locks.len()
-    );
-    ensure!(
-        first.flags & msg_flags::LOCK != 0,
-        "{} dir {dir}: the first counted message lacks the LOCK flag: {first:?}",
-        fig.socket
-    );
-    let lock_index = locks[0].get("index")?;
-    ensure!(
-        first.index == lock_index,
-        "{} dir {dir}: LOCK index {lock_index}, first message {first:?}",
-        fig.socket
-    );
-    let p = r.iter().position(|m| m.seq == first.seq).ok_or_else(|| {
-        anyhow!(
-            "{} dir {dir}: the joined run locked at seq {} (type {}, size {}), which starts \
-                 no message of the reference (a false lock)",
-            fig.socket,
-            first.seq,
-            first.msg_type,
-            first.size
-        )
-    })?;
+    if locks.len() != 1 {
+        problems.push(format!(
+            "{name}: {} locks on a real session (a resync: a lock failed validation)",
+            locks.len()
+        ));
+    }
+    if first.flags & msg_flags::LOCK == 0 {
+        problems.push(format!(
+            "{name}: the first counted message lacks the LOCK flag (msg_flags::LOCK): {first:?}"
+        ));
+    }
+    if let Some(l) = locks.first() {
+        let lock_index = l.get("index")?;
+        let lock_at = l.get("at")?;
+        if first.index != lock_index || first.at != lock_at {
+            problems.push(format!(
+                "{name}: LOCK index {lock_index} at {lock_at}, first message {first:?}"
+            ));
+        }
+    }
+    let Some(p) = r.iter().position(|m| m.seq == first.seq) else {
+        problems.push(format!(
+            "{name}: the joined run locked at seq {} (type {}, size {}), which starts no message \
+             of the reference (a false lock)",
+            first.seq, first.msg_type, first.size
+        ));
+        return Ok((fig, problems));
+    };
     let last = j.last().unwrap().seq.wrapping_sub(first.seq);
     let same: Vec<&Msg> = r[p..]
         .iter()
@@ -371,25 +378,21 @@ fn compare_dir(joined: &Run, reference: &Run, cookie: u64, dir: u8) -> Result<Di
         .collect();
     fig.reference = same.len();
     fig.before_lock = r[p].index - 1;
-    for (k, (a, b)) in j.iter().zip(same.iter()).enumerate() {
-        ensure!(
-            (a.seq, a.msg_type, a.size) == (b.seq, b.msg_type, b.size),
-            "{} dir {dir}: message {k} after the lock differs: joined {a:?}, reference {b:?}",
-            fig.socket
-        );
-        ensure!(
-            a.index - first.index == b.index - r[p].index,
-            "{} dir {dir}: ordinals diverge at message {k}: joined {a:?}, reference {b:?}",
-            fig.socket
-        );
+    if let Some((k, (a, b))) = j.iter().zip(same.iter()).enumerate().find(|(_, (a, b))| {
+        (a.seq, a.msg_type, a.size) != (b.seq, b.msg_type, b.size)
+            || a.index - first.index != b.index - r[p].index
+    }) {
+        problems.push(format!(
+            "{name}: message {k} after the lock differs: joined {a:?}, reference {b:?}"
+        ));
     }
-    ensure!(
-        j.len() == same.len(),
-        "{} dir {dir}: {} messages from the lock, the reference has {} over the same bytes",
-        fig.socket,
-        j.len(),
-        same.len()
-    );
+    if j.len() != same.len() {
+        problems.push(format!(
+            "{name}: {} messages from the lock, the reference has {} over the same bytes",
+            j.len(),
+            same.len()
+        ));
+    }
     // The report counts what the records say.
     if let Some(c) = channel_by_cookie(&joined.report, cookie) {
         let counted = if dir == 0 {
@@ -397,14 +400,14 @@ fn compare_dir(joined: &Run, reference: &Run, cookie: u64, dir: u8) -> Result<Di
         } else {
             c.messages_received
         };
-        ensure!(
-            counted == j.len() as u64,
-            "{} dir {dir}: the joined report counts {counted}, its records {}",
-            fig.socket,
-            j.len()
-        );
+        if counted != j.len() as u64 {
+            problems.push(format!(
+                "{name}: the joined report counts {counted}, its records {}",
+                j.len()
+            ));
+        }
     }
-    Ok(fig)
+    Ok((fig, problems))
 }
 
 fn print_figures(test: &str, figs: &[DirFigures]) {
@@ -436,7 +439,7 @@ fn joined_type(joined: &Run, cookie: u64) -> Result<(String, bool)> {
     let inferred = c
         .get("channel_type_inferred")
         .and_then(Value::as_bool)
-        .ok_or_else(|| anyhow!("the joined report has no channel_type_inferred: {c}"))?;
+        .ok_or_else(|| anyhow!("the joined report has no channel_type_inferred (type {ty:?})"))?;
     Ok((ty, inferred))
 }
 
@@ -503,9 +506,10 @@ fn check_session(
     let mut figs = Vec::new();
     for c in &chans {
         for dir in [0u8, 1] {
-            match compare_dir(joined, reference, c.cookie, dir) {
-                Ok(f) => figs.push(f),
-                Err(e) => v.check(&format!("{} {}", c.channel_type, c.socket), Err(e)),
+            let (f, problems) = compare_dir(joined, reference, c.cookie, dir)?;
+            figs.push(f);
+            for p in problems {
+                v.check("from the lock", Err(anyhow!("{p}")));
             }
         }
     }
