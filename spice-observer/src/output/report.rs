@@ -150,8 +150,15 @@ pub struct ChannelReport {
     pub session_id: Option<u32>,
     pub channel_type: String,
     pub channel_id: Option<u8>,
-    /// `"mini"`, `"full"`, `"unparsed"` or `"pending"` (link phase not finished).
+    /// `"mini"`, `"full"`, `"unparsed"`, `"hunting"` (joined mid-stream or lost sync, no
+    /// message boundaries found yet in either direction) or `"pending"` (link phase not
+    /// finished).
     pub framing: String,
+    /// How each direction found its message boundaries when it had to hunt for them (a
+    /// connection open before observation started, or a header that failed validation);
+    /// null for a direction framed from its link phase without a resync.
+    pub sync_sent: Option<SyncReport>,
+    pub sync_received: Option<SyncReport>,
     pub unparsed_reason: Option<String>,
     /// Human-readable detail of `unparsed_reason`.
     pub unparsed_detail: Option<String>,
@@ -244,6 +251,82 @@ pub struct ChannelReport {
     pub window_ceiling_msgs_per_s: Option<f64>,
     /// One-line judgement (display channels).
     pub verdict: Option<String>,
+}
+
+/// Hunting and locking of one direction ([`ChannelReport::sync_sent`] /
+/// [`ChannelReport::sync_received`]). Its message counts start at its first lock: the messages
+/// before it (and those inside any later hunt) are not counted, their bytes are in
+/// `unframed_bytes`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SyncReport {
+    /// Still hunting now (no boundaries since the last hunt began).
+    pub hunting: bool,
+    /// Why the latest hunt began: `attached_mid_stream` (the connection was open before
+    /// observation started), `bad_header` (a header failed validation: a resync).
+    pub reason: String,
+    /// When the latest hunt began, seconds since the report's clock start (may be negative
+    /// for a connection found open at start: 0 there).
+    pub hunt_began_s: f64,
+    /// When the newest lock happened, seconds since the report's clock start, and CLOCK_MONOTONIC
+    /// ns (to compare with another observer's timeline); null while never locked.
+    pub locked_at_s: Option<f64>,
+    pub locked_mono_ns: Option<u64>,
+    /// Seconds from the start of that hunt to the lock.
+    pub hunted_s: Option<f64>,
+    /// What the validated chain began at: `send_after_complete`, `recv_header_read` or
+    /// `content` (see `spice_ebpf_common::event::lock_how`).
+    pub how: Option<String>,
+    /// Consecutive headers validated before the lock.
+    pub run: Option<u8>,
+    /// Ordinal (`messages_sent` / `messages_received` numbering) of the first counted
+    /// message after the newest lock.
+    pub first_index: Option<u64>,
+    /// Locks found and lost (resyncs: a locked stream whose header failed validation).
+    pub locks: u32,
+    pub resyncs: u32,
+    /// Bytes of this direction not framed because it was hunting, finished hunts only.
+    pub unframed_bytes: u64,
+}
+
+impl SyncReport {
+    /// The report of direction `d` (`None` if it never hunted); times relative to
+    /// `start_ns` (CLOCK_MONOTONIC).
+    pub fn new(d: &crate::model::DirStats, start_ns: u64) -> Option<Self> {
+        if d.hunting.is_none() && d.locked.is_none() {
+            return None;
+        }
+        let rel = |ns: u64| (ns as f64 - start_ns as f64).max(0.0) / 1e9;
+        let reason = d
+            .hunting
+            .map(|h| h.reason)
+            .or(if d.resyncs > 0 {
+                Some(UnparsedReason::BadHeader)
+            } else {
+                Some(UnparsedReason::AttachedMidStream)
+            })
+            .unwrap_or(UnparsedReason::AttachedMidStream);
+        let began = d
+            .hunting
+            .map(|h| h.since_ns)
+            .or(d.locked.map(|l| l.ts_ns.saturating_sub(l.hunted_ns)))
+            .unwrap_or(start_ns);
+        Some(SyncReport {
+            hunting: d.hunting.is_some(),
+            reason: reason.name().into(),
+            hunt_began_s: rel(began),
+            locked_at_s: d.locked.map(|l| rel(l.ts_ns)),
+            locked_mono_ns: d.locked.map(|l| l.ts_ns),
+            hunted_s: d.locked.map(|l| l.hunted_ns as f64 / 1e9),
+            how: d
+                .locked
+                .map(|l| spice_ebpf_common::event::lock_how::name(l.how).into()),
+            run: d.locked.map(|l| l.run),
+            first_index: d.locked.map(|l| l.index),
+            locks: d.locks,
+            resyncs: d.resyncs,
+            unframed_bytes: d.unframed,
+        })
+    }
 }
 
 /// The kernel's window state and byte totals of one socket, as read from its `SOCKETS` entry
@@ -374,7 +457,8 @@ pub struct SourceReport {
     pub pin_dir: Option<String>,
     /// Whether the counts of a framed session that began before this process started are
     /// counted from the session's start (the kernel's per-socket state was taken over).
-    /// `false`: such sessions are listed `attached_mid_stream` (or `restarted`), unframed.
+    /// `false`: such sessions are joined mid-stream (`framing` `hunting` until the kernel
+    /// finds their message boundaries, see [`SyncReport`]), counted from their lock.
     pub exact_from_session_start: bool,
     /// Whether this process consumes the records of the `TAP_EVENTS` ring (an `observe`
     /// beside the daemon) rather than of `EVENTS`: its losses are then `tap_ring_full` and
@@ -395,9 +479,11 @@ impl SourceReport {
             ),
             (_, Some(d)) => format!(
                 "loaded the programs and pinned them at {d}: sessions older than this run are \
-                 not framed"
+                 joined mid-stream (counted from when their message boundaries are found)"
             ),
-            _ => "loaded its own programs: sessions older than this run are not framed".into(),
+            _ => "loaded its own programs: sessions older than this run are joined mid-stream \
+                  (counted from when their message boundaries are found)"
+                .into(),
         }
     }
 }
@@ -581,7 +667,12 @@ pub fn verdict(c: &ChannelReport) -> Option<String> {
 /// Builds the report row of one socket. `end_ns` is the end of observation (the window's
 /// time accounting is computed up to it, or up to the close, without changing the model);
 /// `tcp` the best TCP state known for it (see [`TcpReport::source`]).
-pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> ChannelReport {
+pub fn channel_report(
+    s: &SocketModel,
+    start_ns: u64,
+    end_ns: u64,
+    tcp: Option<TcpReport>,
+) -> ChannelReport {
     let until = s.closed_ns.unwrap_or(end_ns);
     let ws = s.window.stats_at(until);
     let observed_s = until.saturating_sub(s.first_ns) as f64 / 1e9;
@@ -640,6 +731,8 @@ pub fn channel_report(s: &SocketModel, end_ns: u64, tcp: Option<TcpReport>) -> C
         channel_type: ctype.into(),
         channel_id: cid,
         framing: s.framing().into(),
+        sync_sent: SyncReport::new(send, start_ns),
+        sync_received: SyncReport::new(recv, start_ns),
         unparsed_reason: unparsed.map(|u| u.reason.name().into()),
         unparsed_detail: unparsed.map(|u| detail_text(u.reason, u.detail, u.at)),
         window: active.then_some(w.window),
@@ -857,7 +950,12 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         .sockets
         .values()
         .map(|s| {
-            let mut c = channel_report(s, end_ns, tcp_final.get(&s.cookie).cloned());
+            let mut c = channel_report(
+                s,
+                clock.monotonic_ns,
+                end_ns,
+                tcp_final.get(&s.cookie).cloned(),
+            );
             if let Some(comm) = comms.get(&s.pid) {
                 c.comm = comm.clone();
             }
@@ -1227,16 +1325,44 @@ pub fn render(r: &Report) -> String {
         .iter()
         .filter(|c| c.framing == "unparsed" && !not_spice(c))
         .collect();
-    let (mid_stream, unparsed): (Vec<_>, Vec<_>) = unparsed
-        .into_iter()
-        .partition(|c| c.unparsed_reason.as_deref() == Some("attached_mid_stream"));
-    if !mid_stream.is_empty() {
+    let hunting: Vec<_> = r
+        .channels
+        .iter()
+        .filter(|c| c.framing == "hunting")
+        .collect();
+    let joined = r
+        .channels
+        .iter()
+        .filter(|c| {
+            [&c.sync_sent, &c.sync_received].iter().any(|s| {
+                s.as_ref()
+                    .is_some_and(|s| s.reason == "attached_mid_stream")
+            })
+        })
+        .count();
+    if joined > 0 {
         let _ = writeln!(
             out,
-            "unparsed (!): {} connection(s) existed before observation started (attached_mid_stream): \
-             listed with TCP state, not framed; a SPICE stream is framed from its link phase, so \
-             start the observer before the client connects (or reconnect the client)",
-            mid_stream.len()
+            "joined mid-stream: {joined} connection(s) were open before observation started: \
+             counted from when the kernel found their message boundaries (sync_sent / \
+             sync_received in --json); {} still hunting",
+            hunting.len()
+        );
+    }
+    for c in r.channels.iter().filter(|c| {
+        [&c.sync_sent, &c.sync_received]
+            .iter()
+            .any(|s| s.as_ref().is_some_and(|s| s.resyncs > 0))
+    }) {
+        let resyncs: u32 = [&c.sync_sent, &c.sync_received]
+            .iter()
+            .filter_map(|s| s.as_ref().map(|s| s.resyncs))
+            .sum();
+        let _ = writeln!(
+            out,
+            "resync (!): {} pid {}: {resyncs} header(s) failed validation; the bytes until the \
+             next lock were not framed",
+            c.socket, c.pid
         );
     }
     if !unparsed.is_empty() {
@@ -1297,6 +1423,8 @@ mod tests {
             channel_type: "display".into(),
             channel_id: Some(0),
             framing: "mini".into(),
+            sync_sent: None,
+            sync_received: None,
             unparsed_reason: None,
             unparsed_detail: None,
             window: Some(40),
