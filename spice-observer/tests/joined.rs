@@ -393,18 +393,42 @@ fn compare_dir(
             same.len()
         ));
     }
-    // The report counts what the records say.
-    if let Some(c) = channel_by_cookie(&joined.report, cookie) {
-        let counted = if dir == 0 {
-            c.messages_sent
-        } else {
-            c.messages_received
-        };
-        if counted != j.len() as u64 {
-            problems.push(format!(
-                "{name}: the joined report counts {counted}, its records {}",
-                j.len()
-            ));
+    // The report counts what the records say, and says when and how it locked.
+    match channel_by_cookie(&joined.report, cookie) {
+        None => problems.push(format!("{name}: not in the joined report")),
+        Some(c) => {
+            let (counted, sync) = if dir == 0 {
+                (c.messages_sent, &c.sync_sent)
+            } else {
+                (c.messages_received, &c.sync_received)
+            };
+            if counted != j.len() as u64 {
+                problems.push(format!(
+                    "{name}: the joined report counts {counted}, its records {}",
+                    j.len()
+                ));
+            }
+            match (sync, locks.first()) {
+                (None, _) => {
+                    problems.push(format!("{name}: no sync_* report of a joined direction"))
+                }
+                (Some(y), l) => {
+                    let lock_ns = l.map(|l| l.ts_ns);
+                    if y.hunting
+                        || y.reason != "attached_mid_stream"
+                        || y.locks != 1
+                        || y.resyncs != 0
+                        || y.first_index != Some(1)
+                        || y.locked_mono_ns != lock_ns
+                        || y.how != fig.lock_how
+                    {
+                        problems.push(format!(
+                            "{name}: sync report {y:?}, the LOCK record at {lock_ns:?} ns ({:?})",
+                            fig.lock_how
+                        ));
+                    }
+                }
+            }
         }
     }
     Ok((fig, problems))
@@ -1051,7 +1075,14 @@ fn no_false_lock_on_non_spice_traffic() -> Result<()> {
         p.child.stdout.take()?.read_to_string(&mut s).ok()?;
         s.trim().parse().ok()
     };
-    let curl_bytes = read_line(&mut curl);
+    // curl ends by itself (--max-time) and then prints its byte count.
+    let curl_bytes = {
+        let t = Instant::now();
+        while curl.child.try_wait()?.is_none() && t.elapsed() < Duration::from_secs(8) {
+            thread::sleep(Duration::from_millis(100));
+        }
+        read_line(&mut curl)
+    };
     let sink_bytes = read_line(&mut sink);
     println!(
         "{T}: generators (from their start, ~{:.1} s before the observer): iperf3 {:?} B, \
@@ -1120,6 +1151,16 @@ fn no_false_lock_on_non_spice_traffic() -> Result<()> {
     );
     ensure!(locks == 0, "the kernel counted {locks} locks");
     for c in &run.report.channels {
+        for (what, y) in [("sent", &c.sync_sent), ("received", &c.sync_received)] {
+            let y = y
+                .as_ref()
+                .ok_or_else(|| anyhow!("no sync_{what} of a joined socket: {}", describe_ch(c)))?;
+            ensure!(
+                y.hunting && y.locks == 0 && y.locked_at_s.is_none(),
+                "sync_{what} {y:?}: {}",
+                describe_ch(c)
+            );
+        }
         ensure!(
             c.messages_sent == 0 && c.messages_received == 0,
             "messages counted on non-SPICE traffic: {}",
@@ -1300,6 +1341,30 @@ fn junk_mid_stream_resyncs_and_relocks() -> Result<()> {
             after == (n_draws + 1 - junk_after) - lost,
             "{after} messages counted after the junk, the peer wrote {} and {lost} were not framed",
             n_draws + 1 - junk_after
+        );
+        let sync = if dir == 0 {
+            &ch.sync_sent
+        } else {
+            &ch.sync_received
+        };
+        let y = sync
+            .as_ref()
+            .ok_or_else(|| anyhow!("no sync report of the resynced direction: {d}"))?;
+        println!("{T}: sync report {y:?}");
+        ensure!(
+            !y.hunting && y.reason == "bad_header" && y.resyncs == 1 && y.locks == 1,
+            "sync report {y:?} (expected: locked again after one bad_header resync): {d}"
+        );
+        ensure!(
+            y.unframed_bytes == skipped,
+            "sync report unframed_bytes {}, the LOCK record skipped {skipped}: {d}",
+            y.unframed_bytes
+        );
+        ensure!(
+            y.first_index == Some(junk_after + 1),
+            "first index after the re-lock {:?}, expected {} (ordinals continue): {d}",
+            y.first_index,
+            junk_after + 1
         );
         let by_type = if dir == 0 {
             &ch.messages_sent_by_type
