@@ -587,19 +587,57 @@ fn check_session(
     v.done(test)
 }
 
-/// The window interval of the joined run against the reference's exact count.
+/// The window interval of the joined run against the reference's exact count, position by
+/// position.
 ///
-/// The interval fields come with the interval work; until the joined run's samples carry
-/// them this fails, naming what is missing.
+/// Each joined sample line of spice-server's display socket names the position its interval
+/// refers to: `server_messages` (server → client messages counted since the lock) and
+/// `acks` (ACK records seen). The reference's dump gives, for that position, spice-server's
+/// exact count (the window rule of docs/spice-protocol.md §3: messages since the SET_ACK,
+/// which counts, minus W per ACK): the joined run's n-th message is the reference's
+/// (before_lock + n)-th, its a-th ACK the reference's (acks before the client direction's
+/// lock + a)-th. Every interval must contain that count; once a line is exact, every later
+/// line must be exact and equal to it (the paused client's stall pins the count).
 fn check_interval(joined: &Run, reference: &Run, xorg: u32) -> Result<()> {
-    let display: Vec<&ChannelReport> = reference
+    let c = reference
         .report
         .channels
         .iter()
-        .filter(|c| c.pid == xorg && c.channel_type == "display")
-        .collect();
-    ensure!(!display.is_empty(), "no display channel in the reference");
-    let c = display[0];
+        .find(|c| c.pid == xorg && c.channel_type == "display")
+        .ok_or_else(|| anyhow!("no display channel in the reference"))?;
+    let w = i64::from(
+        c.window
+            .ok_or_else(|| anyhow!("the reference saw no SET_ACK: {}", describe_ch(c)))?,
+    );
+    let (r_s, r_c) = (
+        messages(&reference.recs, c.cookie, 0)?,
+        messages(&reference.recs, c.cookie, 1)?,
+    );
+    let (j_s, j_c) = (
+        messages(&joined.recs, c.cookie, 0)?,
+        messages(&joined.recs, c.cookie, 1)?,
+    );
+    let set_ack = r_s
+        .iter()
+        .find(|m| m.msg_type == 3)
+        .ok_or_else(|| anyhow!("no SET_ACK in the reference's records"))?
+        .index;
+    let pos = |r: &[Msg], j: &[Msg], what: &str| -> Result<usize> {
+        let first = j
+            .first()
+            .ok_or_else(|| anyhow!("the joined run counted no {what} message"))?;
+        r.iter()
+            .position(|m| m.seq == first.seq)
+            .ok_or_else(|| anyhow!("the joined run's first {what} message is not the reference's"))
+    };
+    let before_s = r_s[pos(&r_s, &j_s, "server")?].index - 1;
+    let acks_before = r_c[..pos(&r_c, &j_c, "client")?]
+        .iter()
+        .filter(|m| m.msg_type == 2)
+        .count() as i64;
+    let truth = |n: u64, a: u64| -> i64 {
+        (before_s + n) as i64 - set_ack as i64 + 1 - w * (acks_before + a as i64)
+    };
     let lines: Vec<&Value> = joined
         .samples
         .iter()
@@ -611,77 +649,59 @@ fn check_interval(joined: &Run, reference: &Run, xorg: u32) -> Result<()> {
         c.socket,
         joined.samples.len()
     );
-    let l0 = lines[0];
-    let field = |l: &Value, k: &str| -> Result<Option<u64>> {
-        match l.get(k) {
-            None => bail!("sample lines lack {k}: {l}"),
-            Some(Value::Null) => Ok(None),
-            Some(x) => x
-                .as_u64()
-                .map(Some)
-                .ok_or_else(|| anyhow!("{k} is not a count: {l}")),
-        }
+    let num = |l: &Value, k: &str| -> Result<u64> {
+        l.get(k)
+            .and_then(Value::as_u64)
+            .ok_or_else(|| anyhow!("sample line lacks the count {k}: {l}"))
     };
-    field(l0, "in_flight_low")?;
-    field(l0, "in_flight_high")?;
-    // The reference's exact count over time: the kernel's count after each of its records of
-    // that socket (both directions: an ACK read lowers it).
-    let mut steps: Vec<(u64, u32)> = reference
-        .recs
-        .iter()
-        .filter(|r| r.kind == "Message" && r.cookie == c.cookie)
-        .map(|r| Ok((r.ts_ns, r.get("win_count")? as u32)))
-        .collect::<Result<_>>()?;
-    steps.sort_by_key(|s| s.0);
-    let t0 = joined.report.clock.monotonic_ns;
-    let count_between = |a_ns: u64, b_ns: u64| -> Vec<u32> {
-        let i = steps.partition_point(|s| s.0 <= a_ns);
-        let mut v: Vec<u32> = Vec::new();
-        if i > 0 {
-            v.push(steps[i - 1].1);
-        }
-        v.extend(steps[i..].iter().take_while(|s| s.0 <= b_ns).map(|s| s.1));
-        v
-    };
-    let (mut inside, mut outside, mut exact, mut exact_wrong) = (0usize, 0usize, 0usize, 0usize);
-    let mut first_bad = None;
+    let (mut inside, mut exact_lines, mut widest) = (0usize, 0usize, 0u64);
+    let mut first_exact: Option<f64> = None;
     for l in &lines {
-        let (Some(lo), Some(hi)) = (field(l, "in_flight_low")?, field(l, "in_flight_high")?) else {
-            continue;
-        };
-        let a = t0 + (l["t_s"].as_f64().unwrap_or(0.0) * 1e9) as u64;
-        let b = t0 + (l["t_end_s"].as_f64().unwrap_or(0.0) * 1e9) as u64;
-        let truth = count_between(a, b);
-        let ok = truth.iter().any(|&t| lo <= t as u64 && t as u64 <= hi);
-        if ok {
-            inside += 1;
-        } else {
-            outside += 1;
-            first_bad.get_or_insert_with(|| format!("[{lo}, {hi}] vs reference {truth:?}: {l}"));
+        let (lo, hi) = (num(l, "in_flight_low")?, num(l, "in_flight_high")?);
+        let exact = l
+            .get("in_flight_exact")
+            .and_then(Value::as_bool)
+            .ok_or_else(|| anyhow!("sample line lacks in_flight_exact: {l}"))?;
+        let t = truth(num(l, "server_messages")?, num(l, "acks")?);
+        ensure!(
+            lo as i64 <= t && t <= hi as i64,
+            "interval [{lo}, {hi}] does not contain the reference's count {t} (inside before: \
+             {inside}): {l}"
+        );
+        ensure!(
+            exact == (lo == hi),
+            "in_flight_exact {exact} for [{lo}, {hi}]: {l}"
+        );
+        if first_exact.is_some() {
+            ensure!(exact, "no longer exact after the stall pinned it: {l}");
         }
-        if lo == hi {
-            exact += 1;
-            if !truth.contains(&(lo as u32)) {
-                exact_wrong += 1;
-            }
+        if exact {
+            exact_lines += 1;
+            first_exact.get_or_insert(l["t_s"].as_f64().unwrap_or(f64::NAN));
         }
+        widest = widest.max(hi - lo);
+        inside += 1;
     }
+    let j = channel_by_cookie(&joined.report, c.cookie)
+        .ok_or_else(|| anyhow!("the joined run lacks {}", c.socket))?;
     println!(
-        "interval: {} samples with an interval: {inside} contain the reference's count, {outside} \
-         do not; {exact} exact ({exact_wrong} of them not the reference's)",
-        inside + outside
-    );
-    ensure!(inside + outside > 0, "no sample line has an interval");
-    ensure!(
-        outside == 0,
-        "first miss: {}",
-        first_bad.unwrap_or_default()
+        "interval: {inside} sample lines, every one contains the reference's count; widest \
+         {widest}; exact from t = {first_exact:?} s ({exact_lines} lines); joined W {:?}, the \
+         reference's {w}; joined_window {}",
+        j.window,
+        raw_channel(&joined.raw, c.cookie)
+            .map(|v| v["joined_window"].to_string())
+            .unwrap_or_default()
     );
     ensure!(
-        exact > 0,
+        first_exact.is_some(),
         "the interval never became exact (after the paused-client stall)"
     );
-    ensure!(exact_wrong == 0, "exact but not the reference's count");
+    ensure!(
+        j.window.map(i64::from) == Some(w),
+        "the joined run's W {:?}, the reference's SET_ACK W {w}",
+        j.window
+    );
     Ok(())
 }
 
