@@ -133,7 +133,7 @@ fn parse_rec(line: &str) -> Result<Option<Rec>> {
         .ok_or_else(|| anyhow!("unterminated EventHeader: {line}"))?;
     let hdr = pairs(&line[h0..h1]);
     let rest = line[h1 + 2..].trim_start_matches(',').trim();
-    let rest = rest.trim_end_matches(|c| c == ')' || c == '}' || c == ' ');
+    let rest = rest.trim_end_matches([')', '}', ' ']);
     let f = pairs(rest);
     let h = |k: &str| {
         hdr.get(k)
@@ -555,8 +555,9 @@ fn check_session(
             },
         );
     }
-    // Channel types: the joined run's inference equals the reference's link.
-    for c in chans.iter().filter(|c| c.pid == xorg) {
+    // Channel types: the joined run's inference equals the reference's link, on
+    // spice-server's sockets and on the relay's legs.
+    for c in &chans {
         v.check(
             &format!("channel type of {} ({})", c.socket, c.channel_type),
             joined_type(joined, c.cookie).and_then(|(ty, inferred)| {
