@@ -242,6 +242,10 @@ pub struct ProcEvent {
 pub struct CloseEvent {
     pub hdr: EventHeader,
     pub tcp: TcpSnapshot,
+    /// Bytes moved by traced calls in each direction so far ([`DirState::pos`], indexed by
+    /// [`dir`]): the socket's entry is deleted at `tcp_destroy_sock`, soon after this record,
+    /// so the agent's last read of it may be older.
+    pub pos: [u64; 2],
 }
 
 /// TCP state of one socket as last read by a kernel hook (map `TCP_STATE`, key: cookie).

@@ -266,8 +266,8 @@ pub struct DirState {
     pub call_complete: u8,
     /// Set at a lock until the lock message is reported ([`MessageInfo::lock`]).
     pub lock_pending: u8,
-    /// 1 once this direction hunted: `msg_count` counts messages from its first lock, not
-    /// from the link phase.
+    /// 1 once this direction hunted: `msg_count` leaves out the messages inside its hunts (a
+    /// connection joined mid-stream counts from its first lock, the lock message being 1).
     pub joined: u8,
     /// Hunting: channel types every header of the chain fits ([`crate::protocol::channel_bit`]).
     pub chain_mask: u16,

@@ -1256,9 +1256,10 @@ fn ack_window() -> Result<()> {
 }
 
 /// Streams the observer cannot or must not frame: garbage, TLS and WebSocket starts, SASL,
-/// link refusals (error reply, bad result, error after the reply), an out-of-range message
-/// type. Each is reported unparsed with its reason, and a good pair observed at the same time
-/// keeps exact counts.
+/// link refusals (error reply, bad result, error after the reply). Each is reported unparsed
+/// with its reason. An out-of-range message type is a resync: that direction hunts from
+/// there (`sync_*` reason `bad_header`), the other stays framed. A good pair observed at the
+/// same time keeps exact counts.
 #[test]
 fn unreadable_streams_and_refusals() -> Result<()> {
     const T: &str = "unreadable_streams_and_refusals";
@@ -1336,8 +1337,9 @@ fn unreadable_streams_and_refusals() -> Result<()> {
                 "error-after-reply-8" => ("link_error_after_reply", None, 0, 0),
                 // The server's script sends SET_ACK first, then only type 1001: framed are
                 // the messages it sent before the first out-of-range type, from its SUMMARY
-                // (1, the SET_ACK); the other direction stays parsed: the client's messages
-                // the server read (its ACK_SYNC and 5 ACKs).
+                // (1, the SET_ACK); then that direction hunts for good (1001 is no type of any
+                // channel); the other direction stays parsed: the client's messages the
+                // server read (its ACK_SYNC and 5 ACKs).
                 "bad-type" => {
                     ensure!(
                         x.s.sent.by_type == by_type(&[(3, 1), (1001, 20)]),
@@ -1372,11 +1374,34 @@ fn unreadable_streams_and_refusals() -> Result<()> {
                     c.unparsed_reason,
                     c.unparsed_detail
                 );
-                ensure!(
-                    c.framing == "unparsed" && c.unparsed_reason.as_deref() == Some(reason),
-                    "{reason} expected: {d}"
-                );
-                if let Some(want) = detail {
+                if reason == "bad_header" {
+                    let s2c = if end == "server" {
+                        &c.sync_sent
+                    } else {
+                        &c.sync_received
+                    };
+                    let c2s = if end == "server" {
+                        &c.sync_received
+                    } else {
+                        &c.sync_sent
+                    };
+                    ensure!(
+                        c.framing == "mini"
+                            && c.unparsed_reason.is_none()
+                            && c2s.is_none()
+                            && s2c.as_ref().is_some_and(|y| y.hunting
+                                && y.reason == "bad_header"
+                                && y.resyncs == 1
+                                && y.locks == 0),
+                        "a resync of the server's direction expected: {d} {s2c:?} {c2s:?}"
+                    );
+                } else {
+                    ensure!(
+                        c.framing == "unparsed" && c.unparsed_reason.as_deref() == Some(reason),
+                        "{reason} expected: {d}"
+                    );
+                }
+                if let Some(want) = detail.filter(|_| reason != "bad_header") {
                     ensure!(
                         c.unparsed_detail
                             .as_deref()

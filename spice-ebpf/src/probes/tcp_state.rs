@@ -27,6 +27,7 @@ pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
         return;
     };
     let tgid = unsafe { (*sock).tgid };
+    let pos = unsafe { [(*sock).dir[0].pos, (*sock).dir[1].pos] };
     // The rings of the owning process's watch now (no PendingCall here: the one lookup of
     // this path, made only for tracked sockets); after the process exited (its entry gone),
     // those of the call that created the socket.
@@ -46,6 +47,7 @@ pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
             cookie,
         };
         (*p).tcp = TcpSnapshot::default();
+        (*p).pos = pos;
         fill_tcp(sk, now, tcp_source::STATE_TRACEPOINT, &mut (*p).tcp);
     });
 }

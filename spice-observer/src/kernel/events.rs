@@ -49,7 +49,12 @@ pub enum Event {
     /// A watched process exited.
     Exit { hdr: EventHeader },
     /// A tracked socket closed, with its last TCP state.
-    Close { hdr: EventHeader, tcp: TcpSnapshot },
+    /// `pos`: bytes moved by traced calls per direction at the close.
+    Close {
+        hdr: EventHeader,
+        tcp: TcpSnapshot,
+        pos: [u64; 2],
+    },
 }
 
 fn read<T: Copy>(buf: &[u8]) -> Result<T> {
@@ -120,7 +125,11 @@ pub fn decode(buf: &[u8]) -> Result<Event> {
         kind::EXIT => Event::Exit { hdr },
         kind::CLOSE => {
             let e: CloseEvent = read(buf)?;
-            Event::Close { hdr, tcp: e.tcp }
+            Event::Close {
+                hdr,
+                tcp: e.tcp,
+                pos: e.pos,
+            }
         }
         other => bail!("unknown record kind {other}"),
     })

@@ -8,6 +8,7 @@
 
 pub mod chain;
 pub mod hist;
+pub mod traced;
 pub mod window;
 
 use std::{
@@ -152,6 +153,10 @@ pub struct DirStats {
     /// at the newest comparison that resynchronised after lost records: the record-derived
     /// figure [`KernelCheck`] compares with `SockState::msg_bytes`.
     pub derived_bytes: u64,
+    /// Every byte the watched process moved in this direction by traced calls, framed or not
+    /// (hunting, unparsed, not SPICE): the kernel's `DirState::pos` at the newest read of its
+    /// socket map ([`Model::kernel_state`]), with the rates derived from the reads.
+    pub traced: traced::TracedBytes,
 }
 
 impl DirStats {
@@ -608,6 +613,9 @@ impl Model {
             if st.seq_init[d] != 0 {
                 ds.seq_base = Some(st.seq_base[d]);
             }
+            // The map's byte total runs since the kernel's entry began, before this agent.
+            ds.traced = traced::TracedBytes::since(k.pos, now_ns);
+            ds.traced.read(k.pos, now_ns);
         }
         if let Some(i) = s.c2s()
             && let Some(l) = s.dirs[i].link
@@ -714,8 +722,18 @@ impl Model {
                     ds.role = Role::from_u8(h.role);
                 }
                 ds.resyncs = ds.resyncs.max(h.resyncs);
+                let mut reason = UnparsedReason::from_u8(h.reason);
+                if reason == UnparsedReason::AttachedMidStream
+                    && ds
+                        .hunting
+                        .is_some_and(|x| x.reason == UnparsedReason::Restarted)
+                {
+                    // A connection an earlier agent was counting (its pinned state could not
+                    // be reused): the kernel only knows it is open since before this run.
+                    reason = UnparsedReason::Restarted;
+                }
                 ds.hunting = Some(Hunting {
-                    reason: UnparsedReason::from_u8(h.reason),
+                    reason,
                     detail: h.detail,
                     at: h.at,
                     since_ns: h.hdr.ts_ns,
@@ -762,10 +780,17 @@ impl Model {
                     pid: hdr.tgid,
                 })
             }
-            Event::Close { hdr, tcp } => {
+            Event::Close { hdr, tcp, pos } => {
                 if let Some(s) = self.sockets.get_mut(&hdr.cookie) {
                     s.closed_ns = Some(hdr.ts_ns);
                     s.tcp = Some(*tcp);
+                    // The kernel's entry goes at tcp_destroy_sock: take its byte totals now.
+                    for (ds, &p) in s.dirs.iter_mut().zip(pos) {
+                        if ds.traced.total.is_none() {
+                            ds.traced = traced::TracedBytes::since(0, s.first_ns);
+                        }
+                        ds.traced.read(p, hdr.ts_ns);
+                    }
                     s.window.finish(hdr.ts_ns);
                 }
             }
@@ -813,7 +838,7 @@ impl Model {
         s.local = Some(local);
         s.remote = Some(remote);
         for d in s.dirs.iter_mut() {
-            if reason == UnparsedReason::AttachedMidStream {
+            if reason == UnparsedReason::AttachedMidStream || reason == UnparsedReason::Restarted {
                 // The kernel hunts for its boundaries (`PREEXISTING`); its HUNT record, if
                 // any arrives, says the same.
                 if d.locked.is_none() {
@@ -842,9 +867,32 @@ impl Model {
     /// next read. The read is also compared with the record-derived window and bytes at once
     /// or when the records it covers have been applied ([`KernelCheck`]); if they differ after
     /// records were lost, the window's counters continue from the kernel's
-    /// ([`AckWindow::resync`]). Unknown sockets are ignored.
+    /// ([`AckWindow::resync`]). Every direction also takes the kernel's count of all bytes
+    /// moved by traced calls, framed or not ([`DirStats::traced`]); a socket that carried no
+    /// message takes only that. Unknown sockets are ignored.
     pub fn kernel_state(&mut self, cookie: u64, st: &SockState, read_ns: u64) {
         if let Some(s) = self.sockets.get_mut(&cookie) {
+            for (ds, k) in s.dirs.iter_mut().zip(&st.dir) {
+                if ds.traced.total.is_none() {
+                    // The first read (a restored socket has one from the map): the kernel's
+                    // entry began at the socket's first traced call after the agent knew it,
+                    // so count from 0 then.
+                    ds.traced = traced::TracedBytes::since(0, s.first_ns);
+                }
+                ds.traced.read(k.pos, read_ns);
+            }
+            if st
+                .dir
+                .iter()
+                .all(|d| d.msg_count == 0 && d.announced_at == 0)
+                && s.dirs
+                    .iter()
+                    .all(|d| d.last_index == 0 && d.base_index == 0)
+            {
+                // No message on either side (hunting, unparsed, not SPICE, or not linked
+                // yet): nothing to rebase or compare.
+                return;
+            }
             let k = KernelRead::new(st, read_ns);
             s.rebase(&k);
             s.kernel.pending = Some(k);
@@ -1285,5 +1333,61 @@ mod tests {
         f.send(dir::SEND, 52, 302, [0, 0]);
         let k = &f.socket().kernel;
         assert_eq!((k.compared, k.pending), (1, None));
+    }
+
+    /// A joined socket that never locks (hunting, or not SPICE): the kernel's byte count of
+    /// each direction is taken at every read and its rates derived, counted from when the
+    /// agent found the socket; nothing is rebased or compared (no message on either side).
+    /// A restored socket counts its rates from the map's value at the restore.
+    #[test]
+    fn kernel_reads_give_every_socket_its_traced_bytes() {
+        let mut m = Model::default();
+        let a: SocketAddr = "127.0.0.1:5900".parse().unwrap();
+        let b: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+        m.add_existing(7, 1, a, b, 1_000_000_000);
+        let mut k = SockState::default();
+        let s = dir::SEND as usize;
+        let r = dir::RECV as usize;
+        for (i, ms) in [1500u64, 2000, 2500, 3000].into_iter().enumerate() {
+            k.dir[s].pos = 250_000 * (i as u64 + 1);
+            k.dir[r].pos = 1000 * (i as u64 + 1);
+            m.kernel_state(7, &k, ms * 1_000_000);
+        }
+        let sock = &m.sockets[&7];
+        assert_eq!(sock.framing(), "hunting");
+        let w = &sock.dirs[s].traced;
+        assert_eq!(w.total, Some(1_000_000));
+        // 1 MB from 1.0 s to 3.0 s; the newest second, 2.0 s to 3.0 s: 500 kB.
+        assert_eq!(w.rate_mean(), Some(500_000.0));
+        assert_eq!(w.rate_now(), Some(500_000.0));
+        assert_eq!(sock.dirs[r].traced.total, Some(4000));
+        assert_eq!(sock.dirs[s].messages, 0);
+        assert_eq!((sock.kernel.compared, sock.kernel.last), (0, None));
+        // Restored from pinned state: 5 MB moved before this agent.
+        let mut k2 = k;
+        k2.dir[s].pos = 5_000_000;
+        let mut m2 = Model::default();
+        m2.restore(
+            &Restored {
+                cookie: 8,
+                state: k2,
+                comm: "Xorg".into(),
+                local: None,
+                remote: None,
+                tcp: None,
+            },
+            10_000_000_000,
+        );
+        k2.dir[s].pos = 6_000_000;
+        m2.kernel_state(8, &k2, 12_000_000_000);
+        let t = &m2.sockets[&8].dirs[s].traced;
+        assert_eq!(t.total, Some(6_000_000));
+        assert_eq!(t.rate_mean(), Some(500_000.0));
+        // A framed socket's reads carry its traced bytes too.
+        let mut f = Feed::started(channel::DISPLAY, &[302]);
+        f.k.dir[s].pos = 4242;
+        f.m.kernel_state(7, &f.k, 50);
+        assert_eq!(f.socket().dirs[s].traced.total, Some(4242));
+        assert_eq!(f.socket().kernel.compared, 1);
     }
 }

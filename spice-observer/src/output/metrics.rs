@@ -129,6 +129,12 @@ pub const METRICS: &[MetricDef] = &[
         "Bytes of SPICE messages moved on this socket (header and body), by direction."
     ),
     def!(
+        "socket_bytes_total",
+        Counter,
+        CH_DIR,
+        "Every byte the process moved on this socket by traced calls, framed or not (hunting, unparsed, not SPICE; the kernel's DirState::pos at the last sample), by direction of the SPICE flow. channel=\"unknown\": the open socket of unknown channel type of this vm and leg that moved the most bytes."
+    ),
+    def!(
         "acks_total",
         Counter,
         CH,
@@ -481,6 +487,35 @@ fn directions(c: &ChannelReport) -> Option<(&'static str, &'static str)> {
     }
 }
 
+/// Direction labels of a socket's written and read bytes: from its `end` ([`directions`]),
+/// else from its leg (the process accepted a client on legs `server` and `relay_client`, it
+/// connected to spice-server on `relay_backend`).
+fn byte_directions(c: &ChannelReport, leg: &str) -> (&'static str, &'static str) {
+    directions(c).unwrap_or(if leg == "relay_backend" {
+        ("client_to_server", "server_to_client")
+    } else {
+        ("server_to_client", "client_to_server")
+    })
+}
+
+/// `spice_observer_socket_bytes_total` of one socket (`l`: vm, leg, channel, channel_id), both
+/// directions; nothing before the first read of its kernel entry.
+fn put_socket_bytes(b: &mut Builder, l: &[&str; 4], c: &ChannelReport) {
+    let (written, read) = byte_directions(c, l[1]);
+    for (dir, v) in [
+        (written, c.traffic.bytes_written_total),
+        (read, c.traffic.bytes_read_total),
+    ] {
+        if let Some(v) = v {
+            b.put(
+                "spice_observer_socket_bytes_total",
+                &[l[0], l[1], l[2], l[3], dir],
+                v as f64,
+            );
+        }
+    }
+}
+
 /// The discovery target `pid` is or descends from: `parent` maps a child to its parent (the
 /// snapshot's forks), else `/proc/PID/stat` is read.
 fn target_of<'t>(
@@ -654,6 +689,7 @@ pub fn families(input: &ScrapeInput<'_>) -> Vec<MetricFamily> {
                 c.bytes_received as f64,
             );
         }
+        put_socket_bytes(&mut b, &l, c);
         if c.window.is_some() {
             b.put("spice_observer_acks_total", &l, c.acks as f64);
             b.put(
@@ -726,6 +762,26 @@ pub fn families(input: &ScrapeInput<'_>) -> Vec<MetricFamily> {
                 1.0,
             );
         }
+    }
+    // Sockets of no known channel type share channel "unknown": the open one of each vm and
+    // leg that moved the most bytes gets the byte counter.
+    let moved = |c: &ChannelReport| {
+        c.traffic.bytes_written_total.unwrap_or(0) + c.traffic.bytes_read_total.unwrap_or(0)
+    };
+    let mut unknown: BTreeMap<(&str, &str), &ChannelReport> = BTreeMap::new();
+    for c in r
+        .channels
+        .iter()
+        .filter(|c| !c.closed && c.channel_type == "unknown")
+    {
+        let (vm, leg) = &legs[c.socket.as_str()];
+        let e = unknown.entry((vm.as_str(), *leg)).or_insert(c);
+        if moved(c) > moved(e) {
+            *e = c;
+        }
+    }
+    for ((vm, leg), c) in unknown {
+        put_socket_bytes(&mut b, &[vm, leg, "unknown", ""], c);
     }
     // Self metrics.
     for (i, name) in counter::NAMES.iter().enumerate() {
@@ -1093,5 +1149,61 @@ mod tests {
             start_time_s: 0.0,
         });
         assert!(!text(&fams).contains("bpf_run"));
+    }
+
+    /// `spice_observer_socket_bytes_total`: every socket's traced bytes, framed or not. A
+    /// joined socket whose end is not known yet takes its directions from its leg; of two
+    /// open sockets of unknown channel type of one vm and leg, the one that moved more
+    /// bytes gets the series; a socket not read yet has none.
+    #[test]
+    fn metrics_socket_bytes_for_unframed_sockets() {
+        let traffic = |v: &mut serde_json::Value, w: u64, r: u64| {
+            v["bytes_written_total"] = json!(w);
+            v["bytes_read_total"] = json!(r);
+        };
+        let mut framed = row("10.0.0.1:5900->10.0.0.1:40000", 100, "server", "display", 5);
+        traffic(&mut framed, 700, 60);
+        let mut busy = row("10.0.0.1:5900->10.0.0.1:40002", 100, "server", "unknown", 0);
+        busy["end"] = json!(null);
+        busy["framing"] = json!("hunting");
+        traffic(&mut busy, 9_000_000, 1200);
+        let mut quiet = row("10.0.0.1:5900->10.0.0.1:40003", 100, "server", "unknown", 0);
+        quiet["end"] = json!(null);
+        traffic(&mut quiet, 10, 10);
+        let unread = row("10.0.0.1:41000->10.0.0.1:5901", 201, "client", "unknown", 0);
+        let r = report(vec![framed, busy, quiet, unread]);
+        let targets = [
+            target(100, TargetKind::SpiceServer(ServerKind::Qemu), "vm-a"),
+            target(
+                201,
+                TargetKind::Relay {
+                    rule: "socat".into(),
+                },
+                "socat",
+            ),
+        ];
+        let t = text(&families(&ScrapeInput {
+            report: &r,
+            targets: &targets,
+            programs: None,
+            sockets: 4,
+            chains: 0,
+            processes: 0,
+            records: 0,
+            decode_errors: 0,
+            start_time_s: 0.0,
+        }));
+        let got = lines(&t, "spice_observer_socket_bytes_total");
+        assert_eq!(
+            got,
+            [
+                "spice_observer_socket_bytes_total{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\",direction=\"server_to_client\"} 700",
+                "spice_observer_socket_bytes_total{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\",direction=\"client_to_server\"} 60",
+                "spice_observer_socket_bytes_total{vm=\"vm-a\",leg=\"server\",channel=\"unknown\",channel_id=\"\",direction=\"server_to_client\"} 9000000",
+                "spice_observer_socket_bytes_total{vm=\"vm-a\",leg=\"server\",channel=\"unknown\",channel_id=\"\",direction=\"client_to_server\"} 1200",
+            ],
+            "{t}"
+        );
+        assert!(t.contains("# TYPE spice_observer_socket_bytes_total counter"));
     }
 }

@@ -73,6 +73,64 @@ pub struct FlowReport {
     pub mean_message_bytes: f64,
 }
 
+/// Every byte the watched process moved on one socket by traced calls, framed or not
+/// (hunting, unparsed, joined mid-stream, not SPICE), from the kernel's `DirState::pos` of
+/// each direction at the agent's reads of its socket map (every sample and once at the end;
+/// [`crate::model::traced`]). Bytes of calls the hooks do not trace (sendfile, splice) are not
+/// in it. Flattened into [`ChannelReport`]: its fields are the channel's own in the JSON.
+/// All `null` until the first read of the socket's kernel entry (a socket that moved nothing
+/// since the agent found it has none). For a socket that closed, the figures are those of
+/// the newest read before the close (bytes moved after it are not in them).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SocketBytesReport {
+    /// Bytes written / read by the watched process on this socket since observation began
+    /// (since the kernel's entry began, for a socket taken over from the pinned socket map:
+    /// a restarted daemon's, an `observe` beside the daemon's). Distinct from `bytes_sent` /
+    /// `bytes_received`, which count the bytes of framed SPICE messages only: on a socket
+    /// framed from its start these also hold the link phase, and a message begun but not all
+    /// moved at the read is whole in those.
+    pub bytes_written_total: Option<u64>,
+    pub bytes_read_total: Option<u64>,
+    /// Mean rates, bytes per second: from when the agent first knew the socket (the restore,
+    /// for a socket taken over from pinned state) to the newest read.
+    pub bytes_written_per_s: Option<f64>,
+    pub bytes_read_per_s: Option<f64>,
+    /// Rates over the newest second of reads (the newest read against the newest read at
+    /// least 1 s before it, or the first), bytes per second.
+    pub bytes_written_per_s_now: Option<f64>,
+    pub bytes_read_per_s_now: Option<f64>,
+    /// Seconds after the socket was first seen of the newest read the figures are from.
+    pub byte_totals_at_s: Option<f64>,
+}
+
+impl SocketBytesReport {
+    /// From a socket's model ([`crate::model::DirStats::traced`] of both directions).
+    pub fn of(s: &SocketModel) -> Self {
+        let [w, r] = [&s.dirs[0].traced, &s.dirs[1].traced];
+        SocketBytesReport {
+            bytes_written_total: w.total,
+            bytes_read_total: r.total,
+            bytes_written_per_s: w.rate_mean(),
+            bytes_read_per_s: r.rate_mean(),
+            bytes_written_per_s_now: w.rate_now(),
+            bytes_read_per_s_now: r.rate_now(),
+            byte_totals_at_s: w
+                .read_at_s(s.first_ns)
+                .into_iter()
+                .chain(r.read_at_s(s.first_ns))
+                .reduce(f64::max),
+        }
+    }
+
+    /// The mean rate of these bytes both ways (written + read), Mbit/s, for the table's
+    /// MBIT/S column of a socket without framed server → client messages: without framing
+    /// the direction that carries the server's messages is not known for sure (a non-SPICE
+    /// stream has none). `None` before a read.
+    pub fn both_ways_mbit(&self) -> Option<f64> {
+        Some((self.bytes_written_per_s? + self.bytes_read_per_s?) * 8.0 / 1e6)
+    }
+}
+
 /// One stage's statistics over the samples (counts in messages, bytes of the in-flight range).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct StageStat {
@@ -235,6 +293,9 @@ pub struct ChannelReport {
     pub observed_s: f64,
     pub closed: bool,
     pub tcp: Option<TcpReport>,
+    /// Every byte moved by traced calls, framed or not (flattened: `bytes_written_total`, …).
+    #[serde(flatten)]
+    pub traffic: SocketBytesReport,
     /// The count a relay-side observer reports (messages the relay read from spice-server
     /// minus W × the ACKs it passed on): time-weighted median and maximum. Relay chains only.
     pub in_flight_relay_p50: Option<i64>,
@@ -770,6 +831,7 @@ pub fn channel_report(
         observed_s,
         closed: s.closed_ns.is_some(),
         tcp,
+        traffic: SocketBytesReport::of(s),
         in_flight_relay_p50: None,
         in_flight_relay_max: None,
         in_flight_relay_now: None,
@@ -1091,6 +1153,7 @@ pub fn render(r: &Report) -> String {
         )
     };
     let hidden = r.channels.iter().filter(not_spice).count();
+    let mut unframed_rows = 0;
     for c in r.channels.iter().filter(|c| !not_spice(c)) {
         let chan = match c.channel_id {
             Some(id) => format!("{} {}", c.channel_type, id),
@@ -1107,16 +1170,24 @@ pub fn render(r: &Report) -> String {
             _ => "-".into(),
         };
         let secs = c.observed_s.max(1e-9);
+        // No framed server → client message: the rate of every byte moved, marked `*`.
+        let mbit = match c.traffic.both_ways_mbit() {
+            Some(m) if c.server_to_client.messages == 0 => {
+                unframed_rows += 1;
+                format!("{m:.2}*")
+            }
+            _ => format!("{:.2}", c.server_to_client.mbit_per_s),
+        };
         let _ = writeln!(
             out,
-            "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8.1} {:>7.2} {:>9} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
+            "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8.1} {:>7} {:>9} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
             c.socket,
             c.pid,
             c.comm.chars().take(10).collect::<String>(),
             chan,
             opt(c.window),
             c.server_to_client.messages_per_s,
-            c.server_to_client.mbit_per_s,
+            mbit,
             size_text(c.server_to_client.mean_message_bytes),
             opt(c
                 .tcp
@@ -1136,6 +1207,12 @@ pub fn render(r: &Report) -> String {
             },
             opt(c.tcp.as_ref().map(|t| t.notsent_bytes)),
             opt(c.tcp.as_ref().map(|t| t.total_retrans)),
+        );
+    }
+    if unframed_rows > 0 {
+        let _ = writeln!(
+            out,
+            "  * no framed server → client message: MBIT/S of every byte the process moved on the socket, both ways (JSON bytes_written_per_s + bytes_read_per_s)"
         );
     }
     // Window facts the columns cannot show: several generations, surplus ACKs, and starts
@@ -1468,6 +1545,7 @@ mod tests {
             observed_s: 10.0,
             closed: false,
             tcp: None,
+            traffic: SocketBytesReport::default(),
             in_flight_relay_p50: None,
             in_flight_relay_max: None,
             in_flight_relay_now: None,
@@ -1752,5 +1830,49 @@ mod tests {
         let h = &c2["in_flight_histogram"];
         assert_eq!(h["le"], serde_json::json!([0, 1, 2, 3, 4, 5, 6]));
         assert_eq!(h["count"].as_f64().unwrap(), 4000e-9);
+    }
+
+    /// A joined socket that stays hunting: its JSON row carries the kernel's byte totals and
+    /// rates (flattened into the channel), and the table's MBIT/S shows the rate of those
+    /// bytes, marked `*`, not 0.00; it round-trips through the typed report.
+    #[test]
+    fn a_hunting_socket_shows_its_bytes() {
+        let mut m = Model::default();
+        let a: std::net::SocketAddr = "127.0.0.1:5900".parse().unwrap();
+        let b: std::net::SocketAddr = "127.0.0.1:40000".parse().unwrap();
+        m.add_existing(7, 1, a, b, 1_000_000_000);
+        let mut st = spice_ebpf_common::event::SockState::default();
+        st.dir[dir::SEND as usize].pos = 1_250_000;
+        st.dir[dir::RECV as usize].pos = 2_500;
+        m.kernel_state(7, &st, 2_000_000_000);
+        let v = snapshot(&m, 2_000_000_000);
+        let c = &v["channels"][0];
+        assert_eq!(c["framing"], "hunting");
+        assert_eq!(c["bytes_written_total"], 1_250_000);
+        assert_eq!(c["bytes_read_total"], 2_500);
+        assert_eq!(c["bytes_written_per_s"].as_f64(), Some(1_250_000.0));
+        assert_eq!(c["bytes_read_per_s_now"].as_f64(), Some(2_500.0));
+        assert_eq!(c["byte_totals_at_s"].as_f64(), Some(1.0));
+        assert_eq!(c["bytes_sent"], 0);
+        let r: Report = serde_json::from_value(v.clone()).unwrap();
+        let t = &r.channels[0].traffic;
+        assert_eq!(
+            (t.bytes_written_total, t.bytes_read_total),
+            (Some(1_250_000), Some(2_500))
+        );
+        // Both ways: (1 250 000 + 2 500) × 8 / 1e6 Mbit/s.
+        let text = render(&r);
+        assert!(text.contains(" 10.02* "), "{text}");
+        assert!(
+            text.contains("* no framed server → client message"),
+            "{text}"
+        );
+        // Not read yet: null, and the table keeps the framed figure.
+        let mut fresh = Model::default();
+        fresh.add_existing(7, 1, a, b, 1_000_000_000);
+        let v = snapshot(&fresh, 2_000_000_000);
+        assert!(v["channels"][0]["bytes_written_total"].is_null());
+        let text = render(&serde_json::from_value(v).unwrap());
+        assert!(!text.contains('*'), "{text}");
     }
 }

@@ -999,8 +999,9 @@ impl Engine {
         crate::samples::lines(&self.model, &taken, self.started_ns)
     }
 
-    /// Reads the kernel's state (`SOCKETS`) of every open socket that carried messages and
-    /// hands it to the model, which takes the message and byte totals from it (records lost
+    /// Reads the kernel's state (`SOCKETS`) of every open socket and hands it to the model,
+    /// which takes the bytes of every traced call (framed or not) from it, and, for a socket
+    /// that carried messages, the message and byte totals (records lost
     /// since the previous read are then in the totals) and compares it with the
     /// record-derived window and byte totals once it has applied exactly the records the
     /// kernel had written at the read ([`crate::model::KernelCheck`]; report `kernel_window`). Called by [`Engine::sample`];
@@ -1011,7 +1012,7 @@ impl Engine {
             .model
             .sockets
             .values()
-            .filter(|s| s.closed_ns.is_none() && s.dirs.iter().any(|d| d.messages > 0))
+            .filter(|s| s.closed_ns.is_none())
             .map(|s| s.cookie)
             .collect();
         for cookie in open {
