@@ -960,8 +960,8 @@ while True:
 
 /// No false lock: a mid-stream join on non-SPICE TCP traffic never locks as SPICE.
 ///
-/// Three generators, each already connected when `observe` starts, about 1.2 GB during the
-/// 12 s observation: iperf3 (400 Mbit/s), an HTTP download of /usr/bin binaries
+/// Three generators, each already connected when `observe` starts, over 1 GB (the observer's
+/// own byte figures) during the 12 s observation: iperf3 (500 Mbit/s), an HTTP download of /usr/bin binaries
 /// (`python3 -m http.server`, `curl --limit-rate 30M`) and /dev/urandom through socat into a
 /// paced sink (25 MB/s). Every socket of those processes must stay unframed (no LOCK record,
 /// no message, the kernel's `locks` counter 0) while the kernel did hunt on them
@@ -975,7 +975,7 @@ fn no_false_lock_on_non_spice_traffic() -> Result<()> {
     let rig = Rig::new(T)?;
     let (iperf_port, http_port, sink_port) = (15941u16, 15942u16, 15943u16);
     let secs = 12.0;
-    // iperf3: one test, 400 Mbit/s for longer than the observation.
+    // iperf3: 500 Mbit/s for longer than the observation.
     let mut iperf_s = Proc::spawn(
         "iperf3 -s",
         Command::new("iperf3")
@@ -987,7 +987,7 @@ fn no_false_lock_on_non_spice_traffic() -> Result<()> {
         "iperf3 -c",
         Command::new("iperf3")
             .args(["-c", "127.0.0.1", "-p", &iperf_port.to_string()])
-            .args(["-t", "30", "-b", "400M", "--json"])
+            .args(["-t", "30", "-b", "500M", "--json"])
             .stdout(Stdio::piped()),
     )?;
     // HTTP: 600 MB of binaries, fetched at 30 MB/s.
@@ -1119,45 +1119,38 @@ fn no_false_lock_on_non_spice_traffic() -> Result<()> {
     let candidates = counter("hunt_candidates")?;
     let locks = counter("locks")?;
     let resyncs = counter("resyncs")?;
-    let mut total_bytes = 0u64;
+    // Bytes the watched processes moved on those sockets while observed (every byte of a
+    // stream is written by one watched process and read by another: hunted at both ends).
+    let (mut written, mut read) = (0u64, 0u64);
     for c in &run.report.channels {
-        let raw = raw_channel(&run.raw, c.cookie)
-            .cloned()
-            .unwrap_or(Value::Null);
-        let moved: u64 = [
-            "bytes_sent_total",
-            "bytes_received_total",
-            "tcp_bytes_sent",
-            "tcp_bytes_received",
-        ]
-        .iter()
-        .filter_map(|k| raw.get(*k).and_then(Value::as_u64))
-        .sum();
-        total_bytes += moved;
+        // Null for a socket that moved nothing while observed (iperf3's control connection);
+        // counted as 0, which only makes the 1 GB below harder to reach.
+        let t = &c.traffic;
+        let (w, r) = (
+            t.bytes_written_total.unwrap_or(0),
+            t.bytes_read_total.unwrap_or(0),
+        );
+        written += w;
+        read += r;
         println!(
-            "{T}:   {} pid {} ({}) framing {} messages {}/{} bytes-fields {}",
+            "{T}:   {} pid {} ({}) framing {} messages {}/{} written {w} read {r} sync_sent {:?}",
             c.socket,
             c.pid,
             c.comm,
             c.framing,
             c.messages_sent,
             c.messages_received,
-            raw.as_object()
-                .map(|o| o
-                    .iter()
-                    .filter(|(k, _)| k.contains("bytes")
-                        || k.contains("hunt")
-                        || k.contains("lock"))
-                    .map(|(k, v)| format!("{k}={v}"))
-                    .collect::<Vec<_>>()
-                    .join(" "))
-                .unwrap_or_default()
+            c.sync_sent
+                .as_ref()
+                .map(|y| (y.hunting, y.locks, &y.reason))
         );
     }
     println!(
-        "{T}: FIGURES: sockets {}, bytes moved on them (observer) {total_bytes}, hunt_candidates \
-         {candidates}, locks {locks}, resyncs {resyncs}",
-        run.report.channels.len()
+        "{T}: FIGURES: sockets {}, stream bytes while observed {written} written / {read} read \
+         (hunted at both ends: {} bytes), hunt_candidates {candidates}, locks {locks}, resyncs \
+         {resyncs}",
+        run.report.channels.len(),
+        written + read
     );
     let lock_recs = run.recs.iter().filter(|r| r.kind == "Lock").count();
     let msg_recs = run.recs.iter().filter(|r| r.kind == "Message").count();
@@ -1197,10 +1190,9 @@ fn no_false_lock_on_non_spice_traffic() -> Result<()> {
         candidates > 0,
         "hunt_candidates 0: the kernel did not hunt on the joined streams at all"
     );
-    let gen_total = iperf_bytes.unwrap_or(0) + curl_bytes.unwrap_or(0) + sink_bytes.unwrap_or(0);
     ensure!(
-        gen_total >= 1 << 30,
-        "the generators moved {gen_total} bytes in all, less than 1 GiB"
+        written >= 1_000_000_000,
+        "the generators moved {written} bytes while observed, less than 1 GB"
     );
     Ok(())
 }
