@@ -100,10 +100,13 @@ fn emit(ec: &EmitCtx, out: &Output, st: &DirState, peer: &PeerView) {
     match out {
         Output::None => {}
         Output::Message(m) => {
-            if m.lock != 0 {
+            let flags = if m.lock != 0 {
                 emit_lock(&ec.hdr, ec.route, m, st);
-            }
-            emit_message(ec, m, 0, st.role, message_channel_type(st, peer))
+                msg_flags::LOCK
+            } else {
+                0
+            };
+            emit_message(ec, m, flags, st.role, message_channel_type(st, peer))
         }
         Output::Link(l) => emit_link(&ec.hdr, ec.route, l),
         Output::Unparsed { reason, detail, at } => {

@@ -901,10 +901,11 @@ fn check_transparency(model: &Model, chain: &mut Chain) {
 /// The messages spice-server counts as in flight on socket `s`, oldest first: the last
 /// `count` server→client messages it started. The SET_ACK counts itself, so it is the oldest
 /// of the set until the first matching ACK takes the oldest W out (docs/spice-protocol.md §3.9).
-/// Fewer if fewer are kept.
+/// Fewer if fewer are kept. On a joined connection whose count is an interval, the newest
+/// low-end many: those known to be in flight ([`SocketModel::placement_count`]).
 pub fn inflight(s: &SocketModel) -> Vec<MsgSpan> {
     let Some(d) = s.s2c() else { return Vec::new() };
-    let count = s.window.count as usize;
+    let count = s.placement_count() as usize;
     let recent = &s.dirs[d].recent;
     recent
         .iter()

@@ -8,6 +8,7 @@
 
 pub mod chain;
 pub mod hist;
+pub mod joined;
 pub mod traced;
 pub mod window;
 
@@ -198,6 +199,9 @@ pub struct SocketModel {
     pub tcp: Option<TcpSnapshot>,
     /// Largest notsent (write_seq − snd_nxt) seen in samples, bytes.
     pub notsent_max: u32,
+    /// spice-server's window as an interval, for a connection joined mid-stream
+    /// ([`joined::is_joined`]); `None` for others.
+    pub joined: Option<Box<joined::JoinedWindow>>,
 }
 
 impl SocketModel {
@@ -217,6 +221,7 @@ impl SocketModel {
             session_id: None,
             tcp: None,
             notsent_max: 0,
+            joined: None,
         }
     }
 
@@ -346,6 +351,7 @@ impl SocketModel {
         }
         let role = ds.role;
         self.window.record(role, m);
+        self.joined_record(role, m);
         if role == Role::ServerToClient
             && self.channel().map(|c| c.0) == Some(channel::MAIN)
             && m.msg_type == msg_server::MAIN_INIT
@@ -738,6 +744,7 @@ impl Model {
                     at: h.at,
                     since_ns: h.hdr.ts_ns,
                 });
+                s.joined_resync(h.hdr.ts_ns);
             }
             Event::Lock(l) => {
                 let s = self.socket(&l.hdr);

@@ -64,6 +64,7 @@ pub struct MetricDef {
 const CH: &[&str] = &["vm", "leg", "channel", "channel_id"];
 const CH_DIR: &[&str] = &["vm", "leg", "channel", "channel_id", "direction"];
 const CH_STAGE: &[&str] = &["vm", "leg", "channel", "channel_id", "stage"];
+const CH_BOUNDED: &[&str] = &["vm", "leg", "channel", "channel_id", "bounded"];
 
 macro_rules! def {
     ($name:literal, $kind:ident, $labels:expr, $help:literal) => {
@@ -109,6 +110,24 @@ pub const METRICS: &[MetricDef] = &[
         Gauge,
         CH,
         "W, the ACK window from the last SET_ACK (the client ACKs every W messages)."
+    ),
+    def!(
+        "in_flight_low_messages",
+        Gauge,
+        CH_BOUNDED,
+        "Lowest count spice-server can have in flight now: equal to in_flight_now (bounded=false) unless the connection was joined mid-stream and its count is still an interval (bounded=true); stages place this many."
+    ),
+    def!(
+        "in_flight_high_messages",
+        Gauge,
+        CH_BOUNDED,
+        "Highest count spice-server can have in flight now (see in_flight_low_messages); spice-server's count is in [low, high]."
+    ),
+    def!(
+        "ack_window_source_info",
+        Gauge,
+        &["vm", "leg", "channel", "channel_id", "source"],
+        "1, labelled with where W came from: set_ack (a SET_ACK's body) or ack_cadence (inferred from the ACK cadence on a connection joined mid-stream)."
     ),
     def!(
         "in_flight_messages",
@@ -169,6 +188,12 @@ pub const METRICS: &[MetricDef] = &[
         Counter,
         CH,
         "Message records of this socket lost between the kernel and the daemon (gaps in the record index, both directions); 0 unless something is wrong."
+    ),
+    def!(
+        "resyncs_total",
+        Counter,
+        CH,
+        "Times a framed direction of this socket met a header that failed validation and went back to hunting for message boundaries (both directions); the bytes until the next lock are not framed. 0 unless something is wrong."
     ),
     // --- per channel: TCP state of the leg ---
     def!(
@@ -634,6 +659,26 @@ pub fn families(input: &ScrapeInput<'_>) -> Vec<MetricFamily> {
         if let Some(w) = c.window {
             b.put("spice_observer_ack_window_messages", &l, w as f64);
         }
+        if let (Some(lo), Some(hi)) = (c.in_flight_low, c.in_flight_high) {
+            let bounded = if c.in_flight_bounded { "true" } else { "false" };
+            b.put(
+                "spice_observer_in_flight_low_messages",
+                &with(&l, bounded),
+                lo as f64,
+            );
+            b.put(
+                "spice_observer_in_flight_high_messages",
+                &with(&l, bounded),
+                hi as f64,
+            );
+        }
+        if let Some(src) = &c.window_source {
+            b.put(
+                "spice_observer_ack_window_source_info",
+                &with(&l, src.as_str()),
+                1.0,
+            );
+        }
         if let Some(stages) = &c.stages {
             for (stage, s) in stages {
                 b.put(
@@ -714,6 +759,11 @@ pub fn families(input: &ScrapeInput<'_>) -> Vec<MetricFamily> {
             &l,
             c.records_lost as f64,
         );
+        let resyncs: u32 = [&c.sync_sent, &c.sync_received]
+            .iter()
+            .filter_map(|s| s.as_ref().map(|s| s.resyncs))
+            .sum();
+        b.put("spice_observer_resyncs_total", &l, resyncs as f64);
         if let Some(t) = &c.tcp {
             b.put(
                 "spice_observer_tcp_srtt_seconds",
@@ -892,6 +942,9 @@ mod tests {
         });
         let more = json!({
             "in_flight_now": 5, "in_flight_p50": 3, "in_flight_max": 9, "in_flight_limit": 41,
+            "in_flight_low": 5, "in_flight_high": 5, "in_flight_exact": true,
+            "in_flight_bounded": false, "window_inferred": false, "window_source": "set_ack",
+            "joined_window": null,
             "stalled_fraction": 0.0, "stalls": 0, "starts_while_stalled": 0,
             "urgent_pair_peaks": 0, "records_lost": 0, "kernel_window": null, "observed_s": 1.0, "closed": false,
             "tcp": {"srtt_us": 1500, "cwnd_segments": 10, "notsent_bytes": 0,
@@ -1029,6 +1082,86 @@ mod tests {
         ] {
             assert_eq!(verdict_label(text), label, "{text}");
         }
+    }
+
+    /// A display channel joined mid-stream whose count is still an interval: low and high
+    /// gauges labelled bounded="true", W's source ack_cadence, no exact count; a channel seen
+    /// from its SET_ACK gets bounded="false" with low = high = the count.
+    #[test]
+    fn metrics_joined_channel_is_bounded() {
+        let mut joined = row(
+            "10.0.0.1:5900->10.0.0.1:40000",
+            100,
+            "server",
+            "display",
+            50,
+        );
+        for (k, v) in [
+            ("in_flight_now", json!(null)),
+            ("in_flight_low", json!(12)),
+            ("in_flight_high", json!(41)),
+            ("in_flight_exact", json!(false)),
+            ("in_flight_bounded", json!(true)),
+            ("window_inferred", json!(true)),
+            ("window_source", json!("ack_cadence")),
+        ] {
+            joined[k] = v;
+        }
+        let exact = row("10.0.0.1:5900->10.0.0.1:40001", 100, "server", "cursor", 5);
+        let r = report(vec![joined, exact]);
+        let targets = [target(
+            100,
+            TargetKind::SpiceServer(ServerKind::Qemu),
+            "vm-a",
+        )];
+        let fams = families(&ScrapeInput {
+            report: &r,
+            targets: &targets,
+            programs: None,
+            sockets: 2,
+            chains: 0,
+            processes: 0,
+            records: 0,
+            decode_errors: 0,
+            start_time_s: 0.0,
+        });
+        let t = text(&fams);
+        let l = "vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\"";
+        assert!(
+            t.contains(&format!(
+                "spice_observer_in_flight_low_messages{{{l},bounded=\"true\"}} 12"
+            )),
+            "{t}"
+        );
+        assert!(
+            t.contains(&format!(
+                "spice_observer_in_flight_high_messages{{{l},bounded=\"true\"}} 41"
+            )),
+            "{t}"
+        );
+        assert!(
+            t.contains(&format!(
+                "spice_observer_ack_window_source_info{{{l},source=\"ack_cadence\"}} 1"
+            )),
+            "{t}"
+        );
+        assert!(
+            !t.contains(&format!("spice_observer_in_flight_now_messages{{{l}}}")),
+            "{t}"
+        );
+        let c = "vm=\"vm-a\",leg=\"server\",channel=\"cursor\",channel_id=\"0\"";
+        assert!(
+            t.contains(&format!(
+                "spice_observer_in_flight_low_messages{{{c},bounded=\"false\"}} 5"
+            )),
+            "{t}"
+        );
+        assert!(
+            t.contains(&format!(
+                "spice_observer_ack_window_source_info{{{c},source=\"set_ack\"}} 1"
+            )),
+            "{t}"
+        );
     }
 
     /// Legs and VMs from the chain, series only for open channels, one owner per label set,

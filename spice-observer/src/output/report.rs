@@ -11,6 +11,7 @@ use spice_ebpf_common::{
     protocol::{channel, channel_type_name, link_error_name},
 };
 
+use crate::model::joined::WindowSource;
 pub use crate::model::window::InFlightHistogram;
 use crate::model::{
     Model, SocketModel,
@@ -265,6 +266,23 @@ pub struct ChannelReport {
     pub in_flight_p50: Option<i64>,
     pub in_flight_max: Option<i64>,
     pub in_flight_limit: Option<i64>,
+    /// spice-server's in-flight count as an interval that always contains it, messages: equal
+    /// to `in_flight_now` on a connection seen from its SET_ACK; on a connection joined
+    /// mid-stream from [`crate::model::joined::JoinedWindow`] (README "Joined connections").
+    /// Null without a window (no SET_ACK, and for a joined connection not counting yet).
+    pub in_flight_low: Option<i64>,
+    pub in_flight_high: Option<i64>,
+    /// `in_flight_low` = `in_flight_high` (then `in_flight_now` holds the value).
+    pub in_flight_exact: bool,
+    /// The count is an interval, not a value: stages are placed for `in_flight_low` messages
+    /// (those known to be in flight).
+    pub in_flight_bounded: bool,
+    /// `window` came from the ACK cadence of a joined connection, not from a SET_ACK.
+    pub window_inferred: bool,
+    /// Where `window` came from: `"set_ack"`, `"ack_cadence"`, or null (not known).
+    pub window_source: Option<String>,
+    /// The interval model of a connection joined mid-stream; null for others.
+    pub joined_window: Option<JoinedWindowReport>,
     /// Fraction of time since the last SET_ACK that spice-server waited for an ACK (its count
     /// above 2W) (0..1).
     pub stalled_fraction: Option<f64>,
@@ -312,6 +330,90 @@ pub struct ChannelReport {
     pub window_ceiling_msgs_per_s: Option<f64>,
     /// One-line judgement (display channels).
     pub verdict: Option<String>,
+}
+
+/// How the window of a connection joined mid-stream is known ([`ChannelReport::joined_window`],
+/// [`crate::model::joined::JoinedWindow`]). Times are seconds since the observation's start.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JoinedWindowReport {
+    /// When counting began (both directions locked), the last time; null while not counting.
+    pub counting_since_s: Option<f64>,
+    /// Candidate W values still possible (1..=128 at first), and the list when 16 or fewer.
+    pub window_candidates: u32,
+    pub window_candidate_list: Option<Vec<u32>>,
+    /// When W became known, and why (human-readable); null while not known.
+    pub window_known_s: Option<f64>,
+    pub window_reason: Option<String>,
+    /// When the interval became one value, and why: `"set_ack"`, `"stall"` (a stall at the
+    /// window pinned it) or `"constraints"`; null while it is an interval.
+    pub exact_since_s: Option<f64>,
+    pub exact_reason: Option<String>,
+    /// Stall pins applied, and those ignored because the interval excluded them.
+    pub pins: u64,
+    pub pins_rejected: u64,
+    /// Times counting started again from the full interval, and the last reason
+    /// (`"resync"`, `"lost_records"`, `"no_candidate"`).
+    pub restarts: u64,
+    pub last_restart: Option<String>,
+    /// ACK records seen on the connection (the position of this reading, with
+    /// `server_to_client.messages`).
+    pub acks: u64,
+}
+
+impl JoinedWindowReport {
+    /// From the model `j`; `start_ns`: the observation's start (CLOCK_MONOTONIC ns).
+    pub fn new(j: &crate::model::joined::JoinedWindow, start_ns: u64) -> Self {
+        let secs = |ns: u64| ns.saturating_sub(start_ns) as f64 / 1e9;
+        let cands: Vec<u32> = j.candidates().map(|c| c.window).collect();
+        Self {
+            counting_since_s: j.counting_since_ns.map(secs),
+            window_candidates: cands.len() as u32,
+            window_candidate_list: (cands.len() <= 16).then_some(cands),
+            window_known_s: j.window().and(j.window_known).map(|k| secs(k.0)),
+            window_reason: j.window_reason(),
+            exact_since_s: j.exact_since.map(|e| secs(e.0)),
+            exact_reason: j.exact_since.map(|e| e.1.name().to_string()),
+            pins: j.pins,
+            pins_rejected: j.pins_rejected,
+            restarts: j.restarts,
+            last_restart: j.last_restart.map(|r| r.name().to_string()),
+            acks: j.acks,
+        }
+    }
+}
+
+/// Fills the window-interval fields of `c` for socket `s`: from the exact window when a
+/// SET_ACK was seen, from the joined model on a connection joined mid-stream (which also
+/// gives `window`, `in_flight_limit` and, once exact, `in_flight_now`).
+fn window_interval(c: &mut ChannelReport, s: &SocketModel, start_ns: u64) {
+    if let Some(j) = s.joined.as_deref() {
+        c.joined_window = Some(JoinedWindowReport::new(j, start_ns));
+        if let Some(w) = j.window() {
+            c.window_source = j.window_source().map(|x| x.name().to_string());
+            c.window_inferred = j.window_source() == Some(WindowSource::AckCadence);
+            if c.window.is_none() {
+                c.window = Some(w);
+                c.in_flight_limit = Some(2 * i64::from(w) + 1);
+            }
+        }
+        if let Some(i) = j.interval() {
+            c.in_flight_low = Some(i64::from(i.low));
+            c.in_flight_high = Some(i64::from(i.high));
+            c.in_flight_exact = i.exact();
+            c.in_flight_bounded = !i.exact();
+            if i.exact() && c.in_flight_now.is_none() {
+                c.in_flight_now = Some(i64::from(i.low));
+            }
+        }
+        return;
+    }
+    if s.window.active() {
+        let n = i64::from(s.window.count);
+        c.in_flight_low = Some(n);
+        c.in_flight_high = Some(n);
+        c.in_flight_exact = true;
+        c.window_source = Some(WindowSource::SetAck.name().to_string());
+    }
 }
 
 /// Hunting and locking of one direction ([`ChannelReport::sync_sent`] /
@@ -819,6 +921,13 @@ pub fn channel_report(
         in_flight_p50: active.then_some(i64::from(ws.p50)),
         in_flight_max: active.then_some(i64::from(w.max)),
         in_flight_limit: active.then(|| i64::from(w.limit())),
+        in_flight_low: None,
+        in_flight_high: None,
+        in_flight_exact: false,
+        in_flight_bounded: false,
+        window_inferred: false,
+        window_source: None,
+        joined_window: None,
         stalled_fraction: active.then_some(ws.stalled_fraction),
         stalls: w.stalls,
         stalled_seconds_total: ws.stalled_seconds_total,
@@ -841,6 +950,7 @@ pub fn channel_report(
         window_ceiling_msgs_per_s: None,
         verdict: None,
     };
+    window_interval(&mut c, s, start_ns);
     c.verdict = verdict(&c);
     c
 }
@@ -1108,6 +1218,54 @@ fn size_text(bytes: f64) -> String {
     }
 }
 
+/// The W column: `20`, `20*` when inferred from the ACK cadence, `-` when not known.
+fn window_text(c: &ChannelReport) -> String {
+    match (c.window, c.window_inferred) {
+        (Some(w), true) => format!("{w}*"),
+        (w, _) => opt(w),
+    }
+}
+
+/// The in-flight column of a channel without time statistics (joined mid-stream): the count
+/// now, `12..41` while it is an interval, with `of 2W+1` once W is known.
+fn interval_text(c: &ChannelReport) -> String {
+    let (Some(lo), Some(hi)) = (c.in_flight_low, c.in_flight_high) else {
+        return "-".into();
+    };
+    let now = if lo == hi {
+        format!("={lo}")
+    } else {
+        format!("{lo}..{hi}")
+    };
+    match c.in_flight_limit {
+        Some(l) => format!("{now} of {l}"),
+        None => now,
+    }
+}
+
+/// The note under the table for a connection joined mid-stream: whether its count is bounded
+/// or exact, and where W came from.
+fn joined_line(c: &ChannelReport) -> Option<String> {
+    let j = c.joined_window.as_ref()?;
+    let what = format!("{} {} ({})", c.channel_type, opt(c.channel_id), c.socket);
+    let w = match (c.window, c.window_source.as_deref()) {
+        (Some(w), Some("set_ack")) => format!("W={w} from a SET_ACK"),
+        (Some(w), _) => format!("W={w}* inferred from the ACK cadence"),
+        _ => format!("W not known yet ({} candidates)", j.window_candidates),
+    };
+    let count = match (c.in_flight_low, c.in_flight_high, j.exact_since_s) {
+        (Some(lo), Some(hi), _) if lo != hi => format!(
+            "bounded: spice-server's count is in {lo}..{hi} (stages placed for the {lo} known in flight)"
+        ),
+        (Some(v), Some(_), Some(t)) => format!(
+            "exact since {t:.1} s ({}): {v} in flight",
+            j.exact_reason.as_deref().unwrap_or("?")
+        ),
+        _ => "not counting yet (waits for both directions to lock)".into(),
+    };
+    Some(format!("  joined mid-stream {what}: {count}; {w}"))
+}
+
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_string(), |v| v.to_string())
 }
@@ -1167,7 +1325,7 @@ pub fn render(r: &Report) -> String {
         let chan = if c.closed { format!("{chan}~") } else { chan };
         let inflight = match (c.in_flight_p50, c.in_flight_max, c.in_flight_limit) {
             (Some(p), Some(m), Some(l)) => format!("{p}/{m} of {l}"),
-            _ => "-".into(),
+            _ => interval_text(c),
         };
         let secs = c.observed_s.max(1e-9);
         // No framed server → client message: the rate of every byte moved, marked `*`.
@@ -1185,7 +1343,7 @@ pub fn render(r: &Report) -> String {
             c.pid,
             c.comm.chars().take(10).collect::<String>(),
             chan,
-            opt(c.window),
+            window_text(c),
             c.server_to_client.messages_per_s,
             mbit,
             size_text(c.server_to_client.mean_message_bytes),
@@ -1248,6 +1406,12 @@ pub fn render(r: &Report) -> String {
                 c.socket,
                 notes.join("; ")
             );
+        }
+    }
+    // Joined connections: what the window columns mean there.
+    for c in r.channels.iter().filter(|c| c.joined_window.is_some()) {
+        if let Some(line) = joined_line(c) {
+            let _ = writeln!(out, "{line}");
         }
     }
     let chained: Vec<&ChannelReport> = r
@@ -1533,6 +1697,13 @@ mod tests {
             in_flight_p50: Some(p50),
             in_flight_max: Some(81),
             in_flight_limit: Some(81),
+            in_flight_low: Some(p50),
+            in_flight_high: Some(p50),
+            in_flight_exact: true,
+            in_flight_bounded: false,
+            window_inferred: false,
+            window_source: Some("set_ack".into()),
+            joined_window: None,
             stalled_fraction: Some(stalled),
             stalls: 0,
             stalled_seconds_total: 0.0,
@@ -1795,6 +1966,59 @@ mod tests {
             },
         );
         serde_json::to_value(r).unwrap()
+    }
+
+    /// A display connection joined mid-stream: before the client's pause its count is an
+    /// interval (bounded, stages for the low end), W inferred; after the pause it is exact
+    /// (`in_flight_now` set, reason `stall`). The table shows `20*` and `lo..hi`, and says so
+    /// under the table.
+    #[test]
+    fn joined_channels_report_the_interval() {
+        use crate::model::joined::tests::simulated_joined_model;
+        let (m, truth) = simulated_joined_model(20, 100, false);
+        let s = &m.sockets[&9];
+        let c = channel_report(s, 0, s.dirs[0].last_ns, None);
+        let (lo, hi) = (c.in_flight_low.unwrap(), c.in_flight_high.unwrap());
+        assert!(lo <= i64::from(truth) && i64::from(truth) <= hi && lo < hi);
+        assert!(c.in_flight_bounded && !c.in_flight_exact && c.in_flight_now.is_none());
+        assert_eq!((c.window, c.in_flight_limit), (Some(20), Some(41)));
+        assert!(c.window_inferred);
+        assert_eq!(c.window_source.as_deref(), Some("ack_cadence"));
+        let j = c.joined_window.as_ref().unwrap();
+        assert_eq!(j.window_candidate_list.as_deref(), Some(&[20][..]));
+        assert!(
+            j.window_reason
+                .as_deref()
+                .unwrap()
+                .starts_with("W=20: every other W")
+        );
+        assert_eq!((j.exact_since_s, j.pins), (None, 0));
+        assert_eq!(window_text(&c), "20*");
+        assert_eq!(interval_text(&c), format!("{lo}..{hi} of 41"));
+        let line = joined_line(&c).unwrap();
+        assert!(
+            line.contains(&format!("bounded: spice-server's count is in {lo}..{hi}")),
+            "{line}"
+        );
+        assert!(
+            line.contains("W=20* inferred from the ACK cadence"),
+            "{line}"
+        );
+        // JSON round trip keeps every field.
+        let back: ChannelReport =
+            serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
+        assert_eq!(back.joined_window, c.joined_window);
+
+        let (m, truth) = simulated_joined_model(20, 100, true);
+        let s = &m.sockets[&9];
+        let c = channel_report(s, 0, s.dirs[0].last_ns, None);
+        assert_eq!(c.in_flight_now, Some(i64::from(truth)));
+        assert!(c.in_flight_exact && !c.in_flight_bounded);
+        let j = c.joined_window.as_ref().unwrap();
+        assert_eq!((j.exact_reason.as_deref(), j.pins), (Some("stall"), 1));
+        assert!(j.exact_since_s.unwrap() > 2.5);
+        assert_eq!(interval_text(&c), format!("={truth} of 41"));
+        assert!(joined_line(&c).unwrap().contains("exact since"));
     }
 
     #[test]

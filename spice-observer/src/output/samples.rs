@@ -2,7 +2,8 @@
 //!
 //! One line per sample ([`sampler::read`] and [`sampler::place`], every `--sample-ms`) per
 //! display and cursor channel of spice-server (a chain's head socket; the relay's legs appear
-//! inside it, under `legs`) once its SET_ACK was seen. The line holds what the sample read and what it made of
+//! inside it, under `legs`) once its SET_ACK was seen, or once the window model of a
+//! connection joined mid-stream counts ([`crate::model::joined`]). The line holds what the sample read and what it made of
 //! it: spice-server's in-flight count, the stage split, and the raw TCP sequence numbers it
 //! was placed against, so that an independent reader (e.g. of packet captures) can check the
 //! split. [`SampleLine`] is the format; README "Sample series" documents it.
@@ -19,7 +20,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use spice_ebpf_common::protocol::{channel, channel_type_name};
 
 use crate::{
-    model::{Model, SocketModel, chain::STAGES},
+    model::{Model, SocketModel, chain::STAGES, joined},
     sampler::{self, LegSeqs},
 };
 
@@ -88,6 +89,24 @@ pub struct SampleLine {
     /// spice-server's in-flight count (`messages_window`, as the kernel keeps it) at the
     /// sample.
     pub in_flight: u64,
+    /// The interval that holds spice-server's count at the sample: both equal `in_flight` on
+    /// a connection seen from its SET_ACK; on a connection joined mid-stream the model's
+    /// bounds (README "Joined connections"), and `in_flight` is `in_flight_low` (the
+    /// messages known to be in flight, which the stages place).
+    pub in_flight_low: u64,
+    pub in_flight_high: u64,
+    /// `in_flight_low` = `in_flight_high`.
+    pub in_flight_exact: bool,
+    /// Where `window` came from: `"set_ack"`, `"ack_cadence"`, or `null` (not known yet;
+    /// `window` is then 0).
+    #[serde(deserialize_with = "required")]
+    pub window_source: Option<String>,
+    /// The position the count refers to: server → client messages up to the sample (the
+    /// direction's ordinal: from the connection's start, or from its lock on a joined
+    /// connection; lost records included), and client ACK records seen (all ACKs matched
+    /// on a connection seen from its start; every ACK record on a joined one).
+    pub server_messages: u64,
+    pub acks: u64,
     /// The count a relay-side observer reports at the sample (the window rule on the relay
     /// leg's own messages); `None` without a relay leg with a SET_ACK seen. For front ends in process
     /// (the plot's relay line): not part of the `--samples` file (never written, read as
@@ -156,10 +175,17 @@ pub fn lines(model: &Model, sample: &sampler::Sample, started_ns: u64) -> Vec<Sa
         let Some(s) = model.sockets.get(&take.server) else {
             continue;
         };
-        let Some((ctype, cid)) = s.channel() else {
+        // A connection joined mid-stream: its interval, once counting.
+        let joined = s.joined.as_deref().and_then(|j| Some((j, j.interval()?)));
+        let Some((ctype, cid)) = s
+            .channel()
+            .or_else(|| joined.and_then(|_| joined::channel_hint(s)))
+        else {
             continue;
         };
-        if !(ctype == channel::DISPLAY || ctype == channel::CURSOR) || !s.window.active() {
+        if !(ctype == channel::DISPLAY || ctype == channel::CURSOR)
+            || !(s.window.active() || joined.is_some())
+        {
             continue;
         }
         let x = &take.sample;
@@ -182,8 +208,17 @@ pub fn lines(model: &Model, sample: &sampler::Sample, started_ns: u64) -> Vec<Sa
             channel_type: channel_type_name(ctype).to_string(),
             channel_id: cid,
             in_flight,
+            in_flight_low: joined.map_or(in_flight, |(_, i)| u64::from(i.low)),
+            in_flight_high: joined.map_or(in_flight, |(_, i)| u64::from(i.high)),
+            in_flight_exact: joined.is_none_or(|(_, i)| i.exact()),
+            window_source: match joined {
+                Some((j, _)) => j.window_source().map(|w| w.name().to_string()),
+                None => Some("set_ack".to_string()),
+            },
+            server_messages: s.s2c().map_or(0, |d| s.dirs[d].last_index),
+            acks: joined.map_or(s.window.acks, |(j, _)| j.acks),
             in_flight_relay: x.relay_visible.map(|r| r.max(0) as u64),
-            window: s.window.window,
+            window: joined.map_or(s.window.window, |(j, _)| j.window().unwrap_or(0)),
             stages,
             unplaced,
             legs: Legs {
@@ -288,6 +323,12 @@ mod tests {
             channel_type: "display".into(),
             channel_id: 0,
             in_flight: 7,
+            in_flight_low: 7,
+            in_flight_high: 9,
+            in_flight_exact: false,
+            window_source: Some("ack_cadence".into()),
+            server_messages: 1234,
+            acks: 61,
             in_flight_relay: None,
             window: 20,
             stages: [("server_notsent", 3), ("client_owes_ack", 2)]
@@ -325,6 +366,12 @@ mod tests {
             "channel_type",
             "channel_id",
             "in_flight",
+            "in_flight_low",
+            "in_flight_high",
+            "in_flight_exact",
+            "window_source",
+            "server_messages",
+            "acks",
             "window",
             "stages",
             "unplaced",
@@ -377,6 +424,8 @@ mod tests {
         let back: SampleLine = serde_json::from_value(v.clone()).unwrap();
         assert_eq!(back, line());
         for key in [
+            "window_source",
+            "in_flight_low",
             "newest_last_byte_seq",
             "oldest_last_byte_seq",
             "kept",

@@ -295,7 +295,7 @@ pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
             continue;
         }
         let inflight = chain::inflight(server);
-        let count = server.window.count;
+        let count = server.placement_count();
         let s = now(Some(chain.server));
         let b = now(chain.backend);
         let c = now(chain.client_leg);
