@@ -40,7 +40,10 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use common::{Client, Rig, check_run, describe_ch, parse_report, privileged, terminate};
 use serde_json::Value;
 use spice_ebpf_common::event::{lock_how, msg_flags};
-use spice_observer::report::{ChannelReport, Report};
+use spice_observer::{
+    report::{ChannelReport, Report},
+    samples::SampleLine,
+};
 
 /// A pin directory that does not exist: each `observe` loads its own programs even if a
 /// daemon has pinned a set at the default place (`--pin-dir`).
@@ -224,7 +227,7 @@ struct Run {
     report: Report,
     raw: Value,
     recs: Vec<Rec>,
-    samples: Vec<Value>,
+    samples: Vec<SampleLine>,
 }
 
 /// Waits for `obs` and reads its outputs; checks the run ([`check_run`]) and that it loaded
@@ -244,7 +247,7 @@ fn finish(name: &'static str, obs: common::Observer, files: &Files) -> Result<Ru
         .lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| serde_json::from_str(l).with_context(|| format!("{name} sample line {l}")))
-        .collect::<Result<Vec<Value>>>()?;
+        .collect::<Result<Vec<SampleLine>>>()?;
     Ok(Run {
         report,
         raw,
@@ -636,10 +639,10 @@ fn check_interval(joined: &Run, reference: &Run, xorg: u32) -> Result<()> {
     let truth = |n: u64, a: u64| -> i64 {
         (before_s + n) as i64 - set_ack as i64 + 1 - w * (acks_before + a as i64)
     };
-    let lines: Vec<&Value> = joined
+    let lines: Vec<&SampleLine> = joined
         .samples
         .iter()
-        .filter(|l| l["socket"].as_str() == Some(&c.socket))
+        .filter(|l| l.socket == c.socket)
         .collect();
     ensure!(
         !lines.is_empty(),
@@ -647,35 +650,26 @@ fn check_interval(joined: &Run, reference: &Run, xorg: u32) -> Result<()> {
         c.socket,
         joined.samples.len()
     );
-    let num = |l: &Value, k: &str| -> Result<u64> {
-        l.get(k)
-            .and_then(Value::as_u64)
-            .ok_or_else(|| anyhow!("sample line lacks the count {k}: {l}"))
-    };
     let (mut inside, mut exact_lines, mut widest) = (0usize, 0usize, 0u64);
     let mut first_exact: Option<f64> = None;
     for l in &lines {
-        let (lo, hi) = (num(l, "in_flight_low")?, num(l, "in_flight_high")?);
-        let exact = l
-            .get("in_flight_exact")
-            .and_then(Value::as_bool)
-            .ok_or_else(|| anyhow!("sample line lacks in_flight_exact: {l}"))?;
-        let t = truth(num(l, "server_messages")?, num(l, "acks")?);
+        let (lo, hi, exact) = (l.in_flight_low, l.in_flight_high, l.in_flight_exact);
+        let t = truth(l.server_messages, l.acks);
         ensure!(
             lo as i64 <= t && t <= hi as i64,
             "interval [{lo}, {hi}] does not contain the reference's count {t} (inside before: \
-             {inside}): {l}"
+             {inside}): {l:?}"
         );
         ensure!(
             exact == (lo == hi),
-            "in_flight_exact {exact} for [{lo}, {hi}]: {l}"
+            "in_flight_exact {exact} for [{lo}, {hi}]: {l:?}"
         );
         if first_exact.is_some() {
-            ensure!(exact, "no longer exact after the stall pinned it: {l}");
+            ensure!(exact, "no longer exact after the stall pinned it: {l:?}");
         }
         if exact {
             exact_lines += 1;
-            first_exact.get_or_insert(l["t_s"].as_f64().unwrap_or(f64::NAN));
+            first_exact.get_or_insert(l.t_s);
         }
         widest = widest.max(hi - lo);
         inside += 1;
@@ -684,21 +678,22 @@ fn check_interval(joined: &Run, reference: &Run, xorg: u32) -> Result<()> {
         .ok_or_else(|| anyhow!("the joined run lacks {}", c.socket))?;
     println!(
         "interval: {inside} sample lines, every one contains the reference's count; widest \
-         {widest}; exact from t = {first_exact:?} s ({exact_lines} lines); joined W {:?}, the \
-         reference's {w}; joined_window {}",
-        j.window,
-        raw_channel(&joined.raw, c.cookie)
-            .map(|v| v["joined_window"].to_string())
-            .unwrap_or_default()
+         {widest}; exact from t = {first_exact:?} s ({exact_lines} lines); joined W {:?} ({:?}), \
+         the reference's {w}; joined_window {:?}",
+        j.window, j.window_source, j.joined_window
     );
     ensure!(
         first_exact.is_some(),
         "the interval never became exact (after the paused-client stall)"
     );
     ensure!(
-        j.window.map(i64::from) == Some(w),
-        "the joined run's W {:?}, the reference's SET_ACK W {w}",
-        j.window
+        j.window.map(i64::from) == Some(w)
+            && j.window_inferred
+            && j.window_source.as_deref() == Some("ack_cadence"),
+        "the joined run's W {:?} (inferred {}, source {:?}), the reference's SET_ACK W {w}",
+        j.window,
+        j.window_inferred,
+        j.window_source
     );
     Ok(())
 }
