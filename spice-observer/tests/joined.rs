@@ -221,11 +221,9 @@ impl Files {
     }
 }
 
-/// A finished run: its typed report, the same document untyped (for fields other helpers are
-/// adding), and its records.
+/// A finished run: its typed report, its records and its sample lines.
 struct Run {
     report: Report,
-    raw: Value,
     recs: Vec<Rec>,
     samples: Vec<SampleLine>,
 }
@@ -233,8 +231,7 @@ struct Run {
 /// Waits for `obs` and reads its outputs; checks the run ([`check_run`]) and that it loaded
 /// its own programs.
 fn finish(name: &'static str, obs: common::Observer, files: &Files) -> Result<Run> {
-    let raw = obs.finish()?;
-    let report = parse_report(&raw)?;
+    let report = parse_report(&obs.finish()?)?;
     check_run(&report).with_context(|| format!("{name} run"))?;
     ensure!(
         report.source.kind == "loaded",
@@ -250,7 +247,6 @@ fn finish(name: &'static str, obs: common::Observer, files: &Files) -> Result<Ru
         .collect::<Result<Vec<SampleLine>>>()?;
     Ok(Run {
         report,
-        raw,
         recs,
         samples,
     })
@@ -276,13 +272,6 @@ fn observe(test: &str, pids: &[u32], secs: f64, files: &Files) -> Result<Option<
 
 fn channel_by_cookie(r: &Report, cookie: u64) -> Option<&ChannelReport> {
     r.channels.iter().find(|c| c.cookie == cookie)
-}
-
-fn raw_channel(raw: &Value, cookie: u64) -> Option<&Value> {
-    raw["channels"]
-        .as_array()?
-        .iter()
-        .find(|c| c["cookie"].as_u64() == Some(cookie))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -452,19 +441,15 @@ fn print_figures(test: &str, figs: &[DirFigures]) {
 }
 
 /// The channel type the joined run gives socket `cookie`, and whether it marks it inferred
-/// (`channel_type_inferred`; an error if the report lacks the field).
+/// (`channel_type_inferred`).
 fn joined_type(joined: &Run, cookie: u64) -> Result<(String, bool)> {
-    let c = raw_channel(&joined.raw, cookie)
+    let c = channel_by_cookie(&joined.report, cookie)
         .ok_or_else(|| anyhow!("joined report lacks socket cookie {cookie}"))?;
-    let ty = c["channel_type"]
-        .as_str()
-        .ok_or_else(|| anyhow!("channel_type of cookie {cookie}: {c}"))?
-        .to_string();
-    let inferred = c
-        .get("channel_type_inferred")
-        .and_then(Value::as_bool)
-        .ok_or_else(|| anyhow!("the joined report has no channel_type_inferred (type {ty:?})"))?;
-    Ok((ty, inferred))
+    println!(
+        "type: {} {} inferred {} ({:?})",
+        c.socket, c.channel_type, c.channel_type_inferred, c.channel_type_evidence
+    );
+    Ok((c.channel_type.clone(), c.channel_type_inferred))
 }
 
 /// What one session test found; failures are collected so that every figure is printed.
