@@ -67,7 +67,7 @@
 //! flight are too few to fill TCP's buffers ([`BLOCK_FREE_BYTES`]); an inconsistent pin is
 //! ignored and counted
 //! ([`JoinedWindow::pins_rejected`]). Thresholds: [`STALL_GAP_NS`], [`RESUME_NS`],
-//! [`BUSY_STARTS`], [`BUSY_NS`].
+//! [`BUSY_STARTS`], [`BUSY_NS`], or for slower streams [`STALL_RATIO`] × the median gap.
 //!
 //! # Not used: the client's ACK cadence residue
 //! spice-gtk sends its k-th ACK right after the k·W-th message following the SET_ACK (§3.8),
@@ -112,6 +112,14 @@ pub const BUSY_STARTS: usize = 8;
 
 /// See [`BUSY_STARTS`] (200 ms).
 pub const BUSY_NS: u64 = 200_000_000;
+
+/// … or, for a slower stream (big draws at 20 frames/s), a gap at least this many times the
+/// median gap between its newest starts ([`RATE_GAPS`] of them): a stream that starts a
+/// message every 50 ms and then none for 400 ms or more, until an ACK, was held.
+pub const STALL_RATIO: u64 = 8;
+
+/// How many of the newest gaps between starts [`STALL_RATIO`] takes the median of.
+pub const RATE_GAPS: usize = 16;
 
 /// Without the kernel's word on the ACK (see [`ServerSide`]), a stall pin for candidate W
 /// needs the newest 2W+2 starts before the gap (every message
@@ -689,7 +697,19 @@ impl JoinedWindow {
             return false;
         }
         let first = self.starts[self.starts.len() - BUSY_STARTS].0;
-        last - first <= BUSY_NS
+        if last - first <= BUSY_NS {
+            return true;
+        }
+        let n = self.starts.len().min(RATE_GAPS + 1);
+        let mut gaps = [0u64; RATE_GAPS];
+        let newest = self.starts.iter().rev().take(n).map(|s| s.0).collect::<Vec<_>>();
+        for (g, w) in gaps.iter_mut().zip(newest.windows(2)) {
+            *g = w[0] - w[1];
+        }
+        let gaps = &mut gaps[..n - 1];
+        gaps.sort_unstable();
+        let median = gaps[gaps.len() / 2];
+        ts_ns - last >= STALL_RATIO.saturating_mul(median)
     }
 
     /// A client → server message was read (its record): ACKs count, ACK_SYNCs set the client
