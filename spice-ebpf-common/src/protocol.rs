@@ -280,6 +280,20 @@ const fn span(lo: u16, hi: u16) -> u64 {
     m
 }
 
+/// The channel types of `table` (channel, [`span`] of its types) whose span holds type `t`
+/// (101–164).
+const fn channels_in(table: &[(u8, u64)], t: u16) -> u16 {
+    let mut m = 0u16;
+    let mut i = 0;
+    while i < table.len() {
+        if table[i].1 & (1 << (t - 101)) != 0 {
+            m |= channel_bit(table[i].0);
+        }
+        i += 1;
+    }
+    m
+}
+
 /// Channel types whose **server → client** messages include type `t`, ignoring the body size
 /// (`docs/spice-protocol.md` §2.2–§2.5, from `spice.proto`): base 1–8 on every channel; main
 /// 101–118; display 101–108, 122–126, 302–322; cursor 101–108; inputs 101, 102, 111; playback
@@ -310,15 +324,7 @@ pub const fn s2c_type_channels(t: u16) -> u16 {
         (PORT, span(101, 102)),
         (WEBDAV, span(101, 102)),
     ];
-    let mut m = 0u16;
-    let mut i = 0;
-    while i < table.len() {
-        if table[i].1 & (1 << (t - 101)) != 0 {
-            m |= channel_bit(table[i].0);
-        }
-        i += 1;
-    }
-    m
+    channels_in(&table, t)
 }
 
 /// Channel types whose **client → server** messages include type `t`, ignoring the size:
@@ -345,15 +351,7 @@ pub const fn c2s_type_channels(t: u16) -> u16 {
         (PORT, span(101, 102)),
         (WEBDAV, span(101, 102)),
     ];
-    let mut m = 0u16;
-    let mut i = 0;
-    while i < table.len() {
-        if table[i].1 & (1 << (t - 101)) != 0 {
-            m |= channel_bit(table[i].0);
-        }
-        i += 1;
-    }
-    m
+    channels_in(&table, t)
 }
 
 /// Entries of [`HUNT_TYPES`]: message types 0..1024 ([`crate::framing::MAX_MESSAGE_TYPE`] is

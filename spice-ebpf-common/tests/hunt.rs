@@ -291,3 +291,37 @@ fn garbage_mid_stream_resyncs_and_relocks() {
     assert_eq!(got[10].index, 11, "ordinals continue after a resync");
     assert_eq!(s2c.unframed, 100 + (msgs[10].len() + msgs[11].len()) as u64);
 }
+
+#[test]
+fn hunting_type_table_agrees_with_the_message_names() {
+    use spice_ebpf_common::protocol::{
+        HUNT_TYPES, c2s_type_channels, channel_bit, message_name, s2c_type_channels,
+    };
+    // Every message `message_name` names (the report's table, written from spice.proto) is
+    // one the hunting tables accept on that channel and direction, and the packed table the
+    // kernel loads says the same as the functions.
+    let mut named = 0;
+    for ch in 1..=11u8 {
+        for t in 1..=400u16 {
+            for s2c in [true, false] {
+                if message_name(ch, s2c, t).is_some() {
+                    named += 1;
+                    let m = if s2c {
+                        s2c_type_channels(t)
+                    } else {
+                        c2s_type_channels(t)
+                    };
+                    assert_ne!(m & channel_bit(ch), 0, "channel {ch} s2c {s2c} type {t}");
+                }
+            }
+        }
+    }
+    assert!(named > 150, "{named}");
+    for t in 0..1024u16 {
+        let e = HUNT_TYPES[t as usize];
+        assert_eq!((e >> 16) as u16, s2c_type_channels(t), "s2c {t}");
+        assert_eq!(e as u16, c2s_type_channels(t), "c2s {t}");
+    }
+    assert_eq!(HUNT_TYPES[0], 0);
+    assert_eq!(HUNT_TYPES[1001], 0);
+}

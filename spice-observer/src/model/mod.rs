@@ -8,6 +8,7 @@
 
 pub mod chain;
 pub mod hist;
+pub mod infer;
 pub mod joined;
 pub mod traced;
 pub mod window;
@@ -109,6 +110,9 @@ pub struct DirStats {
     /// Per message type: (messages, bytes) of the records applied (lost records are not in
     /// them: the kernel keeps no per-type counts).
     pub by_type: BTreeMap<u16, (u64, u64)>,
+    /// Per message type: smallest and largest body size (bytes, header excluded) of the
+    /// records applied, for [`infer`].
+    pub sizes: BTreeMap<u16, (u32, u32)>,
     /// Messages first reported from a send that failed with EAGAIN.
     pub eagain_starts: u64,
     /// Highest message ordinal seen; a jump means lost ring records.
@@ -170,6 +174,24 @@ impl DirStats {
     }
 }
 
+/// A socket's SPICE channel type, known or inferred ([`SocketModel::channel_type`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChannelType {
+    /// [`channel`] number.
+    pub ty: u8,
+    /// Channel id: only the link message carries it.
+    pub id: Option<u8>,
+    /// `None` when the link message told; else why it was inferred ([`infer::Inference`]).
+    pub evidence: Option<String>,
+}
+
+impl ChannelType {
+    /// Inferred from the message types, not read from the link message.
+    pub fn inferred(&self) -> bool {
+        self.evidence.is_some()
+    }
+}
+
 /// Everything known about one watched TCP socket.
 #[derive(Clone, Debug)]
 pub struct SocketModel {
@@ -225,18 +247,74 @@ impl SocketModel {
         }
     }
 
-    /// Index of the direction carrying server → client bytes, once the link phase told.
+    /// Index of the direction carrying server → client bytes, once the link phase or the
+    /// kernel's hint told, else as inferred ([`Self::roles_inferred`]).
     pub fn s2c(&self) -> Option<usize> {
         self.dirs
             .iter()
             .position(|d| d.role == Role::ServerToClient)
+            .or_else(|| self.inferred_role(Role::ServerToClient))
     }
 
-    /// Index of the direction carrying client → server bytes.
+    /// Index of the direction carrying client → server bytes (as [`Self::s2c`]).
     pub fn c2s(&self) -> Option<usize> {
         self.dirs
             .iter()
             .position(|d| d.role == Role::ClientToServer)
+            .or_else(|| self.inferred_role(Role::ClientToServer))
+    }
+
+    /// A socket joined mid-stream or that lost its boundaries: some direction hunted.
+    pub fn joined(&self) -> bool {
+        self.dirs
+            .iter()
+            .any(|d| d.hunting.is_some() || d.locked.is_some())
+    }
+
+    /// What the message types say about a socket whose link phase was not seen (some
+    /// direction hunted, or is framed without a link: a joined connection an agent restarted
+    /// on pinned state took over; no link message or reply seen): [`infer::infer`] over both
+    /// directions. `None` for other sockets.
+    pub fn inference(&self) -> Option<infer::Inference> {
+        let framed = self.dirs.iter().any(|d| d.hdr_len != 0);
+        if !(self.joined() || framed) || self.dirs.iter().any(|d| d.link.is_some()) {
+            return None;
+        }
+        let e = [0, 1].map(|d| infer::DirEvidence::from_dir(&self.dirs[d]));
+        Some(infer::infer(&e))
+    }
+
+    fn inferred_role(&self, role: Role) -> Option<usize> {
+        if !self.dirs.iter().any(|d| d.role == Role::Unknown) {
+            return None;
+        }
+        let i = self.inference()?;
+        i.roles.iter().position(|&r| r == role)
+    }
+
+    /// Some direction's role was inferred from its messages ([`infer`]): the kernel gave no
+    /// hint and no link phase was seen.
+    pub fn roles_inferred(&self) -> bool {
+        self.dirs.iter().any(|d| d.role == Role::Unknown)
+            && self.inference().is_some_and(|i| i.roles_inferred)
+    }
+
+    /// Channel type: from the link message ([`Self::channel`]), else inferred from the
+    /// message types ([`Self::inference`]); `None` when neither tells.
+    pub fn channel_type(&self) -> Option<ChannelType> {
+        if let Some((ty, id)) = self.channel() {
+            return Some(ChannelType {
+                ty,
+                id: Some(id),
+                evidence: None,
+            });
+        }
+        let i = self.inference()?;
+        Some(ChannelType {
+            ty: i.channel_type?,
+            id: None,
+            evidence: Some(i.evidence),
+        })
     }
 
     /// Channel type and id from the client's link message.
@@ -330,6 +408,8 @@ impl SocketModel {
         let e = ds.by_type.entry(m.msg_type).or_default();
         e.0 += 1;
         e.1 += bytes;
+        let r = ds.sizes.entry(m.msg_type).or_insert((m.size, m.size));
+        *r = (r.0.min(m.size), r.1.max(m.size));
         if m.flags & msg_flags::EAGAIN_START != 0 {
             ds.eagain_starts += 1;
         }
@@ -615,6 +695,33 @@ impl Model {
                     detail: k.detail,
                     at: k.want_at,
                 });
+            }
+            if k.phase() == spice_ebpf_common::framing::Phase::Hunt {
+                ds.hunting = Some(Hunting {
+                    reason: UnparsedReason::from_u8(k.reason),
+                    detail: k.detail,
+                    at: k.hunt_from,
+                    since_ns: now_ns,
+                });
+            } else if k.joined != 0 {
+                // Locked before the restart: the lock's own record went with the old agent;
+                // what the map keeps of it (how, run, where its hunt began) is enough to know
+                // the direction counts from a lock and not from its link phase.
+                ds.locked = Some(Locked {
+                    how: k.how,
+                    run: k.run,
+                    at: k.hunt_from,
+                    index: 1,
+                    skipped: 0,
+                    channel_mask: k.chain_mask,
+                    ts_ns: now_ns,
+                    hunted_ns: 0,
+                });
+            }
+            ds.resyncs = k.resyncs;
+            ds.unframed = k.unframed;
+            if ds.locked.is_some() {
+                ds.locks = 1;
             }
             if st.seq_init[d] != 0 {
                 ds.seq_base = Some(st.seq_base[d]);

@@ -19,7 +19,8 @@
 //! `relay_backend`; `server`: a client connected to it, `relay_client`) and the `vm` of the
 //! discovery target its process is (or descends from), e.g. `socat`.
 //!
-//! Per-channel series are emitted for open sockets whose channel type is known. Two open
+//! Per-channel series are emitted for open sockets whose channel type is known or inferred
+//! (an inferred one has `channel_id` ""; `channel_info` says `channel_inferred`). Two open
 //! sockets with the same (`vm`, `leg`, `channel`, `channel_id`) would make duplicate series;
 //! then only the one that sent the most messages gets them (both keep their `_info`).
 
@@ -257,9 +258,11 @@ pub const METRICS: &[MetricDef] = &[
             "socket",
             "session_id",
             "framing",
-            "unparsed_reason"
+            "unparsed_reason",
+            "channel_inferred",
+            "session_key"
         ],
-        "1 per watched open socket, labelled with its process, addresses, SPICE session and framing."
+        "1 per watched open socket, labelled with its process, addresses, SPICE session and framing (channel_inferred=\"true\": the channel type was inferred from the message types of a connection joined mid-stream; session_key: the socket of its session's main channel, session_inferred in the JSON)."
     ),
     // --- self metrics ---
     def!(
@@ -631,6 +634,12 @@ pub fn families(input: &ScrapeInput<'_>) -> Vec<MetricFamily> {
                 &c.session_id.map_or(String::new(), |s| s.to_string()),
                 &c.framing,
                 c.unparsed_reason.as_deref().unwrap_or(""),
+                if c.channel_type_inferred {
+                    "true"
+                } else {
+                    "false"
+                },
+                c.session_key.as_deref().unwrap_or(""),
             ],
             1.0,
         );
@@ -936,7 +945,8 @@ mod tests {
             "messages_sent": sent, "bytes_sent": sent * 100, "messages_received": 4,
             "bytes_received": 40, "messages_sent_by_type": {}, "messages_received_by_type": {},
             "bytes_sent_by_type": {}, "bytes_received_by_type": {},
-            "messages_sent_eagain_start": 0,
+            "messages_sent_eagain_start": 0, "channel_type_inferred": false,
+            "end_inferred": false, "session_inferred": false,
             "server_to_client": {"messages": sent, "bytes": 0, "messages_per_s": 0.0,
                 "mbit_per_s": 0.0, "mean_message_bytes": 0.0}
         });
@@ -1061,6 +1071,51 @@ mod tests {
             rows.is_empty(),
             "README lists unknown metrics {:?}",
             rows.keys()
+        );
+    }
+
+    /// A joined socket whose channel type was inferred says so in `channel_info`, with its
+    /// session's main channel; a known one says `channel_inferred="false"`.
+    #[test]
+    fn metrics_info_marks_inferred_channel_types() {
+        let known = row("10.0.0.1:5900->10.0.0.2:40000", 100, "server", "main", 3);
+        let mut joined = row("10.0.0.1:5900->10.0.0.2:40001", 100, "server", "display", 9);
+        joined["channel_id"] = json!(null);
+        joined["channel_type_inferred"] = json!(true);
+        joined["channel_type_evidence"] = json!("DRAW_FILL (302) ×9 server→client");
+        joined["session_key"] = json!("10.0.0.1:5900->10.0.0.2:40000");
+        joined["session_inferred"] = json!(true);
+        let r = report(vec![known, joined]);
+        let targets = [target(
+            100,
+            TargetKind::SpiceServer(ServerKind::Qemu),
+            "vm-a",
+        )];
+        let t = text(&families(&ScrapeInput {
+            report: &r,
+            targets: &targets,
+            programs: None,
+            sockets: 2,
+            chains: 0,
+            processes: 1,
+            records: 0,
+            decode_errors: 0,
+            start_time_s: 1.0,
+        }));
+        let info = lines(&t, "spice_observer_channel_info");
+        assert_eq!(info.len(), 2, "{info:?}");
+        assert!(
+            info.iter()
+                .any(|l| l.contains("channel=\"display\",channel_id=\"\"")
+                    && l.contains("channel_inferred=\"true\"")
+                    && l.contains("session_key=\"10.0.0.1:5900->10.0.0.2:40000\"")),
+            "{info:?}"
+        );
+        assert!(
+            info.iter().any(|l| l.contains("channel=\"main\"")
+                && l.contains("channel_inferred=\"false\"")
+                && l.contains("session_key=\"\"")),
+            "{info:?}"
         );
     }
 

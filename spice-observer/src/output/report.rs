@@ -209,6 +209,23 @@ pub struct ChannelReport {
     pub session_id: Option<u32>,
     pub channel_type: String,
     pub channel_id: Option<u8>,
+    /// `channel_type` was inferred from the message types seen (the link phase was not seen:
+    /// joined mid-stream), not read from the link message; `channel_id` is null then.
+    pub channel_type_inferred: bool,
+    /// For a socket whose link phase was not seen: why `channel_type` was inferred, or why
+    /// it stays `"unknown"`. Null when the link message told.
+    pub channel_type_evidence: Option<String>,
+    /// `end` was inferred from the message types (no link phase seen, no role from how the
+    /// socket was made).
+    pub end_inferred: bool,
+    /// The session this socket belongs to, named by its main channel's `socket`: from equal
+    /// session ids, or inferred (`session_inferred`) from the client's address around the one
+    /// main channel of the process. Null when neither groups it. `session_id` is never
+    /// inferred.
+    pub session_key: Option<String>,
+    pub session_inferred: bool,
+    /// Why the socket was grouped into `session_key`.
+    pub session_evidence: Option<String>,
     /// `"mini"`, `"full"`, `"unparsed"`, `"hunting"` (joined mid-stream or lost sync, no
     /// message boundaries found yet in either direction) or `"pending"` (link phase not
     /// finished).
@@ -878,9 +895,11 @@ pub fn channel_report(
         (Some(l), Some(r)) => format!("{l}->{r}"),
         _ => format!("cookie:{}", s.cookie),
     };
+    let inference = s.inference();
+    let inferred = inference.as_ref().and_then(|i| i.channel_type);
     let (ctype, cid) = match s.channel() {
         Some((t, i)) => (channel_type_name(t), Some(i)),
-        None => ("unknown", None),
+        None => (inferred.map_or("unknown", channel_type_name), None),
     };
     let mut c = ChannelReport {
         socket,
@@ -893,6 +912,12 @@ pub fn channel_report(
         session_id: s.session_id,
         channel_type: ctype.into(),
         channel_id: cid,
+        channel_type_inferred: s.channel().is_none() && inferred.is_some(),
+        channel_type_evidence: inference.map(|i| i.evidence),
+        end_inferred: s.roles_inferred(),
+        session_key: None,
+        session_inferred: false,
+        session_evidence: None,
         framing: s.framing().into(),
         sync_sent: SyncReport::new(send, start_ns),
         sync_received: SyncReport::new(recv, start_ns),
@@ -1137,6 +1162,14 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
             c
         })
         .collect();
+    let sessions = crate::model::infer::sessions(model);
+    for c in channels.iter_mut() {
+        if let Some(g) = sessions.get(&c.cookie) {
+            c.session_key = Some(g.key.clone());
+            c.session_inferred = g.inferred;
+            c.session_evidence = Some(g.evidence.clone());
+        }
+    }
     // Verdicts belong to spice-server's channels: a relay's legs are part of those chains.
     let relay_pids: std::collections::HashSet<u32> = channels
         .iter()
@@ -1319,6 +1352,11 @@ pub fn render(r: &Report) -> String {
         };
         let chan = if c.framing == "unparsed" {
             format!("{chan}!")
+        } else {
+            chan
+        };
+        let chan = if c.channel_type_inferred {
+            format!("{chan}?")
         } else {
             chan
         };
@@ -1590,6 +1628,24 @@ pub fn render(r: &Report) -> String {
             hunting.len()
         );
     }
+    let inferred = r
+        .channels
+        .iter()
+        .filter(|c| c.channel_type_inferred)
+        .count();
+    let undecided = r
+        .channels
+        .iter()
+        .filter(|c| !c.channel_type_inferred && c.channel_type_evidence.is_some())
+        .count();
+    if inferred + undecided > 0 {
+        let _ = writeln!(
+            out,
+            "channel type (?): inferred from the message types for {inferred} connection(s) \
+             without a link phase, {undecided} still unknown (channel_type_evidence in --json \
+             says why)"
+        );
+    }
     for c in r.channels.iter().filter(|c| {
         [&c.sync_sent, &c.sync_received]
             .iter()
@@ -1663,6 +1719,12 @@ mod tests {
             session_id: Some(7),
             channel_type: "display".into(),
             channel_id: Some(0),
+            channel_type_inferred: false,
+            channel_type_evidence: None,
+            end_inferred: false,
+            session_key: None,
+            session_inferred: false,
+            session_evidence: None,
             framing: "mini".into(),
             sync_sent: None,
             sync_received: None,
