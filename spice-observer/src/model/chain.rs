@@ -433,6 +433,30 @@ impl Chain {
         Some(a.offset + i64::from(b.wrapping_sub(s) as i32))
     }
 
+    /// The relay's legs toward clients still candidates for this chain's client leg (legs
+    /// joined mid-stream: [`Self::learn_stream_start`] wants their positions).
+    pub fn candidate_legs(&self) -> Vec<u64> {
+        self.candidates.iter().map(|k| k.cookie).collect()
+    }
+
+    /// Takes one sample's absolute stream offsets (bytes since the connection's first byte)
+    /// of the first traced byte of the backend's server→client reads (`backend_start`) and of
+    /// candidate leg `cookie`'s server→client writes (`leg_start`). A transparent relay
+    /// forwards the stream from its first byte, so a byte at absolute offset p is at
+    /// `p − backend_start` on the backend and `p − leg_start` on the leg: the alignment's
+    /// offset delta is `leg_start − backend_start`. Taken once two consecutive samples gave
+    /// the same value; a different one starts the count again.
+    pub fn learn_stream_start(&mut self, cookie: u64, backend_start: i64, leg_start: i64) {
+        let Some(k) = self.candidates.iter_mut().find(|k| k.cookie == cookie) else {
+            return;
+        };
+        let d = leg_start - backend_start;
+        k.tcp_offset = match k.tcp_offset {
+            Some((v, n)) if v == d => Some((v, n.saturating_add(1))),
+            _ => Some((d, 1)),
+        };
+    }
+
     /// Indexes into [`STAGES`] this chain can place: all of them through a byte-transparent
     /// relay whose two legs are paired, the server side up to the relay's receive queue when
     /// the relay changes the stream (or its client leg is not found yet), [`NO_RELAY_STAGES`]
@@ -495,6 +519,9 @@ struct Candidate {
     /// possible ([`alignments`]), each with the messages compared under it; `None` until
     /// both legs framed a message in that direction.
     aligns: [Option<Vec<(Align, u64)>>; 2],
+    /// Legs joined mid-stream: the server→client offset delta ([`Align::offset`]) the TCP
+    /// byte counters give ([`Chain::learn_stream_start`]): (value, samples that gave it).
+    tcp_offset: Option<(i64, u32)>,
 }
 
 impl Candidate {
@@ -506,6 +533,7 @@ impl Candidate {
             same_session: false,
             excluded: None,
             aligns: [None, None],
+            tcp_offset: None,
         }
     }
 
@@ -639,6 +667,13 @@ fn kept_all(d: &DirStats) -> impl Iterator<Item = &MsgSpan> {
         .iter()
         .filter(move |m| m.index < front)
         .chain(d.recent.iter())
+}
+
+/// The kept message of a direction starting at stream offset `at`.
+fn kept_at(d: &DirStats, at: i64) -> Option<MsgSpan> {
+    let at = u64::try_from(at).ok()?;
+    let i = d.recent.partition_point(|m| m.at < at);
+    d.recent.get(i).filter(|m| m.at == at).copied()
 }
 
 /// Compares written message `w` with the read message `a` maps it to: `Ok(false)` when that
@@ -785,6 +820,26 @@ fn examine_joined(
         let (Some(read), Some(written)) = (read, written) else {
             continue;
         };
+        if i == 0
+            && let Some((offset, 2..)) = k.tcp_offset
+            && k.aligns[0]
+                .as_ref()
+                .is_none_or(|s| s.len() != 1 || s[0].0.offset != offset)
+        {
+            // The TCP byte counters fix the offset delta: the ordinal delta is that of the
+            // read message at the newest written one's offset.
+            let a = written.recent.iter().rev().find_map(|w| {
+                let r = kept_at(read, w.at as i64 + offset)?;
+                Some(Align {
+                    index: r.index as i64 - w.index as i64,
+                    offset,
+                })
+            });
+            if let Some(a) = a {
+                k.aligns[0] = Some(vec![(a, 0)]);
+                k.upto[0] = 0;
+            }
+        }
         match &mut k.aligns[i] {
             Some(set) if !set.is_empty() => advance(read, written, set, &mut k.upto[i]),
             // Nothing fitted: the relay may still have been writing what it read before the
@@ -1163,8 +1218,15 @@ fn pair_joined_leg(
     let describe = |k: &Candidate| {
         let part = |i: usize, what: &str| match (&k.aligns[i], unique_align(k, written(k, i), i)) {
             (_, Some(a)) => format!(
-                "{what}: offset {:+}, ordinal {:+} ({} messages compared)",
-                a.offset, a.index, k.agreed[i]
+                "{what}: offset {:+}{}, ordinal {:+} ({} messages compared)",
+                a.offset,
+                if i == 0 && k.tcp_offset.is_some_and(|(v, n)| n >= 2 && v == a.offset) {
+                    " (from the TCP byte counters)"
+                } else {
+                    ""
+                },
+                a.index,
+                k.agreed[i]
             ),
             (Some(set), None) => format!("{what}: {} alignments fit", set.len()),
             (None, None) => format!("{what}: nothing framed on both legs yet"),
@@ -2129,6 +2191,59 @@ mod tests {
             c_off(250) as i64 + ch.client_shift(&m).unwrap(),
             s_off(250) as i64
         );
+    }
+
+    #[test]
+    fn the_tcp_byte_counters_align_a_stream_of_identical_messages() {
+        let mut m = Model::default();
+        let mut j = JoinedChain::new(&mut m, 7, [1000 + 47 + 94, 1000 + 94, 1000]);
+        let mut chains = Vec::new();
+        for _ in 0..300 {
+            j.s2c(&mut m, 41, 302);
+            pair(&m, &mut chains);
+        }
+        let (s, c) = (j.s.cookie, j.c.cookie);
+        let ch = chains.iter_mut().find(|x| x.server == s).unwrap();
+        assert_eq!(ch.candidate_legs(), vec![c]);
+        // One sample is not enough; two that agree are.
+        ch.learn_stream_start(c, 1094, 1000);
+        pair(&m, &mut chains);
+        assert_eq!(chain_of(&chains, s).client_leg, None);
+        let ch = chains.iter_mut().find(|x| x.server == s).unwrap();
+        ch.learn_stream_start(c, 1094, 1000);
+        pair(&m, &mut chains);
+        let ch = chain_of(&chains, s);
+        assert_eq!(ch.client_leg, Some(c), "{:?}", ch.pairing);
+        assert_eq!(
+            ch.align[0],
+            Some(Align {
+                index: -2,
+                offset: -94
+            })
+        );
+        assert!(
+            ch.pairing
+                .last()
+                .unwrap()
+                .contains("offset -94 (from the TCP byte counters), ordinal -2"),
+            "{:?}",
+            ch.pairing
+        );
+        // Counters that put the leg's messages off the backend's boundaries: not paired.
+        let mut m = Model::default();
+        let mut j = JoinedChain::new(&mut m, 8, [1000 + 47 + 94, 1000 + 94, 1000]);
+        let mut chains = Vec::new();
+        for _ in 0..300 {
+            j.s2c(&mut m, 41, 302);
+            pair(&m, &mut chains);
+        }
+        let (s, c) = (j.s.cookie, j.c.cookie);
+        for _ in 0..2 {
+            let ch = chains.iter_mut().find(|x| x.server == s).unwrap();
+            ch.learn_stream_start(c, 1094, 1010);
+            pair(&m, &mut chains);
+        }
+        assert_eq!(chain_of(&chains, s).client_leg, None);
     }
 
     #[test]

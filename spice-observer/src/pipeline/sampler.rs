@@ -96,6 +96,40 @@ fn shifted(p: SendPos, shift: i64) -> SendPos {
     }
 }
 
+/// Absolute stream offset (bytes since the connection's first data byte) of the first traced
+/// byte of socket `n`'s server→client direction: the kernel's count of bytes received in
+/// order (`tcpi_bytes_received`, advanced with `rcv_nxt`) less `rcv_nxt`'s traced offset, on
+/// the receiving side; bytes acknowledged (`tcpi_bytes_acked`, advanced with `snd_una`) less
+/// `snd_una`'s traced offset, on the sending side (`net/ipv4/tcp_input.c`
+/// `tcp_rcv_nxt_update`, `tcp_snd_una_update`; neither counts the SYN of a connection the
+/// socket accepted). The relay's leg toward a client is accepted; its leg toward
+/// spice-server receives.
+fn stream_start(n: &Now<'_>) -> Option<i64> {
+    let (info, leg) = (n.diag.info.as_ref()?, n.leg.as_ref()?);
+    let d = n.model.s2c()?;
+    let ds = &n.model.dirs[d];
+    ds.recent.back()?;
+    Some(if d == SEND {
+        info.bytes_acked as i64 - stream_pos(ds, leg.snd_una)? as i64
+    } else {
+        info.bytes_received as i64 - stream_pos(ds, leg.rcv_nxt)? as i64
+    })
+}
+
+/// For a chain whose client leg is not paired: gives it the stream starts
+/// ([`stream_start`]) of its backend and of each candidate leg
+/// ([`Chain::learn_stream_start`]).
+fn learn_stream_starts<'a>(chain: &mut Chain, now: &impl Fn(Option<u64>) -> Option<Now<'a>>) {
+    let Some(b) = now(chain.backend).and_then(|n| stream_start(&n)) else {
+        return;
+    };
+    for c in chain.candidate_legs() {
+        if let Some(start) = now(Some(c)).and_then(|n| stream_start(&n)) {
+            chain.learn_stream_start(c, b, start);
+        }
+    }
+}
+
 /// What one sample took of one chain, beyond the [`ChainSample`] kept for the report: the raw
 /// positions (for the `--samples` series).
 #[derive(Clone, Debug)]
@@ -302,6 +336,9 @@ pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
     };
     let mut taken = Vec::new();
     for chain in chains.iter_mut() {
+        if chain.client_leg.is_none() {
+            learn_stream_starts(chain, &now);
+        }
         let Some(server) = model.sockets.get(&chain.server) else {
             continue;
         };
