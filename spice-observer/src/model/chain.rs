@@ -273,8 +273,9 @@ pub struct Chain {
     /// How the relay's legs line up, per direction ([server→client: read on the backend,
     /// written on the client leg; client→server: read on the client leg, written on the
     /// backend]): zero for legs paired on their link message (both traced from their first
-    /// byte), the delta found by content for legs joined mid-stream ([`Align`]); `None` while
-    /// not known (no client leg, or a joined direction whose content repeats).
+    /// byte), the delta found for legs joined mid-stream ([`Align`]: by content, and for
+    /// server→client by the TCP byte counters); `None` while not known (no client leg, or a
+    /// joined client→server direction whose content repeats).
     pub align: [Option<Align>; 2],
 }
 
@@ -282,7 +283,8 @@ pub struct Chain {
 /// with ordinal `i` at stream offset `o` is the one it read on the other with ordinal
 /// `i + index` at offset `o + offset`. Legs traced from their first byte have both 0; legs
 /// joined mid-stream count ordinals from their own lock and offsets from their own first
-/// traced byte, so they differ by constants only content can tell.
+/// traced byte, so they differ by constants: found by content ([`alignments`]) and, for
+/// server→client, by the kernel's byte counters ([`Chain::learn_stream_start`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Align {
     pub index: i64,
@@ -422,15 +424,19 @@ impl Chain {
     /// same byte in spice-server's stream: the server→client alignment ([`Align::offset`],
     /// client leg → backend) plus the backend's `seq_base` less spice-server's (backend →
     /// spice-server: one TCP connection). 0 for legs traced from their first byte; `None`
-    /// without both bases or an alignment.
+    /// without an alignment, or for joined legs without both bases.
     pub fn client_shift(&self, model: &Model) -> Option<i64> {
         let a = self.align[0]?;
         let base = |c: u64| {
             let s = model.sockets.get(&c)?;
             s.dirs[s.s2c()?].seq_base
         };
-        let (b, s) = (base(self.backend?)?, base(self.server)?);
-        Some(a.offset + i64::from(b.wrapping_sub(s) as i32))
+        match (base(self.backend?), base(self.server)) {
+            (Some(b), Some(s)) => Some(a.offset + i64::from(b.wrapping_sub(s) as i32)),
+            // Legs paired on their link message: both traced from the stream's first byte.
+            _ if a == Align::default() => Some(0),
+            _ => None,
+        }
     }
 
     /// The relay's legs toward clients still candidates for this chain's client leg (legs
