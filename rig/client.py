@@ -14,6 +14,10 @@ main loop so that the client stops reading its sockets (backpressure).
   rig/client.py spice://127.0.0.1:5905 --seconds 30
   rig/client.py spice://127.0.0.1:5905 --seconds 60 --stall-ms 90 --period-ms 100
   rig/client.py spice://127.0.0.1:5905 --seconds 60 --pause-at 10 --pause-for 20
+  rig/client.py spice://127.0.0.1:5905 --inputs-every-ms 50
+                     # every channel talks: mouse motion (inputs; the cursor moves),
+                     # a Shift press every 10th tick (inputs), a mouse-mode request
+                     # every 10th tick (main)
   kill -USR1 <pid>   # stop reading (main loop blocked) until ...
   kill -USR2 <pid>   # ... resume
   ip netns exec rigc /path/to/rig/client.py spice://198.18.0.1:6905 --seconds 10
@@ -21,6 +25,7 @@ main loop so that the client stops reading its sockets (backpressure).
 
 Options: URI [--seconds N=30] [--report S=5] [--pause-at T=10 --pause-for D=0]
          [--stall-ms S=0 --period-ms P=100] [--compression N]
+         [--inputs-every-ms N=0]
 It is a foreground program: the caller owns its PID (no pid file, no state
 dir); SIGTERM/SIGINT end it early and still print the SUMMARY.
 
@@ -63,6 +68,7 @@ class Client:
         self.paused = False       # toggled by SIGUSR1/SIGUSR2
         self.quitting = False     # SIGTERM: end any stall at once
         self.stalled_s = 0.0
+        self.ticks = 0
         s = self.session = Spice.Session()
         s.props.uri = a.uri
         # keep the session to the channels an observer cares about
@@ -100,6 +106,7 @@ class Client:
         nick = EV.get(int(event), str(event))
         st['events'].append((round(time.monotonic() - self.t0, 3), nick))
         if nick == 'opened':
+            st['opened'] = True
             sock = ch.props.socket
             if sock is not None:
                 la, ra = sock.get_local_address(), sock.get_remote_address()
@@ -156,6 +163,27 @@ class Client:
             print('SIGUSR2: resumed', flush=True)
         return True
 
+    # --- input chatter ---------------------------------------------------------
+    def chatter(self):
+        """Input traffic on channels that are otherwise quiet mid-session: a relative
+        mouse motion (SPICE_MSGC_INPUTS_MOUSE_MOTION in server mouse mode; spice-server
+        answers MOUSE_MOTION_ACK every 4, and the X pointer moves, so the cursor channel
+        sends CURSOR_MOVE), every 10th tick a Shift_L press and release (KEY_DOWN/KEY_UP)
+        and a server-mouse-mode request on main (MOUSE_MODE_REQUEST)."""
+        self.ticks += 1
+        for st in self.chans.values():
+            ch = st['ch']
+            if not st.get('opened'):
+                continue
+            if isinstance(ch, Spice.InputsChannel):
+                d = 8 if self.ticks % 2 else -8
+                ch.motion(d, d, 0)
+                if self.ticks % 10 == 0:
+                    ch.key_press_and_release(0x2a)
+            elif isinstance(ch, Spice.MainChannel) and self.ticks % 10 == 0:
+                ch.request_mouse_mode(1)   # SPICE_MOUSE_MODE_SERVER
+        return True
+
     # --- reporting -------------------------------------------------------------
     def report(self):
         now = time.monotonic() - self.t0
@@ -192,6 +220,8 @@ class Client:
         if a.pause_for > 0:
             GLib.timeout_add(int(a.pause_at * 1000), self.one_pause)
         GLib.timeout_add(50, self.check_sigpause)
+        if a.inputs_every_ms > 0:
+            GLib.timeout_add(a.inputs_every_ms, self.chatter)
         GLib.timeout_add(int(a.report * 1000), self.report)
         GLib.timeout_add(int(a.seconds * 1000), self.finish)
         self.loop.run()
@@ -219,6 +249,8 @@ def main():
     ap.add_argument('--period-ms', type=int, default=100, help='... every this many ms')
     ap.add_argument('--pause-at', type=float, default=10)
     ap.add_argument('--pause-for', type=float, default=0, help='one long stall (s)')
+    ap.add_argument('--inputs-every-ms', type=int, default=0,
+                    help='mouse motion every N ms, key and mouse-mode request every 10th')
     ap.add_argument('--compression', type=int, default=0,
                     help='SpiceImageCompression to ask for (0 = server default)')
     a = ap.parse_args()

@@ -15,11 +15,15 @@ Every frame it draws into one window that covers the screen:
 Usage:
   DISPLAY=:N rig/xanim.py [--mode noise|rects|bars] [--fps F] [--size WxH]
                           [--count N] [--seconds S | --frames N] [--seed N]
-                          [--ready-file FILE]
+                          [--ready-file FILE] [--cursor-every N]
 Examples:
   DISPLAY=:5 rig/xanim.py --mode noise --fps 20 --size 256x192
   DISPLAY=:5 rig/xanim.py --mode rects --fps 50 --count 20
   DISPLAY=:5 rig/xanim.py --mode noise --seconds 5   # then exit: the session goes idle
+--cursor-every N: every N frames the root window's cursor changes (cycling through three
+ARGB cursors of the Adwaita theme, loaded with libXcursor) and the pointer is warped to a
+new spot: spice-server's cursor channel then carries CURSOR_SET / CURSOR_MOVE mid-session
+(Xspice draws the X cursor font's two-colour cursors in software, on the display channel).
 It never exits on its own unless --seconds or --frames is given; stop it with
 SIGTERM.  It retries connecting to the X server for up to 10 s (so it can be
 started right after Xorg), touches --ready-file after the first frame has
@@ -48,6 +52,41 @@ def put_image(win, gc, x, y, w, h, data):
                       data[r0 * stride:(r0 + rh) * stride])
 
 
+class ArgbCursors:
+    """Root-window cursor changes and pointer warps through libX11 and libXcursor (ctypes;
+    python3-xlib has no Render extension, which ARGB cursors need)."""
+
+    THEME = '/usr/share/icons/Adwaita/cursors/'
+
+    def __init__(self):
+        import ctypes
+        c = ctypes
+        self.x11 = x11 = c.CDLL('libX11.so.6')
+        xc = c.CDLL('libXcursor.so.1')
+        x11.XOpenDisplay.restype = c.c_void_p
+        x11.XDefaultRootWindow.restype = c.c_ulong
+        x11.XDefaultRootWindow.argtypes = [c.c_void_p]
+        xc.XcursorFilenameLoadCursor.restype = c.c_ulong
+        xc.XcursorFilenameLoadCursor.argtypes = [c.c_void_p, c.c_char_p]
+        x11.XDefineCursor.argtypes = [c.c_void_p, c.c_ulong, c.c_ulong]
+        x11.XWarpPointer.argtypes = [c.c_void_p, c.c_ulong, c.c_ulong, c.c_int, c.c_int,
+                                     c.c_uint, c.c_uint, c.c_int, c.c_int]
+        x11.XFlush.argtypes = [c.c_void_p]
+        self.d = x11.XOpenDisplay(None)
+        if not self.d:
+            raise RuntimeError('XOpenDisplay failed')
+        self.root = x11.XDefaultRootWindow(self.d)
+        self.cursors = [xc.XcursorFilenameLoadCursor(self.d, (self.THEME + n).encode())
+                        for n in ('left_ptr', 'hand2', 'crosshair')]
+        if not all(self.cursors):
+            raise RuntimeError('cannot load the cursors of ' + self.THEME)
+
+    def step(self, k, sw, sh):
+        self.x11.XDefineCursor(self.d, self.root, self.cursors[k % len(self.cursors)])
+        self.x11.XWarpPointer(self.d, 0, self.root, 0, 0, 0, 0, (k * 53) % sw, (k * 31) % sh)
+        self.x11.XFlush(self.d)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,6 +98,8 @@ def main():
     ap.add_argument('--frames', type=int, default=0, help='stop after this many frames (0=never)')
     ap.add_argument('--ready-file', help='touch this file once the first frame is drawn')
     ap.add_argument('--seed', type=int, default=1)
+    ap.add_argument('--cursor-every', type=int, default=0,
+                    help='change the cursor and warp the pointer every N frames (0=never)')
     a = ap.parse_args()
     bw, bh = (int(v) for v in a.size.lower().split('x'))
     rnd = random.Random(a.seed)
@@ -80,6 +121,7 @@ def main():
                                  override_redirect=1)
     win.map()
     gc = win.create_gc(foreground=scr.white_pixel, background=scr.black_pixel)
+    cursors = ArgbCursors() if a.cursor_every > 0 else None
     d.sync()
 
     stop = []
@@ -108,6 +150,8 @@ def main():
             off = (frame * 4) % bw
             band = row[off * 4:(off + bw) * 4] * bh
             put_image(win, gc, 0, (frame * 2) % max(1, sh - bh), bw, bh, band)
+        if cursors and frame % a.cursor_every == 0:
+            cursors.step(frame // a.cursor_every, sw, sh)
         d.sync()  # wait for the X server so the frame rate is real
         frame += 1
         if frame == 1:

@@ -49,13 +49,19 @@ pub mod msg_flags {
     /// The first message after a lock ([`super::LockEvent`] just before it): the messages
     /// between the previous counted one and this one were not framed.
     pub const LOCK: u8 = 2;
+    /// When this message's call ran, the socket's other direction was in the middle of a
+    /// message ([`crate::framing::PeerView::mid_message`]). On an ACK that spice-server reads,
+    /// this says its last message was held by TCP (a partial write, or an EAGAIN start), not
+    /// by the ACK window.
+    pub const PEER_MID_MESSAGE: u8 = 4;
 }
 
 /// How a hunting direction found its boundaries ([`LockEvent::how`]).
 pub mod lock_how {
-    /// The chain began at a send call that followed a send which moved everything it was
-    /// asked: spice-server writes one message per writev and spice-gtk one per write, so the
-    /// next write starts a message (`docs/spice-protocol.md` §4.2, §4.7).
+    /// The chain began at a send call that followed a writev (or sendmsg) which moved
+    /// everything it was asked: spice-server writes one message per writev, so the next write
+    /// starts a message (`docs/spice-protocol.md` §4.2). Relays' complete writes (write /
+    /// send of arbitrary chunks) are no anchor.
     pub const SEND_AFTER_COMPLETE: u8 = 1;
     /// The chain began at a receive call that asked for exactly a data header (6 or 18 bytes)
     /// and got it: spice-server reads the header, then the body (§4.6).

@@ -261,8 +261,9 @@ pub struct DirState {
     pub how: u8,
     /// 1 when `hdr_len` came from the link phase: hunting then tries only that length.
     pub hdr_fixed: u8,
-    /// 1 when the previous call of this direction moved every byte it asked for (kept by the
-    /// kernel for send calls while hunting: the anchor of [`lock_how::SEND_AFTER_COMPLETE`]).
+    /// 1 when the previous call of this direction was a writev / sendmsg that moved every byte
+    /// it asked for (kept by the kernel for send calls while hunting: the anchor of
+    /// [`lock_how::SEND_AFTER_COMPLETE`]).
     pub call_complete: u8,
     /// Set at a lock until the lock message is reported ([`MessageInfo::lock`]).
     pub lock_pending: u8,
@@ -304,6 +305,10 @@ pub struct PeerView {
     pub channel_type: u8,
     /// The client chose SASL authentication.
     pub sasl: bool,
+    /// The other direction is in the middle of a data message: its last call ended inside
+    /// one (a partial write), or a message spice-server counted at an EAGAIN start
+    /// ([`DirState::peek`]) is not written yet.
+    pub mid_message: bool,
 }
 
 /// Link message or reply summary, produced once per direction.
@@ -412,6 +417,11 @@ impl DirState {
             common_caps: self.common_caps,
             channel_type: self.channel_type,
             sasl: self.reason == UnparsedReason::Sasl as u8,
+            mid_message: self.phase == Phase::DataPrefix as u8
+                || (self.phase == Phase::DataHeader as u8
+                    && (self.have != 0
+                        || self.want_at != self.pos
+                        || (self.announced_at != 0 && self.announced_at == self.want_at))),
         }
     }
 

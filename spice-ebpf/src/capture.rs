@@ -100,12 +100,15 @@ fn emit(ec: &EmitCtx, out: &Output, st: &DirState, peer: &PeerView) {
     match out {
         Output::None => {}
         Output::Message(m) => {
-            let flags = if m.lock != 0 {
+            let mut flags = if m.lock != 0 {
                 emit_lock(&ec.hdr, ec.route, m, st);
                 msg_flags::LOCK
             } else {
                 0
             };
+            if peer.mid_message {
+                flags |= msg_flags::PEER_MID_MESSAGE;
+            }
             emit_message(ec, m, flags, st.role, message_channel_type(st, peer))
         }
         Output::Link(l) => emit_link(&ec.hdr, ec.route, l),
@@ -586,14 +589,15 @@ fn asked_bytes(call: &Call) -> u64 {
 /// A hunting direction's call starts at stream offset `at` and moved `moved` bytes: offers
 /// its first byte as a candidate header ([`DirState::hunt_call_start`]), anchored by the peer's
 /// call pattern where it has one (`docs/spice-protocol.md` §4.2, §4.6, §4.7):
-/// * a send after a send that moved everything it asked: spice-server writes one message per
-///   writev and spice-gtk one per write, so it starts a message;
+/// * a send after a writev (or sendmsg) that moved everything it asked: spice-server writes
+///   one message per writev, so it starts a message. Only vectored calls count: relays
+///   (socat, haproxy) forward arbitrary chunks with write / send, each complete, and an anchor
+///   at each of their call starts would cut every chain of a message longer than one call;
 /// * a receive that asked for exactly 6 or 18 bytes and got them: spice-server reading a
 ///   data header;
 /// * anything else (a relay's reads and writes): content alone.
 #[inline(never)]
 fn offer_call_start(st: &mut DirState, call: &Call, at: u64, moved: u64) {
-    let asked = asked_bytes(call);
     if call.dir == dirs::SEND {
         let anchor = if st.call_complete != 0 {
             lock_how::SEND_AFTER_COMPLETE
@@ -601,8 +605,11 @@ fn offer_call_start(st: &mut DirState, call: &Call, at: u64, moved: u64) {
             lock_how::CONTENT
         };
         st.hunt_call_start(at, anchor, 0);
-        st.call_complete = (asked == moved) as u8;
-    } else if (asked == 6 || asked == 18) && moved == asked {
+        st.call_complete = (call.args.kind == call_kind::IOVEC && asked_bytes(call) == moved) as u8;
+        return;
+    }
+    let asked = asked_bytes(call);
+    if (asked == 6 || asked == 18) && moved == asked {
         st.hunt_call_start(at, lock_how::RECV_HEADER_READ, asked as u8);
     } else {
         st.hunt_call_start(at, lock_how::CONTENT, 0);

@@ -61,7 +61,11 @@
 //! waiting for the ACK: its count before the ACK was above 2W, i.e. 2W+1 (2W+2 after an urgent
 //! pair). The model applies "count ≥ 2W+1 before that ACK" to each candidate for which it is
 //! consistent (within its interval) and for which the server could not have been blocked on
-//! TCP instead (see [`BLOCK_FREE_BYTES`]); an inconsistent pin is ignored and counted
+//! TCP instead: the kernel says so on the ACK's record (no `PEER_MID_MESSAGE` flag: spice-server's
+//! sending side had written its last message whole and had no EAGAIN start pending when it
+//! read the ACK), or, for records without that knowledge, the bytes it may still count as in
+//! flight are too few to fill TCP's buffers ([`BLOCK_FREE_BYTES`]); an inconsistent pin is
+//! ignored and counted
 //! ([`JoinedWindow::pins_rejected`]). Thresholds: [`STALL_GAP_NS`], [`RESUME_NS`],
 //! [`BUSY_STARTS`], [`BUSY_NS`].
 //!
@@ -109,13 +113,28 @@ pub const BUSY_STARTS: usize = 8;
 /// See [`BUSY_STARTS`] (200 ms).
 pub const BUSY_NS: u64 = 200_000_000;
 
-/// A stall pin for candidate W needs the newest 2W+2 starts before the gap (every message
+/// Without the kernel's word on the ACK (see [`ServerSide`]), a stall pin for candidate W
+/// needs the newest 2W+2 starts before the gap (every message
 /// spice-server may still count as in flight, so every byte the client has not read) to
 /// total at most this many bytes, none of them first sent with EAGAIN. Then the server
 /// cannot have stopped because TCP blocked it: that needs more bytes unread by the client
 /// than its receive window plus the server's send buffer hold (Linux defaults: 64 KiB and
 /// 16 KiB at least, `tcp_rmem`, `tcp_wmem`).
 pub const BLOCK_FREE_BYTES: u64 = 16 * 1024;
+
+/// What the kernel said about spice-server's sending side when it read an ACK
+/// (`spice_ebpf_common::event::msg_flags::PEER_MID_MESSAGE` on the ACK's record).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServerSide {
+    /// Its last message was written whole and no EAGAIN start was pending: TCP was not
+    /// holding it.
+    Idle,
+    /// In the middle of a message (a partial write) or an EAGAIN start pending: TCP held it,
+    /// so the ACK cannot have ended a window stall.
+    MidMessage,
+    /// Not known (replayed records): the byte bound [`BLOCK_FREE_BYTES`] decides.
+    Unknown,
+}
 
 /// How many recent starts are kept for the stall pin: 2·[`MAX_WINDOW`]+2.
 const RECENT_STARTS: usize = 2 * MAX_WINDOW as usize + 2;
@@ -265,9 +284,10 @@ pub struct JoinedWindow {
     last_type: Option<u16>,
     /// Recent starts: (ts_ns, bytes, first sent with EAGAIN).
     starts: VecDeque<(u64, u32, bool)>,
-    /// An ACK that may end a stall: (its ts_ns), set when it came after a gap of
-    /// [`STALL_GAP_NS`] after a busy stream; taken by the next start.
-    pending_pin: Option<u64>,
+    /// An ACK that may end a stall: (its ts_ns, what the kernel said of the server's sending
+    /// side then), set when it came after a gap of [`STALL_GAP_NS`] after a busy stream;
+    /// taken by the next start.
+    pending_pin: Option<(u64, ServerSide)>,
     /// Whether a stall pin applied since counting began (then it is what made the interval
     /// exact, whenever the other candidates of W go).
     pinned: bool,
@@ -596,9 +616,9 @@ impl JoinedWindow {
         }
         let mut why = ExactReason::Constraints;
         self.ack_since_start = false;
-        if let Some(ack_ns) = self.pending_pin.take()
+        if let Some((ack_ns, side)) = self.pending_pin.take()
             && ts_ns.saturating_sub(ack_ns) <= RESUME_NS
-            && self.pin()
+            && self.pin(side)
         {
             why = ExactReason::Stall;
         }
@@ -629,8 +649,9 @@ impl JoinedWindow {
 
     /// Applies "count ≥ 2W+1 before the pending ACK", i.e. ≥ W+1 now (nothing changed the
     /// count since it), to each candidate for which it is consistent and TCP cannot have
-    /// blocked the server ([`BLOCK_FREE_BYTES`]). Returns whether it applied to any.
-    fn pin(&mut self) -> bool {
+    /// blocked the server (the kernel said so, else [`BLOCK_FREE_BYTES`]). Returns whether it
+    /// applied to any.
+    fn pin(&mut self, side: ServerSide) -> bool {
         let mut applied = false;
         let mut inconsistent = false;
         for c in self.cands.iter_mut().filter(|c| c.dropped_at.is_none()) {
@@ -639,7 +660,7 @@ impl JoinedWindow {
             let recent = self.starts.iter().rev().take(n);
             let (bytes, eagain) =
                 recent.fold((0u64, false), |(b, e), s| (b + u64::from(s.1), e || s.2));
-            if bytes > BLOCK_FREE_BYTES || eagain {
+            if side == ServerSide::Unknown && (bytes > BLOCK_FREE_BYTES || eagain) {
                 continue;
             }
             let want = i64::from(c.window) + 1;
@@ -673,7 +694,16 @@ impl JoinedWindow {
 
     /// A client → server message was read (its record): ACKs count, ACK_SYNCs set the client
     /// generation after a SET_ACK; other types do not touch the window.
-    pub fn client_message(&mut self, ts_ns: u64, index: u64, msg_type: u16, prefix: [u32; 2]) {
+    /// `side`: what the kernel said about the server's sending side when it read this
+    /// message ([`ServerSide`]).
+    pub fn client_message(
+        &mut self,
+        ts_ns: u64,
+        index: u64,
+        msg_type: u16,
+        prefix: [u32; 2],
+        side: ServerSide,
+    ) {
         if msg_type == msg_client::ACK {
             self.acks += 1;
         }
@@ -689,8 +719,11 @@ impl JoinedWindow {
         }
         // The first ACK after a busy stream's gap may end a stall; a second ACK before any
         // start says the server was not waiting for the first.
-        self.pending_pin =
-            (self.pins_allowed && !self.ack_since_start && self.stall_gap(ts_ns)).then_some(ts_ns);
+        self.pending_pin = (self.pins_allowed
+            && !self.ack_since_start
+            && side != ServerSide::MidMessage
+            && self.stall_gap(ts_ns))
+        .then_some((ts_ns, side));
         self.ack_since_start = true;
         for c in self.cands.iter_mut().filter(|c| c.dropped_at.is_none()) {
             let w = i64::from(c.window);
@@ -712,25 +745,6 @@ impl JoinedWindow {
 /// seen (it was open before observation) and a direction that locked on its boundaries.
 pub fn is_joined(s: &SocketModel) -> bool {
     s.channel().is_none() && s.dirs.iter().any(|d| d.locked.is_some())
-}
-
-/// The channel type of a joined connection as far as its own window evidence goes, for the
-/// sample series: display if the server sent draw messages (types 302..=318, display only in
-/// `spice.proto`) or its lock's headers fit display only, cursor if they fit cursor only;
-/// `None` otherwise. Channel id 0 (a joined connection's id is not known).
-pub fn channel_hint(s: &SocketModel) -> Option<(u8, u8)> {
-    let d = &s.dirs[s.s2c()?];
-    if d.by_type.range(302..=318).next().is_some() {
-        return Some((channel::DISPLAY, 0));
-    }
-    let mask = d.locked?.channel_mask;
-    if mask == channel_bit(channel::DISPLAY) {
-        Some((channel::DISPLAY, 0))
-    } else if mask == channel_bit(channel::CURSOR) {
-        Some((channel::CURSOR, 0))
-    } else {
-        None
-    }
 }
 
 impl SocketModel {
@@ -779,7 +793,14 @@ impl SocketModel {
                 m.prefix,
                 m.flags & msg_flags::EAGAIN_START != 0,
             ),
-            Role::ClientToServer => j.client_message(m.hdr.ts_ns, m.index, m.msg_type, m.prefix),
+            Role::ClientToServer => {
+                let side = if m.flags & msg_flags::PEER_MID_MESSAGE != 0 {
+                    ServerSide::MidMessage
+                } else {
+                    ServerSide::Idle
+                };
+                j.client_message(m.hdr.ts_ns, m.index, m.msg_type, m.prefix, side)
+            }
             Role::Unknown => {}
         }
     }
@@ -837,8 +858,13 @@ pub(crate) mod tests {
         }
         fn ack(&mut self, ts: u64) {
             self.idx[1] += 1;
-            self.j
-                .client_message(ts, self.idx[1], msg_client::ACK, [0, 0]);
+            self.j.client_message(
+                ts,
+                self.idx[1],
+                msg_client::ACK,
+                [0, 0],
+                ServerSide::Unknown,
+            );
         }
         fn iv(&self) -> (u32, u32) {
             let i = self.j.interval().unwrap();
@@ -886,7 +912,13 @@ pub(crate) mod tests {
         f.ack(3);
         assert_eq!(f.iv(), (1, 1));
         f.idx[1] += 1;
-        f.j.client_message(4, f.idx[1], msg_client::ACK_SYNC, [1, 0]);
+        f.j.client_message(
+            4,
+            f.idx[1],
+            msg_client::ACK_SYNC,
+            [1, 0],
+            ServerSide::Unknown,
+        );
         for t in 0..20 {
             f.start(10 + t);
         }
@@ -1059,6 +1091,16 @@ pub(crate) mod tests {
     /// interval holds the true count after every event. Returns the model and the event
     /// index at which it became exact (if it did).
     fn replay(evs: &[(Ev, u32)], from: usize, display: bool) -> (JoinedWindow, Option<usize>) {
+        replay_as(evs, from, display, ServerSide::Unknown)
+    }
+
+    /// [`replay`] with what the kernel says of the server's sending side on every ACK.
+    fn replay_as(
+        evs: &[(Ev, u32)],
+        from: usize,
+        display: bool,
+        side: ServerSide,
+    ) -> (JoinedWindow, Option<usize>) {
         let mut j = JoinedWindow::new(display);
         let mut idx = [0u64; 2];
         let mut exact_at = None;
@@ -1076,7 +1118,7 @@ pub(crate) mod tests {
                         j.begin(ts, display);
                     }
                     idx[1] += 1;
-                    j.client_message(ts, idx[1], msg_client::ACK, [0, 0]);
+                    j.client_message(ts, idx[1], msg_client::ACK, [0, 0], side);
                 }
             }
             let i = j.interval().unwrap();
@@ -1169,6 +1211,16 @@ pub(crate) mod tests {
         let (j, _) = replay(&evs, 100, true);
         assert_eq!(j.pins, 0);
         assert_eq!(j.window(), Some(20));
+        // The kernel said TCP held a message at the ACK: no pin either.
+        let (j, _) = replay_as(&evs, 100, true, ServerSide::MidMessage);
+        assert_eq!(j.pins, 0);
+        // The kernel said the server had written its last message whole: the gap is the
+        // window's, whatever the message sizes: the stall pins the low end (the replay checked
+        // that every step still holds the truth); at most an urgent pair's one message apart.
+        let (j, _) = replay_as(&evs, 100, true, ServerSide::Idle);
+        assert_eq!(j.pins, 1);
+        let i = j.interval().unwrap();
+        assert!(i.high - i.low <= 1, "{i:?}");
     }
 
     #[test]
@@ -1261,7 +1313,12 @@ pub(crate) mod tests {
                         r[7] & 1 != 0,
                     );
                 } else {
-                    j.client_message(ts, idx, ty as u16, [r[8] as u32, r[9] as u32]);
+                    let side = if r[7] & u64::from(msg_flags::PEER_MID_MESSAGE) != 0 {
+                        ServerSide::MidMessage
+                    } else {
+                        ServerSide::Unknown
+                    };
+                    j.client_message(ts, idx, ty as u16, [r[8] as u32, r[9] as u32], side);
                 }
                 let i = j.interval().unwrap();
                 let truth = r[10] as u32;

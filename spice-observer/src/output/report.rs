@@ -1580,7 +1580,7 @@ pub fn render(r: &Report) -> String {
     if r.channels.len() == hidden {
         let _ = writeln!(
             out,
-            "no SPICE channel seen: watch spice-server's (qemu's) pid and start the observer before the client connects"
+            "no SPICE channel seen: watch spice-server's (qemu's) pid (or a relay's); a session already open is joined once its channels carry messages"
         );
     }
     if hidden > 0 {

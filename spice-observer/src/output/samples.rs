@@ -20,7 +20,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use spice_ebpf_common::protocol::{channel, channel_type_name};
 
 use crate::{
-    model::{Model, SocketModel, chain::STAGES, joined},
+    model::{Model, SocketModel, chain::STAGES},
     sampler::{self, LegSeqs},
 };
 
@@ -179,7 +179,7 @@ pub fn lines(model: &Model, sample: &sampler::Sample, started_ns: u64) -> Vec<Sa
         let joined = s.joined.as_deref().and_then(|j| Some((j, j.interval()?)));
         let Some((ctype, cid)) = s
             .channel()
-            .or_else(|| joined.and_then(|_| joined::channel_hint(s)))
+            .or_else(|| joined.and_then(|_| s.channel_type().map(|c| (c.ty, c.id.unwrap_or(0)))))
         else {
             continue;
         };

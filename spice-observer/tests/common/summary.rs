@@ -104,6 +104,9 @@ pub struct SentSummary {
     pub calls: u64,
     pub eagain: u64,
     pub short_writes: u64,
+    /// Bytes of `--garbage-at` junk written into the data stream (in `data_bytes`, no
+    /// message).
+    pub junk_bytes: u64,
 }
 
 /// What the peer's receive calls moved.
@@ -118,6 +121,8 @@ pub struct ReceivedSummary {
     pub calls: u64,
     pub eagain: u64,
     pub eof: bool,
+    /// Data bytes `--skip-at` discarded (in `data_bytes`, no message).
+    pub junk_bytes: u64,
 }
 
 /// How the peer cut its calls (the options it ran with).

@@ -211,6 +211,16 @@ pub(crate) struct ServerArgs {
     /// in one write and each cap word in its own 4-byte write).
     #[arg(long)]
     pub(crate) link_one_write: bool,
+    /// Write --garbage-bytes of junk into the data stream after this many data messages
+    /// (SET_ACK and main INIT included), in a write call of its own; the streamed messages
+    /// then go on. The junk's first two bytes are 0xFF (type 65535 where a header is due:
+    /// invalid on every channel), the rest random (--seed). A client told the same with
+    /// --skip-at / --skip-bytes skips it.
+    #[arg(long)]
+    pub(crate) garbage_at: Option<u64>,
+    /// Bytes of --garbage-at junk (at least 2).
+    #[arg(long, default_value_t = 64)]
+    pub(crate) garbage_bytes: usize,
     #[command(flatten)]
     pub(crate) common: Common,
 }
@@ -263,6 +273,13 @@ pub(crate) struct ClientArgs {
     /// Type of the client messages (default 101: display INIT).
     #[arg(long, default_value_t = 101)]
     pub(crate) msg_type: u16,
+    /// After this many data messages read (SET_ACK included), read and discard
+    /// --skip-bytes bytes before the next header: the junk of a server's --garbage-at.
+    #[arg(long)]
+    pub(crate) skip_at: Option<u64>,
+    /// Bytes --skip-at discards.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) skip_bytes: usize,
     #[command(flatten)]
     pub(crate) common: Common,
 }

@@ -315,7 +315,15 @@ pub(crate) fn client_reader(
             .unwrap()
             .send_messages(&[(msg_client::ACK, &[])], pat)
     };
-    while let Some(m) = rx.read_message(kind)? {
+    let mut skip_at = a.skip_at;
+    loop {
+        if skip_at == Some(rx.messages) {
+            skip_at = None;
+            rx.skip_data(a.skip_bytes)?;
+        }
+        let Some(m) = rx.read_message(kind)? else {
+            break;
+        };
         let is_set_ack = m.msg_type == msg_server::SET_ACK && m.size >= 8;
         // spice-gtk decrements before handling, and the SET_ACK finds the counter still unset.
         if a.ack_cadence == AckCadence::Gtk && !is_set_ack && acks.window > 0 && !a.no_acks {

@@ -11,6 +11,16 @@ pub(crate) fn garbage(seed: u64, n: usize) -> Vec<u8> {
     v
 }
 
+/// The junk of `--garbage-at`: `n` bytes (n ≥ 2), the first two 0xFF, so that where a data
+/// header is due its type reads 65535 (no channel has it, `framing::MAX_MESSAGE_TYPE`), the
+/// rest from the seeded generator.
+pub(crate) fn stream_junk(seed: u64, n: usize) -> Vec<u8> {
+    let mut v = Rng(seed).bytes(n.max(2));
+    v[0] = 0xFF;
+    v[1] = 0xFF;
+    v
+}
+
 /// A TLS 1.2-style handshake record: ClientHello (type 1) or ServerHello (type 2).
 pub(crate) fn tls_record(seed: u64, hello_type: u8) -> Vec<u8> {
     let mut body = vec![0x03, 0x03];

@@ -10,7 +10,9 @@
 //!   `listening <port>` (flushed) once bound, runs the link phase, streams `--messages` messages
 //!   (after an optional SET_ACK, obeying spice-server's ACK gate), reads the client's messages
 //!   concurrently, closes its write side when done and waits for the client to close.
-//!   `--second-set-ack-after N` sends a second SET_ACK (a new generation) after N of them.
+//!   `--second-set-ack-after N` sends a second SET_ACK (a new generation) after N of them;
+//!   `--garbage-at N --garbage-bytes M` writes M bytes of junk into the stream after N
+//!   messages (a resync test; the client skips them with `--skip-at N --skip-bytes M`).
 //! * `spice-peer client --connect 127.0.0.1:PORT [options]` links, answers SET_ACK with
 //!   ACK_SYNC and sends an ACK every W messages (spice-gtk cadence by default), optionally
 //!   sends its own messages, and reads until the server closes. `--surplus-ack-after N` sends
@@ -82,6 +84,9 @@ fn validate(cli: &Cli) -> Result<(), String> {
                     || a.second_window.is_some())
             {
                 return Err("--second-set-ack-after and its options need --set-ack".into());
+            }
+            if a.garbage_at.is_some() && a.garbage_bytes < 2 {
+                return Err("--garbage-bytes must be at least 2".into());
             }
             Ok(())
         }

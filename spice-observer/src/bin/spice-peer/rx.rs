@@ -43,6 +43,8 @@ pub(crate) struct Rx {
     pub(crate) link_bytes: Option<u64>,
     pub(crate) messages: u64,
     pub(crate) by_type: BTreeMap<u16, u64>,
+    /// Data bytes discarded by `--skip-at` (not messages).
+    pub(crate) junk_bytes: u64,
 }
 
 impl Rx {
@@ -71,6 +73,7 @@ impl Rx {
             link_bytes: None,
             messages: 0,
             by_type: BTreeMap::new(),
+            junk_bytes: 0,
         }
     }
 
@@ -212,6 +215,27 @@ impl Rx {
         Ok(true)
     }
 
+    /// Reads and discards exactly `n` data bytes (`--skip-at`), counted in `junk_bytes`.
+    pub(crate) fn skip_data(&mut self, n: usize) -> io::Result<()> {
+        let mut left = n;
+        while left > 0 {
+            if self.data().is_empty() {
+                if !self.data_fill(left)? {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("peer closed, {left} junk bytes still expected"),
+                    ));
+                }
+                continue;
+            }
+            let k = self.data().len().min(left);
+            self.advance(k);
+            left -= k;
+        }
+        self.junk_bytes += n as u64;
+        Ok(())
+    }
+
     /// The next data message; None on EOF at a message boundary.
     pub(crate) fn read_message(&mut self, kind: HeaderKind) -> io::Result<Option<Msg>> {
         let hl = kind.header_len();
@@ -289,6 +313,7 @@ impl Rx {
             "calls": self.calls,
             "eagain": self.eagain,
             "eof": self.eof,
+            "junk_bytes": self.junk_bytes,
         })
     }
 }

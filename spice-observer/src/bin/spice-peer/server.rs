@@ -424,10 +424,21 @@ pub(crate) fn server_writer(
         }
     };
     let stall = Duration::from_millis(a.stall_timeout_ms);
+    let junk = a.garbage_at.map(|_| stream_junk(c.seed, a.garbage_bytes));
+    let mut junk_at = a.garbage_at;
     let mut i = 0u64;
     'outer: while i < total {
         let mut batch: Vec<(u16, &[u8])> = Vec::new();
         while batch.len() < c.batch && i < total {
+            if junk_at == Some(i) {
+                if !batch.is_empty() {
+                    break; // the junk goes in a write call of its own
+                }
+                junk_at = None;
+                tx.lock()
+                    .unwrap()
+                    .junk_call(junk.as_deref().unwrap_or_default())?;
+            }
             let (t, b) = get(i);
             let is_second = Some(i) == second_at;
             if is_second {

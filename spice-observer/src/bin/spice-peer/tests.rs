@@ -633,9 +633,56 @@ fn bad_options_are_rejected() {
         &["server", "--listen", "x", "--batch", "2", "--chunk", "3"][..],
         &["client", "--connect", "x", "--recv-iovs", "2"][..],
         &["client", "--connect", "x", "--garbage", "--sasl"][..],
+        &[
+            "server",
+            "--listen",
+            "x",
+            "--garbage-at",
+            "3",
+            "--garbage-bytes",
+            "1",
+        ][..],
     ] {
         let cli =
             Cli::try_parse_from(std::iter::once("spice-peer").chain(args.iter().copied())).unwrap();
         assert!(validate(&cli).is_err(), "{args:?}");
     }
+}
+
+#[test]
+fn junk_mid_stream_is_skipped_by_a_client_told_so() {
+    // SET_ACK + 40 draws, 100 bytes of junk after the first 11 messages, batches of 4 (the
+    // junk still goes in a call of its own).
+    let (s, c) = pair(
+        &[
+            "--messages",
+            "40",
+            "--set-ack",
+            "--window",
+            "8",
+            "--garbage-at",
+            "11",
+            "--garbage-bytes",
+            "100",
+            "--batch",
+            "4",
+            "--seed",
+            "7",
+        ],
+        &["--skip-at", "11", "--skip-bytes", "100"],
+    );
+    for side in [&s, &c] {
+        assert!(side["error"].is_null(), "{side:#}");
+    }
+    assert_eq!(s["sent"]["messages"], 41);
+    assert_eq!(s["sent"]["junk_bytes"], 100);
+    assert_eq!(c["received"]["junk_bytes"], 100);
+    assert_eq!(s["sent"]["by_type"], c["received"]["by_type"]);
+    assert_eq!(s["sent"]["bytes"], c["received"]["bytes"]);
+    // The data bytes are the messages' plus the junk.
+    assert_eq!(n(&s["sent"]["data_bytes"]), 6 + 8 + 40 * (6 + 64) + 100);
+    // ACKs count messages only: 40 draws after the SET_ACK, W 8.
+    assert_eq!(s["acks"]["acks_matched"], 5);
+    // The framing code met the junk where a header was due and went back to hunting.
+    assert_eq!(c["framing"]["s2c"]["hunts"], 1, "{:#}", c["framing"]);
 }

@@ -38,6 +38,8 @@ pub(crate) struct Tx {
     pub(crate) link_bytes: Option<u64>,
     pub(crate) messages: u64,
     pub(crate) by_type: BTreeMap<u16, u64>,
+    /// Bytes of `--garbage-at` junk written into the data stream (not messages).
+    pub(crate) junk_bytes: u64,
 }
 
 impl Tx {
@@ -63,6 +65,7 @@ impl Tx {
             link_bytes: None,
             messages: 0,
             by_type: BTreeMap::new(),
+            junk_bytes: 0,
         }
     }
 
@@ -133,6 +136,14 @@ impl Tx {
     pub(crate) fn link_call(&mut self, segs: &[&[u8]]) -> io::Result<()> {
         self.planned += segs.iter().map(|s| s.len() as u64).sum::<u64>();
         self.call(segs)
+    }
+
+    /// Junk in the data stream (`--garbage-at`): one call, counted in `junk_bytes`, no message.
+    pub(crate) fn junk_call(&mut self, junk: &[u8]) -> io::Result<()> {
+        self.planned += junk.len() as u64;
+        self.call(&[junk])?;
+        self.junk_bytes += junk.len() as u64;
+        Ok(())
     }
 
     /// Marks the end of the link phase for this direction.
@@ -217,6 +228,7 @@ impl Tx {
             "calls": self.calls,
             "eagain": self.eagain,
             "short_writes": self.short_writes,
+            "junk_bytes": self.junk_bytes,
         })
     }
 }
