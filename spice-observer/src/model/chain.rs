@@ -270,6 +270,25 @@ pub struct Chain {
     pub link_info: Option<(crate::sockdiag::TcpInfo, crate::sockdiag::TcpInfo)>,
     /// While the client leg is not paired: what is known about each candidate leg.
     candidates: Vec<Candidate>,
+    /// How the relay's legs line up, per direction ([server→client: read on the backend,
+    /// written on the client leg; client→server: read on the client leg, written on the
+    /// backend]): zero for legs paired on their link message (both traced from their first
+    /// byte), the delta found for legs joined mid-stream ([`Align`]: by content, and for
+    /// server→client by the TCP byte counters); `None` while not known (no client leg, or a
+    /// joined client→server direction whose content repeats).
+    pub align: [Option<Align>; 2],
+}
+
+/// How one direction of a relay's two legs lines up: the message the relay wrote on one leg
+/// with ordinal `i` at stream offset `o` is the one it read on the other with ordinal
+/// `i + index` at offset `o + offset`. Legs traced from their first byte have both 0; legs
+/// joined mid-stream count ordinals from their own lock and offsets from their own first
+/// traced byte, so they differ by constants: found by content ([`alignments`]) and, for
+/// server→client, by the kernel's byte counters ([`Chain::learn_stream_start`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Align {
+    pub index: i64,
+    pub offset: i64,
 }
 
 /// One sample of a chain.
@@ -392,12 +411,56 @@ impl Chain {
             stats: ChainStats::default(),
             link_info: None,
             candidates: Vec::new(),
+            align: [None, None],
         }
     }
 
     /// False once the relay was seen inserting, dropping or rewriting a message.
     pub fn is_transparent(&self) -> bool {
         !matches!(self.transparency, Transparency::Changed { .. })
+    }
+
+    /// What to add to an offset of the client leg's sending side to get the offset of the
+    /// same byte in spice-server's stream: the server→client alignment ([`Align::offset`],
+    /// client leg → backend) plus the backend's `seq_base` less spice-server's (backend →
+    /// spice-server: one TCP connection). 0 for legs traced from their first byte; `None`
+    /// without an alignment, or for joined legs without both bases.
+    pub fn client_shift(&self, model: &Model) -> Option<i64> {
+        let a = self.align[0]?;
+        let base = |c: u64| {
+            let s = model.sockets.get(&c)?;
+            s.dirs[s.s2c()?].seq_base
+        };
+        match (base(self.backend?), base(self.server)) {
+            (Some(b), Some(s)) => Some(a.offset + i64::from(b.wrapping_sub(s) as i32)),
+            // Legs paired on their link message: both traced from the stream's first byte.
+            _ if a == Align::default() => Some(0),
+            _ => None,
+        }
+    }
+
+    /// The relay's legs toward clients still candidates for this chain's client leg (legs
+    /// joined mid-stream: [`Self::learn_stream_start`] wants their positions).
+    pub fn candidate_legs(&self) -> Vec<u64> {
+        self.candidates.iter().map(|k| k.cookie).collect()
+    }
+
+    /// Takes one sample's absolute stream offsets (bytes since the connection's first byte)
+    /// of the first traced byte of the backend's server→client reads (`backend_start`) and of
+    /// candidate leg `cookie`'s server→client writes (`leg_start`). A transparent relay
+    /// forwards the stream from its first byte, so a byte at absolute offset p is at
+    /// `p − backend_start` on the backend and `p − leg_start` on the leg: the alignment's
+    /// offset delta is `leg_start − backend_start`. Taken once two consecutive samples gave
+    /// the same value; a different one starts the count again.
+    pub fn learn_stream_start(&mut self, cookie: u64, backend_start: i64, leg_start: i64) {
+        let Some(k) = self.candidates.iter_mut().find(|k| k.cookie == cookie) else {
+            return;
+        };
+        let d = leg_start - backend_start;
+        k.tcp_offset = match k.tcp_offset {
+            Some((v, n)) if v == d => Some((v, n.saturating_add(1))),
+            _ => Some((d, 1)),
+        };
     }
 
     /// Indexes into [`STAGES`] this chain can place: all of them through a byte-transparent
@@ -434,9 +497,13 @@ pub fn relay_pids(model: &Model) -> HashSet<u32> {
 /// The kept message with ordinal `index` of a direction: from the recent ring, or from the
 /// first [`super::FINGERPRINT`] messages once the ring has dropped it.
 fn kept(d: &DirStats, index: u64) -> Option<MsgSpan> {
-    d.by_index(index)
-        .or_else(|| d.first.iter().find(|m| m.index == index))
-        .copied()
+    if let Some(m) = d.by_index(index) {
+        return Some(*m);
+    }
+    if d.first.last().is_none_or(|m| m.index < index) {
+        return None;
+    }
+    d.first.iter().find(|m| m.index == index).copied()
 }
 
 /// What pairing knows about one candidate client leg of a chain whose client leg is not
@@ -454,6 +521,13 @@ struct Candidate {
     same_session: bool,
     /// Why this leg cannot be the chain's (the first disagreement), once found.
     excluded: Option<String>,
+    /// Legs joined mid-stream (no link message): per direction, the alignments still
+    /// possible ([`alignments`]), each with the messages compared under it; `None` until
+    /// both legs framed a message in that direction.
+    aligns: [Option<Vec<(Align, u64)>>; 2],
+    /// Legs joined mid-stream: the server→client offset delta ([`Align::offset`]) the TCP
+    /// byte counters give ([`Chain::learn_stream_start`]): (value, samples that gave it).
+    tcp_offset: Option<(i64, u32)>,
 }
 
 impl Candidate {
@@ -464,6 +538,8 @@ impl Candidate {
             agreed: [0, 0],
             same_session: false,
             excluded: None,
+            aligns: [None, None],
+            tcp_offset: None,
         }
     }
 
@@ -585,6 +661,227 @@ fn examine(
     Ok(())
 }
 
+/// Messages a run must cover to align two legs joined mid-stream: fewer only if fewer are
+/// kept on the written leg.
+const MIN_RUN: u64 = 8;
+
+/// The kept messages of a direction, oldest first: the first [`super::FINGERPRINT`] ones not
+/// in the ring any more, then the ring.
+fn kept_all(d: &DirStats) -> impl Iterator<Item = &MsgSpan> {
+    let front = d.recent.front().map_or(u64::MAX, |m| m.index);
+    d.first
+        .iter()
+        .filter(move |m| m.index < front)
+        .chain(d.recent.iter())
+}
+
+/// The kept message of a direction starting at stream offset `at`.
+fn kept_at(d: &DirStats, at: i64) -> Option<MsgSpan> {
+    let at = u64::try_from(at).ok()?;
+    let i = d.recent.partition_point(|m| m.at < at);
+    d.recent.get(i).filter(|m| m.at == at).copied()
+}
+
+/// Compares written message `w` with the read message `a` maps it to: `Ok(false)` when that
+/// one is not kept (nothing compared), `Ok(true)` when type, size and offset agree, and the
+/// disagreement otherwise. A mapped ordinal beyond the newest read is a message written
+/// before it was read: impossible for a relay.
+fn compare_at(read: &DirStats, w: &MsgSpan, a: Align) -> Result<bool, String> {
+    let ri = w.index as i64 + a.index;
+    if ri > read.last_index as i64 {
+        return Err(format!(
+            "message {} would have been written before it was read",
+            w.index
+        ));
+    }
+    let Some(r) = u64::try_from(ri).ok().and_then(|i| kept(read, i)) else {
+        return Ok(false);
+    };
+    if (r.end - r.at, r.msg_type) != (w.end - w.at, w.msg_type)
+        || r.at as i64 - w.at as i64 != a.offset
+    {
+        return Err(format!(
+            "message {} written as type {} at offset {} ({} bytes), read {ri} as type {} at offset {} ({} bytes)",
+            w.index,
+            w.msg_type,
+            w.at,
+            w.end - w.at,
+            r.msg_type,
+            r.at,
+            r.end - r.at
+        ));
+    }
+    Ok(true)
+}
+
+/// Newest messages compared under each alignment when the set is started ([`alignments`]):
+/// bounds the start's cost; an alignment not contradicted by them stays possible, so fewer
+/// comparisons can only delay a pairing, never make one.
+const START_COMPARE: u64 = 64;
+
+/// Most messages a relay is taken to hold that it read before its other leg locked:
+/// alignments needing more are not considered. Below the ring's size, so that a distinct
+/// message on either leg is still kept on the other when it is compared ([`advance`]).
+const HOLD_MAX: i64 = super::RECENT as i64 / 2;
+
+/// Every alignment ([`Align`]) of a joined direction's written messages with its read ones
+/// that content and order allow, each with the messages compared under it. Its ordinal delta
+/// lies between two bounds: at most `read.last_index − written.last_index` (a relay cannot
+/// write a message before it has read it: its read records precede its write records in the
+/// ring, as in [`compare_dir`]) and at least the delta mapping the newest written message
+/// [`HOLD_MAX`] messages below the oldest read one still in the ring. Alignments that map
+/// the newest written messages below what the read leg framed (the relay still writing what
+/// it read before that leg locked) cannot be compared yet and stay possible, with nothing
+/// compared, until [`advance`] compares them. An alignment is left out when one of the
+/// newest [`START_COMPARE`] messages kept on both legs under it differs in type, size or
+/// offset delta (the offset delta being that of the newest message compared). `None` while
+/// either leg has framed nothing.
+fn alignments(read: &DirStats, written: &DirStats) -> Option<Vec<(Align, u64)>> {
+    let rf = read.recent.front()?.index as i64;
+    written.recent.back()?;
+    let (rl, wl) = (read.last_index as i64, written.last_index as i64);
+    let (lo, hi) = (rf - wl - HOLD_MAX, rl - wl);
+    let ws: Vec<MsgSpan> = kept_all(written).copied().collect();
+    let mut out = Vec::new();
+    'delta: for index in lo..=hi {
+        let mut a = Align { index, offset: 0 };
+        let mut n = 0;
+        for w in ws.iter().rev() {
+            let ri = w.index as i64 + index;
+            if ri < 1 || n >= START_COMPARE {
+                break;
+            }
+            let Some(r) = kept(read, ri as u64) else {
+                continue;
+            };
+            if n == 0 {
+                a.offset = r.at as i64 - w.at as i64;
+            }
+            match compare_at(read, w, a) {
+                Ok(true) => n += 1,
+                Ok(false) => {}
+                Err(_) => continue 'delta,
+            }
+        }
+        out.push((a, n));
+    }
+    Some(out)
+}
+
+/// Extends the comparison of the alignments `set` to the written messages after ordinal
+/// `*upto`, dropping those a message contradicts. An alignment nothing was compared under
+/// yet takes its offset delta from its first message kept on both legs.
+fn advance(read: &DirStats, written: &DirStats, set: &mut Vec<(Align, u64)>, upto: &mut u64) {
+    let new: Vec<MsgSpan> = kept_all(written)
+        .filter(|m| m.index > *upto)
+        .copied()
+        .collect();
+    set.retain_mut(|(a, n)| {
+        for w in &new {
+            let ri = w.index as i64 + a.index;
+            if ri > read.last_index as i64 {
+                return false;
+            }
+            if *n == 0 {
+                match u64::try_from(ri).ok().and_then(|i| kept(read, i)) {
+                    Some(r) => a.offset = r.at as i64 - w.at as i64,
+                    None => continue,
+                }
+            }
+            match compare_at(read, w, *a) {
+                Ok(true) => *n += 1,
+                Ok(false) => {}
+                Err(_) => return false,
+            }
+        }
+        true
+    });
+    *upto = written.last_index.max(*upto);
+}
+
+/// Compares what is new between a chain's `backend` and a candidate client leg `leg`, both
+/// joined mid-stream (no link message): per direction, starts the set of possible alignments
+/// ([`alignments`]) once both legs framed a message, then extends it ([`advance`]). Returns
+/// why the leg cannot be the chain's (no alignment left in a direction).
+fn examine_joined(
+    backend: &SocketModel,
+    leg: &SocketModel,
+    k: &mut Candidate,
+) -> Result<(), String> {
+    // (direction, relay reads from, relay writes to)
+    let dirs = [
+        (
+            "server→client",
+            backend.s2c().map(|d| &backend.dirs[d]),
+            leg.s2c().map(|d| &leg.dirs[d]),
+        ),
+        (
+            "client→server",
+            leg.c2s().map(|d| &leg.dirs[d]),
+            backend.c2s().map(|d| &backend.dirs[d]),
+        ),
+    ];
+    let mut err = None;
+    for (i, (name, read, written)) in dirs.into_iter().enumerate() {
+        let (Some(read), Some(written)) = (read, written) else {
+            continue;
+        };
+        if i == 0
+            && let Some((offset, 2..)) = k.tcp_offset
+            && k.aligns[0]
+                .as_ref()
+                .is_none_or(|s| s.len() != 1 || s[0].0.offset != offset)
+        {
+            // The TCP byte counters fix the offset delta: the ordinal delta is that of the
+            // read message at the newest written one's offset.
+            let a = written.recent.iter().rev().find_map(|w| {
+                let r = kept_at(read, w.at as i64 + offset)?;
+                Some(Align {
+                    index: r.index as i64 - w.index as i64,
+                    offset,
+                })
+            });
+            if let Some(a) = a {
+                k.aligns[0] = Some(vec![(a, 0)]);
+                k.upto[0] = 0;
+            }
+        }
+        match &mut k.aligns[i] {
+            Some(set) if !set.is_empty() => advance(read, written, set, &mut k.upto[i]),
+            // Nothing fitted: the relay may still have been writing what it read before the
+            // other leg locked. Started again once it wrote more.
+            Some(_) if written.last_index < k.upto[i] + RESTART_AFTER => {}
+            slot => {
+                *slot = alignments(read, written);
+                k.upto[i] = written.last_index;
+            }
+        }
+        if let Some(set) = &k.aligns[i] {
+            k.agreed[i] = set.iter().map(|x| x.1).max().unwrap_or(0);
+            if set.is_empty() {
+                err.get_or_insert(format!(
+                    "{name}: no alignment of its newest written messages (up to {}) with the {} read fits type, size and order",
+                    written.last_index, read.last_index
+                ));
+            }
+        }
+    }
+    err.map_or(Ok(()), Err)
+}
+
+/// Written messages after which a direction whose alignments all failed is started again.
+const RESTART_AFTER: u64 = 64;
+
+/// The alignment of a joined candidate's direction `i`, if exactly one is left and enough
+/// was compared under it ([`MIN_RUN`], or every written message kept if fewer).
+fn unique_align(k: &Candidate, written: Option<&DirStats>, i: usize) -> Option<Align> {
+    let [(a, n)] = k.aligns[i].as_deref()? else {
+        return None;
+    };
+    let need = written.map_or(MIN_RUN, |w| (kept_all(w).count() as u64).min(MIN_RUN));
+    (*n >= need.max(1)).then_some(*a)
+}
+
 /// The link message fields a relay forwards unchanged: channel type, channel id,
 /// connection_id, common caps, link size.
 fn link_key(s: &SocketModel) -> Option<(u8, u8, u32, u32, u32)> {
@@ -603,6 +900,39 @@ fn sock_name(s: &SocketModel) -> String {
         (Some(l), Some(r)) => format!("{l}->{r}"),
         _ => format!("cookie {}", s.cookie),
     }
+}
+
+/// Whether a socket was joined mid-stream: a direction hunts or locked.
+fn joined(s: &SocketModel) -> bool {
+    s.dirs
+        .iter()
+        .any(|d| d.hunting.is_some() || d.locked.is_some())
+}
+
+/// Whether spice-server's socket `server` and a relay socket `b` carry the same
+/// server→client bytes by TCP sequence number (`seq_base` + offset): the newest message `b`
+/// read, mapped into `server`'s stream, must be a message `server` wrote with the same type
+/// and size, and not beyond what it wrote. `None` when that cannot be told (no message on
+/// either side, or the mapped offset older than what `server` keeps).
+fn same_seq_space(server: &SocketModel, b: &SocketModel) -> Option<bool> {
+    let sd = &server.dirs[server.s2c()?];
+    let bd = &b.dirs[b.s2c()?];
+    let m = bd.recent.back()?;
+    let seq = bd.seq_base?.wrapping_add(m.at as u32);
+    let at = crate::pipeline::sampler::stream_pos(sd, seq)?;
+    if at >= sd.recent.back()?.end {
+        // Bytes spice-server never wrote (its records precede the relay's read of them).
+        return Some(false);
+    }
+    if at < sd.recent.front()?.at {
+        return None;
+    }
+    let i = sd.recent.partition_point(|x| x.at < at);
+    Some(
+        sd.recent.get(i).is_some_and(|x| {
+            x.at == at && x.end - x.at == m.end - m.at && x.msg_type == m.msg_type
+        }),
+    )
 }
 
 /// Prefix of the pairing note kept while a chain waits for its client leg.
@@ -644,6 +974,11 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
                     _ => false,
                 };
                 let b_seq = b.s2c().and_then(|d| b.dirs[d].seq_base);
+                if joined(server) || joined(b) {
+                    // Offset 0 is each socket's first traced byte: the bases differ by what
+                    // was in flight at the join; the messages' sequence numbers must agree.
+                    return addr_ok && same_seq_space(server, b) != Some(false);
+                }
                 let seq_ok = matches!((server_seq, b_seq), (Some(x), Some(y)) if x == y);
                 let seq_differ = matches!((server_seq, b_seq), (Some(x), Some(y)) if x != y);
                 (addr_ok && !seq_differ) || seq_ok
@@ -663,6 +998,8 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
                     },
                     if server_seq.is_some() && server_seq == b_seq {
                         ", same sequence numbers"
+                    } else if same_seq_space(server, b) == Some(true) {
+                        ", joined mid-stream: a message at the same sequence number on both"
                     } else {
                         ""
                     },
@@ -706,6 +1043,7 @@ fn pair_client_leg(
     used: &mut HashSet<u64>,
 ) {
     let Some(b_link) = link_key(backend) else {
+        pair_joined_leg(model, legs, backend, chain, used);
         return;
     };
     let cands: Vec<&SocketModel> = legs
@@ -818,7 +1156,140 @@ fn pair_client_leg(
     chain.pairing.push(note);
     if let Some(c) = pick {
         chain.client_leg = Some(c);
+        chain.align = [Some(Align::default()); 2];
         used.insert(c);
+        chain.candidates = Vec::new();
+    }
+}
+
+/// [`pair_client_leg`] for a backend joined mid-stream (no link message). Candidates are the
+/// unpaired server-end legs of the backend's process without a link message either. A
+/// transparent relay writes on the chain's leg what it read on the backend, so under one
+/// alignment of ordinals and offsets ([`Align`]) every message kept on both legs is the same
+/// (type, size, offset): a candidate with no such alignment left in a direction is excluded
+/// ([`examine_joined`]). Pairs when exactly one candidate is left and its server→client
+/// alignment is unique (one delta left, [`MIN_RUN`] messages compared under it), the other
+/// candidates being excluded; the client→server alignment is kept when unique too. Otherwise
+/// it waits (a stream whose types and sizes repeat fits several deltas until a distinct
+/// message, e.g. a PING, tells them apart) and keeps a note of why in `chain.pairing`.
+fn pair_joined_leg(
+    model: &Model,
+    legs: &[&SocketModel],
+    backend: &SocketModel,
+    chain: &mut Chain,
+    used: &mut HashSet<u64>,
+) {
+    let cands: Vec<&SocketModel> = legs
+        .iter()
+        .copied()
+        .filter(|c| {
+            c.pid == backend.pid
+                && c.cookie != backend.cookie
+                && !used.contains(&c.cookie)
+                && link_key(c).is_none()
+        })
+        .collect();
+    chain
+        .candidates
+        .retain(|k| cands.iter().any(|c| c.cookie == k.cookie));
+    for c in &cands {
+        let i = match chain.candidates.iter().position(|k| k.cookie == c.cookie) {
+            Some(i) => i,
+            None => {
+                chain.candidates.push(Candidate::new(c.cookie));
+                chain.candidates.len() - 1
+            }
+        };
+        let k = &mut chain.candidates[i];
+        k.excluded = examine_joined(backend, c, k).err();
+    }
+    let name = |cookie: u64| {
+        model
+            .sockets
+            .get(&cookie)
+            .map(sock_name)
+            .unwrap_or_else(|| format!("cookie {cookie}"))
+    };
+    let live: Vec<&Candidate> = chain
+        .candidates
+        .iter()
+        .filter(|k| k.excluded.is_none())
+        .collect();
+    let written = |k: &Candidate, i: usize| {
+        let c = model.sockets.get(&k.cookie)?;
+        let d = if i == 0 { c.s2c() } else { backend.c2s() };
+        let s = if i == 0 { c } else { backend };
+        d.map(|d| &s.dirs[d])
+    };
+    let describe = |k: &Candidate| {
+        let part = |i: usize, what: &str| match (&k.aligns[i], unique_align(k, written(k, i), i)) {
+            (_, Some(a)) => format!(
+                "{what}: offset {:+}{}, ordinal {:+} ({} messages compared)",
+                a.offset,
+                if i == 0 && k.tcp_offset.is_some_and(|(v, n)| n >= 2 && v == a.offset) {
+                    " (from the TCP byte counters)"
+                } else {
+                    ""
+                },
+                a.index,
+                k.agreed[i]
+            ),
+            (Some(set), None) => format!("{what}: {} alignments fit", set.len()),
+            (None, None) => format!("{what}: nothing framed on both legs yet"),
+        };
+        format!("{}; {}", part(0, "server→client"), part(1, "client→server"))
+    };
+    let excluded: Vec<String> = chain
+        .candidates
+        .iter()
+        .filter_map(|k| Some(format!("{}: {}", name(k.cookie), k.excluded.as_ref()?)))
+        .collect();
+    let pick = match live.as_slice() {
+        [one] => unique_align(one, written(one, 0), 0).map(|a| (*one, a)),
+        _ => None,
+    };
+    let note = match (pick, live.as_slice()) {
+        (Some((k, _)), _) => format!(
+            "client leg: relay socket {} (joined mid-stream, no link message) is the only one of relay pid {}'s {} unpaired leg(s) without a link message whose messages line up with the backend's at a single alignment ({}){}",
+            name(k.cookie),
+            backend.pid,
+            chain.candidates.len(),
+            describe(k),
+            if excluded.is_empty() {
+                String::new()
+            } else {
+                format!("; the others differ ({})", excluded.join("; "))
+            }
+        ),
+        (None, []) if chain.candidates.is_empty() => format!(
+            "{WAITING}no unpaired leg of relay pid {} without a link message (the backend was joined mid-stream)",
+            backend.pid
+        ),
+        (None, []) => format!(
+            "{WAITING}none of the {} legs of relay pid {} without a link message lines up with the backend ({})",
+            chain.candidates.len(),
+            backend.pid,
+            excluded.join("; ")
+        ),
+        (None, live) => format!(
+            "{WAITING}{} leg(s) of relay pid {} without a link message still fit the backend's messages (joined mid-stream: aligned by content): {}",
+            live.len(),
+            backend.pid,
+            live.iter()
+                .map(|k| format!("{} ({})", name(k.cookie), describe(k)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    if chain.pairing.last().is_some_and(|p| p.starts_with(WAITING)) {
+        chain.pairing.pop();
+    }
+    chain.pairing.push(note);
+    if let Some((k, a)) = pick {
+        let c2s = unique_align(k, written(k, 1), 1);
+        chain.client_leg = Some(k.cookie);
+        chain.align = [Some(a), c2s];
+        used.insert(k.cookie);
         chain.candidates = Vec::new();
     }
 }
@@ -849,7 +1320,7 @@ fn check_transparency(model: &Model, chain: &mut Chain) {
         ),
     ];
     for (k, (name, read, written)) in pairs.into_iter().enumerate() {
-        let (Some(read), Some(written)) = (read, written) else {
+        let (Some(read), Some(written), Some(a)) = (read, written, chain.align[k]) else {
             continue;
         };
         while chain.checked[k] < written.last_index {
@@ -858,8 +1329,14 @@ fn check_transparency(model: &Model, chain: &mut Chain) {
                 chain.checked[k] = i;
                 continue;
             };
-            match read.by_index(i) {
-                Some(r) if r.at == w.at && r.end == w.end && r.msg_type == w.msg_type => {}
+            // The read ordinal of written message i; below 1: read before that leg locked.
+            let ri = i as i64 + a.index;
+            let mapped = u64::try_from(ri).ok().filter(|&r| r > 0);
+            match mapped.and_then(|r| read.by_index(r)) {
+                Some(r)
+                    if r.at as i64 == w.at as i64 + a.offset
+                        && r.end - r.at == w.end - w.at
+                        && r.msg_type == w.msg_type => {}
                 Some(r) => {
                     chain.transparency = Transparency::Changed {
                         direction: name,
@@ -876,7 +1353,7 @@ fn check_transparency(model: &Model, chain: &mut Chain) {
                     };
                     return;
                 }
-                None if i > read.last_index => {
+                None if ri > read.last_index as i64 => {
                     chain.transparency = Transparency::Changed {
                         direction: name,
                         index: i,
@@ -1475,6 +1952,392 @@ mod tests {
             agreed,
             (super::super::FINGERPRINT + super::super::RECENT) as u64
         );
+    }
+
+    // --- pairing of legs joined mid-stream: no link message, own ordinals and offsets ---
+
+    use spice_ebpf_common::event::{HuntEvent, LockEvent};
+
+    /// One socket joined mid-stream: each direction traced from stream position `from[d]`
+    /// (bytes before it never seen), counting from the first message at or after it.
+    struct Joined {
+        cookie: u64,
+        pid: u32,
+        /// Per direction: first traced stream position, first counted global message, TCP
+        /// sequence number of stream position 0.
+        from: [u64; 2],
+        first: [Option<usize>; 2],
+        seq0: [u32; 2],
+    }
+
+    /// Both directions' messages of one channel as the peers wrote them: (stream position,
+    /// size, type).
+    #[derive(Default)]
+    struct Stream {
+        msgs: [Vec<(u64, u32, u16)>; 2],
+    }
+
+    impl Stream {
+        fn push(&mut self, k: usize, size: u32, ty: u16) {
+            let at = self.msgs[k].last().map_or(0, |&(a, n, _)| a + 6 + n as u64);
+            self.msgs[k].push((at, size, ty));
+        }
+    }
+
+    const S2C: usize = 0;
+    const C2S: usize = 1;
+
+    impl Joined {
+        /// `server_end`: the socket's process reads client→server bytes (spice-server, the
+        /// relay's client-facing leg).
+        #[allow(clippy::too_many_arguments)]
+        fn new(
+            m: &mut Model,
+            cookie: u64,
+            pid: u32,
+            local: u16,
+            remote: u16,
+            server_end: bool,
+            from: [u64; 2],
+            seq0: [u32; 2],
+        ) -> Joined {
+            m.add_existing(cookie, pid, addr(local), addr(remote), 0);
+            let j = Joined {
+                cookie,
+                pid,
+                from,
+                first: [None, None],
+                seq0,
+            };
+            for k in [S2C, C2S] {
+                m.apply(&Event::Hunt(HuntEvent {
+                    hdr: hdr(cookie, pid, j.dir(k, server_end)),
+                    role: if k == S2C {
+                        Role::ServerToClient
+                    } else {
+                        Role::ClientToServer
+                    } as u8,
+                    reason: 15,
+                    ..Default::default()
+                }));
+            }
+            j
+        }
+
+        fn dir(&self, k: usize, server_end: bool) -> u8 {
+            if (k == S2C) == server_end {
+                dir::SEND
+            } else {
+                dir::RECV
+            }
+        }
+
+        /// The record of global message `g` of direction `k`, as this socket's process moves
+        /// it (locking on the first one it sees).
+        fn see(&mut self, m: &mut Model, st: &Stream, k: usize, g: usize, server_end: bool) {
+            let (at, size, ty) = st.msgs[k][g];
+            if at < self.from[k] {
+                return;
+            }
+            let d = self.dir(k, server_end);
+            let first = *self.first[k].get_or_insert_with(|| {
+                m.apply(&Event::Lock(LockEvent {
+                    hdr: hdr(self.cookie, self.pid, d),
+                    at: at - self.from[k],
+                    index: 1,
+                    hdr_len: 6,
+                    role: if k == S2C {
+                        Role::ServerToClient
+                    } else {
+                        Role::ClientToServer
+                    } as u8,
+                    ..Default::default()
+                }));
+                g
+            });
+            m.apply(&Event::Message(MessageEvent {
+                hdr: hdr(self.cookie, self.pid, d),
+                at: at - self.from[k],
+                index: (g - first + 1) as u64,
+                size,
+                msg_type: ty,
+                hdr_len: 6,
+                seq: self.seq0[k].wrapping_add(at as u32),
+                ..Default::default()
+            }));
+        }
+    }
+
+    /// spice-server's socket `s`, the relay's backend `b` (one TCP connection) and client
+    /// leg `c`, each joined at its own stream position.
+    struct JoinedChain {
+        s: Joined,
+        b: Joined,
+        c: Joined,
+        st: Stream,
+    }
+
+    impl JoinedChain {
+        /// Relay pid RELAY, ports as [`Leg::new`]; `from` = [s, b, c] first traced positions
+        /// (server→client; client→server from 0).
+        fn new(m: &mut Model, n: u16, from: [u64; 3]) -> JoinedChain {
+            let base = 5000 + u64::from(n) * 10;
+            let (sp, bp, cp) = (5960 + n, 40000 + n, 50000 + n);
+            let s = Joined::new(m, base + 1, XORG, sp, bp, true, [from[0], 0], [7000, 9000]);
+            let b = Joined::new(
+                m,
+                base + 2,
+                RELAY,
+                bp,
+                sp,
+                false,
+                [from[1], 0],
+                [7000, 9000],
+            );
+            let c = Joined::new(m, base + 3, RELAY, 6960, cp, true, [from[2], 0], [123, 456]);
+            JoinedChain {
+                s,
+                b,
+                c,
+                st: Stream::default(),
+            }
+        }
+
+        /// A server message all the way to the client.
+        fn s2c(&mut self, m: &mut Model, size: u32, ty: u16) {
+            self.st.push(S2C, size, ty);
+            let g = self.st.msgs[S2C].len() - 1;
+            self.s.see(m, &self.st, S2C, g, true);
+            self.b.see(m, &self.st, S2C, g, false);
+            self.c.see(m, &self.st, S2C, g, true);
+        }
+
+        /// A client message all the way to spice-server.
+        fn c2s(&mut self, m: &mut Model, size: u32, ty: u16) {
+            self.st.push(C2S, size, ty);
+            let g = self.st.msgs[C2S].len() - 1;
+            self.c.see(m, &self.st, C2S, g, true);
+            self.b.see(m, &self.st, C2S, g, false);
+            self.s.see(m, &self.st, C2S, g, true);
+        }
+    }
+
+    /// A fixed pseudo-random number of `i` (not periodic within a test's messages).
+    fn noise(i: u32) -> u32 {
+        i.wrapping_mul(2_654_435_761).rotate_left(13) >> 8
+    }
+
+    #[test]
+    fn joined_legs_pair_once_a_distinct_message_fixes_the_alignment() {
+        let mut m = Model::default();
+        // The relay had read 94 bytes (two 41-byte fills) more than it had written when the
+        // observer joined; spice-server's socket was joined 47 bytes later.
+        let mut j = JoinedChain::new(&mut m, 1, [1000 + 47 + 94, 1000 + 94, 1000]);
+        let mut chains = Vec::new();
+        // More fills than HOLD_MAX, the client ACKing every 40.
+        for i in 0..2200 {
+            j.s2c(&mut m, 41, 302);
+            if i % 40 == 39 {
+                j.c2s(&mut m, 0, 2);
+            }
+            pair(&m, &mut chains);
+        }
+        let ch = chain_of(&chains, j.s.cookie);
+        assert_eq!(ch.backend, Some(j.b.cookie), "{:?}", ch.pairing);
+        // Every fill is the same: every small enough delta fits.
+        assert_eq!(ch.client_leg, None, "{:?}", ch.pairing);
+        let note = ch.pairing.last().unwrap();
+        assert!(
+            note.starts_with(WAITING) && note.contains("alignments fit"),
+            "{note}"
+        );
+        // A PING on the display channel tells them apart.
+        j.s2c(&mut m, 12, 4);
+        for _ in 0..10 {
+            j.s2c(&mut m, 41, 302);
+        }
+        pair(&m, &mut chains);
+        let ch = chain_of(&chains, j.s.cookie);
+        assert_eq!(ch.client_leg, Some(j.c.cookie), "{:?}", ch.pairing);
+        // Written at client-leg offset o, read at backend offset o + (1000 − 1094); ordinals
+        // from the client leg's lock (message 0 of the stream's tail: the first at or after
+        // 1000) and the backend's (two later).
+        let a = ch.align[0].unwrap();
+        assert_eq!(
+            a,
+            Align {
+                index: -2,
+                offset: 1000 - 1094
+            }
+        );
+        // The client's ACKs are all alike: that direction's alignment is left unknown (not
+        // compared) rather than guessed.
+        assert_eq!(ch.align[1], None);
+        let note = ch.pairing.last().unwrap();
+        assert!(
+            note.contains("server→client: offset -94, ordinal -2")
+                && note.contains("client→server: ")
+                && note.contains("alignments fit"),
+            "{note}"
+        );
+        // From there on the legs are compared under that alignment: transparent.
+        pair(&m, &mut chains);
+        let ch = chain_of(&chains, j.s.cookie);
+        assert!(
+            matches!(ch.transparency, Transparency::Transparent { compared } if compared > 2000),
+            "{:?}",
+            ch.transparency
+        );
+        // The client leg's offset o is spice-server's o + 1094 − 1141 after the backend's
+        // sequence numbers are taken into spice-server's stream.
+        assert_eq!(ch.client_shift(&m), Some(1000 - 1141));
+        let s_off = |g: usize| j.st.msgs[S2C][g].0 - 1141;
+        let c_off = |g: usize| j.st.msgs[S2C][g].0 - 1000;
+        assert_eq!(
+            c_off(250) as i64 + ch.client_shift(&m).unwrap(),
+            s_off(250) as i64
+        );
+    }
+
+    #[test]
+    fn the_tcp_byte_counters_align_a_stream_of_identical_messages() {
+        let mut m = Model::default();
+        let mut j = JoinedChain::new(&mut m, 7, [1000 + 47 + 94, 1000 + 94, 1000]);
+        let mut chains = Vec::new();
+        for _ in 0..300 {
+            j.s2c(&mut m, 41, 302);
+            pair(&m, &mut chains);
+        }
+        let (s, c) = (j.s.cookie, j.c.cookie);
+        let ch = chains.iter_mut().find(|x| x.server == s).unwrap();
+        assert_eq!(ch.candidate_legs(), vec![c]);
+        // One sample is not enough; two that agree are.
+        ch.learn_stream_start(c, 1094, 1000);
+        pair(&m, &mut chains);
+        assert_eq!(chain_of(&chains, s).client_leg, None);
+        let ch = chains.iter_mut().find(|x| x.server == s).unwrap();
+        ch.learn_stream_start(c, 1094, 1000);
+        pair(&m, &mut chains);
+        let ch = chain_of(&chains, s);
+        assert_eq!(ch.client_leg, Some(c), "{:?}", ch.pairing);
+        assert_eq!(
+            ch.align[0],
+            Some(Align {
+                index: -2,
+                offset: -94
+            })
+        );
+        assert!(
+            ch.pairing
+                .last()
+                .unwrap()
+                .contains("offset -94 (from the TCP byte counters), ordinal -2"),
+            "{:?}",
+            ch.pairing
+        );
+        // Counters that put the leg's messages off the backend's boundaries: not paired.
+        let mut m = Model::default();
+        let mut j = JoinedChain::new(&mut m, 8, [1000 + 47 + 94, 1000 + 94, 1000]);
+        let mut chains = Vec::new();
+        for _ in 0..300 {
+            j.s2c(&mut m, 41, 302);
+            pair(&m, &mut chains);
+        }
+        let (s, c) = (j.s.cookie, j.c.cookie);
+        for _ in 0..2 {
+            let ch = chains.iter_mut().find(|x| x.server == s).unwrap();
+            ch.learn_stream_start(c, 1094, 1010);
+            pair(&m, &mut chains);
+        }
+        assert_eq!(chain_of(&chains, s).client_leg, None);
+    }
+
+    #[test]
+    fn a_relay_changing_a_joined_stream_is_caught_under_the_alignment() {
+        let mut m = Model::default();
+        let mut j = JoinedChain::new(&mut m, 2, [100, 100, 100]);
+        let mut chains = Vec::new();
+        for i in 0..2200u32 {
+            j.s2c(&mut m, 10 + noise(i) % 37, 302);
+            j.c2s(&mut m, 4 + noise(i + 7) % 11, 3);
+            pair(&m, &mut chains);
+        }
+        let ch = chain_of(&chains, j.s.cookie);
+        assert_eq!(ch.client_leg, Some(j.c.cookie), "{:?}", ch.pairing);
+        assert_eq!(ch.align, [Some(Align::default()); 2]);
+        // The relay writes a message with another size than it read.
+        j.st.push(S2C, 77, 302);
+        let g = j.st.msgs[S2C].len() - 1;
+        j.s.see(&mut m, &j.st, S2C, g, true);
+        j.b.see(&mut m, &j.st, S2C, g, false);
+        j.st.msgs[S2C][g].1 = 78;
+        j.c.see(&mut m, &j.st, S2C, g, true);
+        pair(&m, &mut chains);
+        let ch = chain_of(&chains, j.s.cookie);
+        assert!(
+            matches!(
+                &ch.transparency,
+                Transparency::Changed {
+                    direction: "server_to_client",
+                    ..
+                }
+            ),
+            "{:?}",
+            ch.transparency
+        );
+    }
+
+    #[test]
+    fn joined_legs_of_one_relay_process_pair_each_with_its_own_backend() {
+        // One relay process (haproxy-like) carrying two channels: its two client legs are
+        // both candidates of both chains.
+        let mut m = Model::default();
+        let mut a = JoinedChain::new(&mut m, 3, [0, 0, 0]);
+        let mut b = JoinedChain::new(&mut m, 4, [0, 0, 0]);
+        let mut chains = Vec::new();
+        for i in 0..2200u32 {
+            a.s2c(&mut m, 20 + noise(i) % 7, 302);
+            b.s2c(&mut m, 20 + noise(i + 99) % 7, 302);
+            pair(&m, &mut chains);
+        }
+        let (ca, cb) = (chain_of(&chains, a.s.cookie), chain_of(&chains, b.s.cookie));
+        assert_eq!(ca.client_leg, Some(a.c.cookie), "{:?}", ca.pairing);
+        assert_eq!(cb.client_leg, Some(b.c.cookie), "{:?}", cb.pairing);
+        assert!(
+            ca.pairing.last().unwrap().contains("2 unpaired leg(s)"),
+            "{:?}",
+            ca.pairing
+        );
+    }
+
+    #[test]
+    fn joined_backend_pairs_despite_different_sequence_bases() {
+        // spice-server's socket traced from 300, the relay's backend from 200: the sequence
+        // numbers of stream offset 0 differ by 100, the messages' own agree.
+        let mut m = Model::default();
+        let mut j = JoinedChain::new(&mut m, 5, [300, 200, 200]);
+        let mut chains = Vec::new();
+        for i in 0..20u32 {
+            j.s2c(&mut m, 10 + i, 302);
+        }
+        pair(&m, &mut chains);
+        let ch = chain_of(&chains, j.s.cookie);
+        assert_eq!(ch.backend, Some(j.b.cookie), "{:?}", ch.pairing);
+        assert!(
+            ch.pairing[0].contains("a message at the same sequence number on both"),
+            "{:?}",
+            ch.pairing
+        );
+        // A relay socket with mirrored addresses whose sequence numbers do not match is not it.
+        let mut m = Model::default();
+        let mut j = JoinedChain::new(&mut m, 6, [300, 200, 200]);
+        j.b.seq0[S2C] = 7000 + 50_000;
+        for i in 0..20u32 {
+            j.s2c(&mut m, 10 + i, 302);
+        }
+        let mut chains = Vec::new();
+        pair(&m, &mut chains);
+        assert_eq!(chain_of(&chains, j.s.cookie).backend, None);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use crate::{
     loader::Capture,
     model::{
         DirStats, Model, MsgSpan, SocketModel,
-        chain::{self, Boundaries, Chain, ChainSample, RECV, RecvPos, SEND, SendPos},
+        chain::{self, Boundaries, Chain, ChainSample, RecvPos, SEND, SendPos},
     },
     pipeline::monotonic_ns,
     sockdiag::{self, DiagSocket},
@@ -74,12 +74,60 @@ fn send_pos(s: &SocketModel, l: &LegSeqs) -> Option<SendPos> {
     })
 }
 
-fn recv_pos(s: &SocketModel, l: &LegSeqs) -> Option<RecvPos> {
-    let d = &s.dirs[RECV];
+/// The relay's receiving positions on its leg toward spice-server, as offsets of
+/// spice-server's stream: the same TCP connection, so its sequence numbers convert with
+/// spice-server's sending direction `sd` (for legs traced from their first byte both have the
+/// same `seq_base`; for legs joined mid-stream they differ by what was in flight at the join).
+fn recv_pos(sd: &DirStats, l: &LegSeqs) -> Option<RecvPos> {
     Some(RecvPos {
-        rcv_nxt: stream_pos(d, l.rcv_nxt)?,
-        copied: stream_pos(d, l.copied_seq)?,
+        rcv_nxt: stream_pos(sd, l.rcv_nxt)?,
+        copied: stream_pos(sd, l.copied_seq)?,
     })
+}
+
+/// Offsets of the client leg's sending side shifted by `shift` bytes into spice-server's
+/// stream ([`Chain::client_shift`]).
+fn shifted(p: SendPos, shift: i64) -> SendPos {
+    let f = |x: u64| (x as i64 + shift).max(0) as u64;
+    SendPos {
+        written: f(p.written),
+        snd_nxt: f(p.snd_nxt),
+        snd_una: f(p.snd_una),
+    }
+}
+
+/// Absolute stream offset (bytes since the connection's first data byte) of the first traced
+/// byte of socket `n`'s server→client direction: the kernel's count of bytes received in
+/// order (`tcpi_bytes_received`, advanced with `rcv_nxt`) less `rcv_nxt`'s traced offset, on
+/// the receiving side; bytes acknowledged (`tcpi_bytes_acked`, advanced with `snd_una`) less
+/// `snd_una`'s traced offset, on the sending side (`net/ipv4/tcp_input.c`
+/// `tcp_rcv_nxt_update`, `tcp_snd_una_update`; neither counts the SYN of a connection the
+/// socket accepted). The relay's leg toward a client is accepted; its leg toward
+/// spice-server receives.
+fn stream_start(n: &Now<'_>) -> Option<i64> {
+    let (info, leg) = (n.diag.info.as_ref()?, n.leg.as_ref()?);
+    let d = n.model.s2c()?;
+    let ds = &n.model.dirs[d];
+    ds.recent.back()?;
+    Some(if d == SEND {
+        info.bytes_acked as i64 - stream_pos(ds, leg.snd_una)? as i64
+    } else {
+        info.bytes_received as i64 - stream_pos(ds, leg.rcv_nxt)? as i64
+    })
+}
+
+/// For a chain whose client leg is not paired: gives it the stream starts
+/// ([`stream_start`]) of its backend and of each candidate leg
+/// ([`Chain::learn_stream_start`]).
+fn learn_stream_starts<'a>(chain: &mut Chain, now: &impl Fn(Option<u64>) -> Option<Now<'a>>) {
+    let Some(b) = now(chain.backend).and_then(|n| stream_start(&n)) else {
+        return;
+    };
+    for c in chain.candidate_legs() {
+        if let Some(start) = now(Some(c)).and_then(|n| stream_start(&n)) {
+            chain.learn_stream_start(c, b, start);
+        }
+    }
 }
 
 /// What one sample took of one chain, beyond the [`ChainSample`] kept for the report: the raw
@@ -288,6 +336,9 @@ pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
     };
     let mut taken = Vec::new();
     for chain in chains.iter_mut() {
+        if chain.client_leg.is_none() {
+            learn_stream_starts(chain, &now);
+        }
         let Some(server) = model.sockets.get(&chain.server) else {
             continue;
         };
@@ -303,8 +354,14 @@ pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
             n.as_ref().and_then(|n| f(n.model, n.leg.as_ref()?))
         };
         let server_pos = pos(&s, send_pos);
-        let client_pos = pos(&c, send_pos);
-        let backend_pos = b.as_ref().and_then(|n| recv_pos(n.model, n.leg.as_ref()?));
+        // Every position as an offset of spice-server's stream.
+        let client_pos = pos(&c, send_pos)
+            .zip(chain.client_shift(model))
+            .map(|(p, shift)| shifted(p, shift));
+        let backend_pos = server.s2c().and_then(|d| {
+            let n = b.as_ref()?;
+            recv_pos(&server.dirs[d], n.leg.as_ref()?)
+        });
         let bounds = match (server_pos, chain.backend.is_some(), backend_pos, client_pos) {
             (Some(server), false, _, _) => Some(Boundaries::Direct { server }),
             (Some(server), true, Some(backend), Some(client)) if chain.is_transparent() => {
