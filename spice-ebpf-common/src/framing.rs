@@ -755,9 +755,10 @@ impl DirState {
     /// A call of this direction starts at stream offset `at` (its first byte) while hunting:
     /// offers it as a candidate header start. `anchor` says what the call start is
     /// ([`lock_how`]); `hdr` is the header length a receive asked for exactly (6 or 18), else
-    /// 0. A chain that expects a header exactly here continues; an anchored call start
-    /// replaces any other chain or candidate; a plain call start (content) is taken only when
-    /// nothing is pending. No effect outside [`Phase::Hunt`].
+    /// 0. A chain that expects a header exactly here continues; a header-read anchor replaces
+    /// any other chain or candidate, a send anchor only one that validated nothing yet; a plain
+    /// call start (content) is taken only when nothing is pending. No effect outside
+    /// [`Phase::Hunt`].
     #[inline(always)]
     pub fn hunt_call_start(&mut self, at: u64, anchor: u8, hdr: u8) {
         if self.phase != Phase::Hunt as u8 {
@@ -767,7 +768,13 @@ impl DirState {
             return;
         }
         let pending = self.want_at != NOWHERE;
-        if pending && anchor == lock_how::CONTENT {
+        // A send anchor does not cut a chain that already validated a header (or is reading
+        // one): a peer that writes one message in several complete calls (more than 1024
+        // iovecs, a scripted peer's chunks) would never get past its first header otherwise.
+        if pending
+            && (anchor == lock_how::CONTENT
+                || (anchor == lock_how::SEND_AFTER_COMPLETE && (self.run > 0 || self.have > 0)))
+        {
             return;
         }
         self.run = 0;

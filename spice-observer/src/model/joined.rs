@@ -702,7 +702,13 @@ impl JoinedWindow {
         }
         let n = self.starts.len().min(RATE_GAPS + 1);
         let mut gaps = [0u64; RATE_GAPS];
-        let newest = self.starts.iter().rev().take(n).map(|s| s.0).collect::<Vec<_>>();
+        let newest = self
+            .starts
+            .iter()
+            .rev()
+            .take(n)
+            .map(|s| s.0)
+            .collect::<Vec<_>>();
         for (g, w) in gaps.iter_mut().zip(newest.windows(2)) {
             *g = w[0] - w[1];
         }

@@ -221,6 +221,11 @@ pub struct SocketModel {
     pub tcp: Option<TcpSnapshot>,
     /// Largest notsent (write_seq − snd_nxt) seen in samples, bytes.
     pub notsent_max: u32,
+    /// Found open by the agent's sock_diag dump when it started watching the process (a
+    /// connection older than the observation), so in the agent's network namespace: such a
+    /// socket that goes idle has no kernel entry and no close record, and is marked closed
+    /// when a later dump no longer lists it ([`Model::gone`]).
+    pub found_by_dump: bool,
     /// spice-server's window as an interval, for a connection joined mid-stream
     /// ([`joined::is_joined`]); `None` for others.
     pub joined: Option<Box<joined::JoinedWindow>>,
@@ -243,6 +248,7 @@ impl SocketModel {
             session_id: None,
             tcp: None,
             notsent_max: 0,
+            found_by_dump: false,
             joined: None,
         }
     }
@@ -951,6 +957,7 @@ impl Model {
         let s = self.socket(&hdr);
         s.local = Some(local);
         s.remote = Some(remote);
+        s.found_by_dump = true;
         for d in s.dirs.iter_mut() {
             if reason == UnparsedReason::AttachedMidStream || reason == UnparsedReason::Restarted {
                 // The kernel hunts for its boundaries (`PREEXISTING`); its HUNT record, if
@@ -969,6 +976,18 @@ impl Model {
                     detail: 0,
                     at: 0,
                 });
+            }
+        }
+    }
+
+    /// Marks the open sockets [`SocketModel::found_by_dump`] that `listed` (a sock_diag dump of
+    /// the agent's network namespace made at `now_ns`) no longer holds as closed then: a
+    /// connection found open at start that closed without a traced call has no close record.
+    pub fn gone(&mut self, listed: &dyn Fn(u64) -> bool, now_ns: u64) {
+        for s in self.sockets.values_mut() {
+            if s.found_by_dump && s.closed_ns.is_none() && !listed(s.cookie) {
+                s.closed_ns = Some(now_ns);
+                s.window.finish(now_ns);
             }
         }
     }

@@ -366,6 +366,7 @@ fn prepare_sockets(
                 .filter(|s| s.state == TCP_LISTEN)
                 .map(|s| s.local.port())
                 .collect();
+            let ephemeral = ephemeral_ports();
             for s in socks.iter() {
                 let Some(&pid) = owner.get(&s.inode) else {
                     continue;
@@ -381,11 +382,7 @@ fn prepare_sockets(
                             continue;
                         }
                     } else {
-                        let how = if listening.contains(&s.local.port()) {
-                            preexisting::ACCEPTED
-                        } else {
-                            preexisting::CONNECTED
-                        };
+                        let how = made_how(&listening, ephemeral, s.local.port(), s.remote.port());
                         cap.mark_preexisting(s.cookie, how)?;
                     }
                     existing.push(Existing {
@@ -402,6 +399,46 @@ fn prepare_sockets(
         ),
     }
     Ok((ports, existing))
+}
+
+/// The kernel's range of ports for connections that do not bind one
+/// (`/proc/sys/net/ipv4/ip_local_port_range`, default 32768–60999); `None` if unreadable.
+fn ephemeral_ports() -> Option<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut it = text.split_whitespace().map(|x| x.parse::<u16>());
+    match (it.next(), it.next()) {
+        (Some(Ok(lo)), Some(Ok(hi))) => Some((lo, hi)),
+        _ => None,
+    }
+}
+
+/// How a connection open before observation started was made
+/// ([`spice_ebpf_common::config::preexisting`]), which gives each direction's SPICE role:
+/// accepted if a socket listens on its local port; connected if one listens on its remote port
+/// (a connection to a local server); else by the ports alone: the side whose port is
+/// ephemeral (`ephemeral`, the kernel's range for unbound connects) connected, if only one is;
+/// unknown otherwise (a single-connection server that closed its listener on an ephemeral
+/// port: hunting then tries both directions' message types).
+fn made_how(
+    listening: &HashSet<u16>,
+    ephemeral: Option<(u16, u16)>,
+    local: u16,
+    remote: u16,
+) -> u8 {
+    if listening.contains(&local) {
+        return preexisting::ACCEPTED;
+    }
+    if listening.contains(&remote) {
+        return preexisting::CONNECTED;
+    }
+    let Some((lo, hi)) = ephemeral else {
+        return preexisting::UNKNOWN;
+    };
+    match ((lo..=hi).contains(&local), (lo..=hi).contains(&remote)) {
+        (true, false) => preexisting::CONNECTED,
+        (false, true) => preexisting::ACCEPTED,
+        _ => preexisting::UNKNOWN,
+    }
 }
 
 /// Local and remote address of every TCP socket by cookie (sock_diag), for restored sockets;
@@ -1246,5 +1283,45 @@ impl Drop for Engine {
         if let Err(e) = self.untap() {
             warn!("clearing the TAP flags at exit failed: {e:#}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn how_a_joined_connection_was_made() {
+        let listening: HashSet<u16> = [5900, 6900].into_iter().collect();
+        let eph = Some((32768, 60999));
+        // spice-server's (or a relay's client-facing) socket: accepted on a listening port.
+        assert_eq!(
+            made_how(&listening, eph, 5900, 41000),
+            preexisting::ACCEPTED
+        );
+        // A relay's leg toward a local spice-server: connected to a listening port.
+        assert_eq!(
+            made_how(&listening, eph, 41002, 5900),
+            preexisting::CONNECTED
+        );
+        // Toward a remote server (its port not listening here): the ephemeral side connected.
+        assert_eq!(
+            made_how(&listening, eph, 41004, 5930),
+            preexisting::CONNECTED
+        );
+        // A server that closed its listener on a fixed port.
+        assert_eq!(
+            made_how(&listening, eph, 5931, 41006),
+            preexisting::ACCEPTED
+        );
+        // Both ephemeral (a scripted server on port 0 that closed its listener): unknown.
+        assert_eq!(
+            made_how(&listening, eph, 40000, 41008),
+            preexisting::UNKNOWN
+        );
+        assert_eq!(
+            made_how(&listening, None, 40000, 5931),
+            preexisting::UNKNOWN
+        );
     }
 }

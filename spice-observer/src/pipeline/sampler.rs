@@ -219,6 +219,7 @@ pub fn read(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> Op
             return None;
         }
     };
+    model.gone(&|c| dump.contains_key(&c), t_ns);
     // Kernel-hook snapshots right after the dump (write_seq / copied_seq anchor the queues),
     // the chains' sockets first.
     let mut cookies = chained.clone();

@@ -751,6 +751,15 @@ pub struct Sample {
     pub channel_type: String,
     pub channel_id: u8,
     pub in_flight: u64,
+    /// The count's interval (equal to `in_flight` on a connection seen from its SET_ACK; README
+    /// "The window of a joined connection").
+    pub in_flight_low: u64,
+    pub in_flight_high: u64,
+    pub in_flight_exact: bool,
+    pub window_source: Option<String>,
+    /// Position the count refers to: server → client messages and ACKs counted.
+    pub server_messages: u64,
+    pub acks: u64,
     pub window: u32,
     pub stages: BTreeMap<String, u32>,
     pub unplaced: u32,
@@ -761,13 +770,19 @@ pub struct Sample {
     pub clamped: u32,
 }
 
-const SAMPLE_KEYS: [&str; 14] = [
+const SAMPLE_KEYS: [&str; 20] = [
     "t_s",
     "t_end_s",
     "socket",
     "channel_type",
     "channel_id",
     "in_flight",
+    "in_flight_low",
+    "in_flight_high",
+    "in_flight_exact",
+    "window_source",
+    "server_messages",
+    "acks",
     "window",
     "stages",
     "unplaced",
