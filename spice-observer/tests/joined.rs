@@ -766,7 +766,30 @@ fn check_chain(joined: &Run, reference: &Run, xorg: u32) -> Result<()> {
         chain.client_leg,
         r_chain.client_leg
     );
+    ensure!(
+        chain.transparency == "transparent",
+        "transparency {:?} ({:?})",
+        chain.transparency,
+        chain.transparency_detail
+    );
+    ensure!(
+        chain.placeable_stages == r_chain.placeable_stages && chain.placeable_stages.len() == 8,
+        "placeable stages {:?}, the reference's {:?}",
+        chain.placeable_stages,
+        r_chain.placeable_stages
+    );
     ensure!(chain.samples_placed > 0, "no sample placed");
+    // Stages placed after the lock: sample lines of the display socket with every stage.
+    let full = joined
+        .samples
+        .iter()
+        .filter(|l| l.socket == d.socket && l.stages.len() == 8)
+        .count();
+    ensure!(
+        full > 0,
+        "no sample line of {} with all 8 stages placed",
+        d.socket
+    );
     Ok(())
 }
 
