@@ -106,6 +106,11 @@ pub const STALL_GAP_NS: u64 = 50_000_000;
 /// the start followed the stall-ending ACK within tens of microseconds.
 pub const RESUME_NS: u64 = 1_000_000;
 
+/// … plus this much per byte of the message it starts (100 ns, 10 MB/s): spice-server
+/// marshals a display item when it sends it, compressing its image then, so a big draw starts
+/// later after the ACK (a 200 KB noise draw: 8.5 ms in a real Xspice session).
+pub const RESUME_NS_PER_BYTE: u64 = 100;
+
 /// … and to have been busy before the gap: at least this many starts within [`BUSY_NS`]
 /// ending at the last start before the gap.
 pub const BUSY_STARTS: usize = 8;
@@ -625,7 +630,7 @@ impl JoinedWindow {
         let mut why = ExactReason::Constraints;
         self.ack_since_start = false;
         if let Some((ack_ns, side)) = self.pending_pin.take()
-            && ts_ns.saturating_sub(ack_ns) <= RESUME_NS
+            && ts_ns.saturating_sub(ack_ns) <= self.resume_limit_ns(bytes)
             && self.pin(side)
         {
             why = ExactReason::Stall;
@@ -686,6 +691,12 @@ impl JoinedWindow {
             self.pins_rejected += 1;
         }
         applied
+    }
+
+    /// The longest time from an ACK to the start of a `bytes`-long message that still says
+    /// the server was waiting for that ACK: [`RESUME_NS`] plus [`RESUME_NS_PER_BYTE`] per byte.
+    fn resume_limit_ns(&self, bytes: u32) -> u64 {
+        RESUME_NS + RESUME_NS_PER_BYTE * u64::from(bytes)
     }
 
     /// Whether the server was busy before its last start, and idle since for a stall.
