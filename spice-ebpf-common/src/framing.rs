@@ -745,6 +745,8 @@ impl DirState {
         self.joined = 1;
         self.run = 0;
         self.lock_pending = 0;
+        // The send anchor needs a call seen while hunting.
+        self.call_complete = 0;
         self.hunt_from = at;
         self.want_at = NOWHERE;
         self.want_len = 0;
@@ -756,7 +758,8 @@ impl DirState {
     /// offers it as a candidate header start. `anchor` says what the call start is
     /// ([`lock_how`]); `hdr` is the header length a receive asked for exactly (6 or 18), else
     /// 0. A chain that expects a header exactly here continues; a header-read anchor replaces
-    /// any other chain or candidate, a send anchor only one that validated nothing yet; a plain
+    /// any other chain or candidate unless it falls inside the body the chain skips, a send
+    /// anchor only one that validated nothing yet; a plain
     /// call start (content) is taken only when nothing is pending. No effect outside
     /// [`Phase::Hunt`].
     #[inline(always)]
@@ -771,9 +774,12 @@ impl DirState {
         // A send anchor does not cut a chain that already validated a header (or is reading
         // one): a peer that writes one message in several complete calls (more than 1024
         // iovecs, a scripted peer's chunks) would never get past its first header otherwise.
+        // Nor does a header-sized read inside the body the chain is skipping (a 6- or
+        // 18-byte body read looks like a header read).
         if pending
             && (anchor == lock_how::CONTENT
-                || (anchor == lock_how::SEND_AFTER_COMPLETE && (self.run > 0 || self.have > 0)))
+                || (anchor == lock_how::SEND_AFTER_COMPLETE && (self.run > 0 || self.have > 0))
+                || (anchor == lock_how::RECV_HEADER_READ && self.run > 0 && at < self.want_at))
         {
             return;
         }

@@ -708,7 +708,7 @@ impl JoinedWindow {
             return false;
         }
         let first = self.starts[self.starts.len() - BUSY_STARTS].0;
-        if last - first <= BUSY_NS {
+        if last.saturating_sub(first) <= BUSY_NS {
             return true;
         }
         let n = self.starts.len().min(RATE_GAPS + 1);
@@ -721,12 +721,12 @@ impl JoinedWindow {
             .map(|s| s.0)
             .collect::<Vec<_>>();
         for (g, w) in gaps.iter_mut().zip(newest.windows(2)) {
-            *g = w[0] - w[1];
+            *g = w[0].saturating_sub(w[1]);
         }
         let gaps = &mut gaps[..n - 1];
         gaps.sort_unstable();
         let median = gaps[gaps.len() / 2];
-        ts_ns - last >= STALL_RATIO.saturating_mul(median)
+        ts_ns.saturating_sub(last) >= STALL_RATIO.saturating_mul(median)
     }
 
     /// A client → server message was read (its record): ACKs count, ACK_SYNCs set the client
@@ -778,10 +778,12 @@ impl JoinedWindow {
     }
 }
 
-/// Whether socket `s` is a joined connection the interval model is for: no link message
-/// seen (it was open before observation) and a direction that locked on its boundaries.
+/// Whether socket `s` is a connection the interval model is for: a direction that locked on
+/// its boundaries after hunting. Either it was open before observation (no link message), or
+/// it was framed from its link phase and resynced: the kernel's count missed the messages of
+/// the hunt, so it is no longer exact (W is still the SET_ACK's).
 pub fn is_joined(s: &SocketModel) -> bool {
-    s.channel().is_none() && s.dirs.iter().any(|d| d.locked.is_some())
+    s.dirs.iter().any(|d| d.locked.is_some())
 }
 
 impl SocketModel {
@@ -794,10 +796,23 @@ impl SocketModel {
             if !is_joined(self) {
                 return;
             }
-            self.joined = Some(Box::default());
+            let mut j: Box<JoinedWindow> = Box::default();
+            if self.window.active() {
+                // A SET_ACK was seen before a resync: W stays until another SET_ACK.
+                j.only(self.window.window);
+            }
+            self.joined = Some(j);
         }
         let (Some(s2c), Some(c2s)) = (self.s2c(), self.c2s()) else {
             return;
+        };
+        // The kernel's role, or the inferred one for a socket whose role it could not tell
+        // (`preexisting::UNKNOWN`).
+        let d = (m.hdr.dir & 1) as usize;
+        let role = match role {
+            Role::Unknown if d == s2c => Role::ServerToClient,
+            Role::Unknown if d == c2s => Role::ClientToServer,
+            r => r,
         };
         let locked = |d: &DirStats| d.locked.is_some() && d.hunting.is_none();
         let both = locked(&self.dirs[s2c]) && locked(&self.dirs[c2s]);

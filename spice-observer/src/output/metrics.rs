@@ -1260,7 +1260,7 @@ mod tests {
         let dup = row("10.0.0.1:5900->10.0.0.1:40001", 100, "server", "display", 3);
         let mut unknown = row("10.0.0.1:5900->10.0.0.1:40002", 100, "server", "unknown", 0);
         unknown["framing"] = json!("unparsed");
-        unknown["unparsed_reason"] = json!("attached_mid_stream");
+        unknown["unparsed_reason"] = json!("not_spice");
         let r = report(vec![server, backend, client, lone, closed, dup, unknown]);
         let targets = [
             target(100, TargetKind::SpiceServer(ServerKind::Qemu), "vm-a"),
@@ -1308,7 +1308,7 @@ mod tests {
         // Closed channels are gone; unknown ones only in channel_info.
         assert!(!t.contains("channel=\"cursor\""), "{t}");
         assert_eq!(lines(&t, "spice_observer_channel_info").len(), 6);
-        assert!(t.contains("unparsed_reason=\"attached_mid_stream\""));
+        assert!(t.contains("unparsed_reason=\"not_spice\""));
         assert_eq!(lines(&t, "spice_observer_verdict_info").len(), 1);
         assert!(t.contains("verdict=\"neither\""));
         assert!(t.contains("spice_observer_in_flight_stage_messages{vm=\"vm-a\",leg=\"server\",channel=\"display\",channel_id=\"0\",stage=\"client_owes_ack\"} 3"));

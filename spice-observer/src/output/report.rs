@@ -404,6 +404,11 @@ impl JoinedWindowReport {
 /// gives `window`, `in_flight_limit` and, once exact, `in_flight_now`).
 fn window_interval(c: &mut ChannelReport, s: &SocketModel, start_ns: u64) {
     if let Some(j) = s.joined.as_deref() {
+        if s.dirs.iter().any(|d| d.resyncs > 0) {
+            // A connection framed from its link phase that resynced: the kernel's count
+            // (`in_flight_now` so far) misses the hunt's messages; the interval replaces it.
+            c.in_flight_now = None;
+        }
         c.joined_window = Some(JoinedWindowReport::new(j, start_ns));
         if let Some(w) = j.window() {
             c.window_source = j.window_source().map(|x| x.name().to_string());
@@ -425,11 +430,20 @@ fn window_interval(c: &mut ChannelReport, s: &SocketModel, start_ns: u64) {
         return;
     }
     if s.window.active() {
+        c.window_source = Some(WindowSource::SetAck.name().to_string());
+        if s.dirs.iter().any(|d| d.resyncs > 0) {
+            // Hunting after a resync, not locked again yet: the kernel's count misses the
+            // messages of the hunt, so only the window's bounds hold.
+            c.in_flight_now = None;
+            c.in_flight_low = Some(0);
+            c.in_flight_high = Some(i64::from(s.window.limit()));
+            c.in_flight_bounded = true;
+            return;
+        }
         let n = i64::from(s.window.count);
         c.in_flight_low = Some(n);
         c.in_flight_high = Some(n);
         c.in_flight_exact = true;
-        c.window_source = Some(WindowSource::SetAck.name().to_string());
     }
 }
 
