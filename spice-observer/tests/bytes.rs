@@ -155,20 +155,7 @@ fn joined_session_bytes_match_the_tcp_counters() -> Result<()> {
     let filter = format!("( sport = :{port} or dport = :{port} or sport = :{rport} )");
     let mut rig = Rig::new(T)?;
     // 1 s of drawing while the session opens, then idle.
-    let xorg = rig.xspice(
-        port,
-        display,
-        &[
-            "--mode",
-            "rects",
-            "--fps",
-            "50",
-            "--count",
-            "20",
-            "--seconds",
-            "1",
-        ],
-    )?;
+    let xorg = rig.xspice_rects(port, display, 1)?;
     let relay = rig.relay("socat", "127.0.0.1", rport, "127.0.0.1", port)?;
     let _client = Client::start(&format!("spice://127.0.0.1:{rport}"), 60, &[], None)?;
     thread::sleep(Duration::from_secs(4));
