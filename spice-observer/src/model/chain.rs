@@ -1046,40 +1046,15 @@ fn pair_client_leg(
         pair_joined_leg(model, legs, backend, chain, used);
         return;
     };
-    let cands: Vec<&SocketModel> = legs
-        .iter()
-        .copied()
-        .filter(|c| {
-            c.pid == backend.pid
-                && c.cookie != backend.cookie
-                && !used.contains(&c.cookie)
-                && link_key(c) == Some(b_link)
-        })
-        .collect();
-    chain
-        .candidates
-        .retain(|k| cands.iter().any(|c| c.cookie == k.cookie));
+    let cands = refresh_candidates(legs, backend, chain, used, |c| link_key(c) == Some(b_link));
     let is_main = b_link.0 == channel::MAIN;
     for c in &cands {
-        let i = match chain.candidates.iter().position(|k| k.cookie == c.cookie) {
-            Some(i) => i,
-            None => {
-                chain.candidates.push(Candidate::new(c.cookie));
-                chain.candidates.len() - 1
-            }
-        };
-        let k = &mut chain.candidates[i];
+        let k = candidate(chain, c.cookie);
         if k.excluded.is_none() {
             k.excluded = examine(backend, c, is_main, k).err();
         }
     }
-    let name = |cookie: u64| {
-        model
-            .sockets
-            .get(&cookie)
-            .map(sock_name)
-            .unwrap_or_else(|| format!("cookie {cookie}"))
-    };
+    let name = |cookie: u64| sock_label(model, cookie);
     let live: Vec<&Candidate> = chain
         .candidates
         .iter()
@@ -1150,16 +1125,70 @@ fn pair_client_leg(
             ),
         )
     };
-    if chain.pairing.last().is_some_and(|p| p.starts_with(WAITING)) {
-        chain.pairing.pop();
-    }
-    chain.pairing.push(note);
+    set_note(&mut chain.pairing, note);
     if let Some(c) = pick {
         chain.client_leg = Some(c);
         chain.align = [Some(Align::default()); 2];
         used.insert(c);
         chain.candidates = Vec::new();
     }
+}
+
+/// The relay's legs `legs` that may be `chain`'s client leg: of the backend's process, not
+/// the backend, not paired with another chain (`used`), and `same_kind` (carrying the
+/// backend's link message, or none for a joined backend). Drops the candidates of `chain`
+/// that no longer qualify and returns the qualifying legs.
+fn refresh_candidates<'m>(
+    legs: &[&'m SocketModel],
+    backend: &SocketModel,
+    chain: &mut Chain,
+    used: &HashSet<u64>,
+    same_kind: impl Fn(&SocketModel) -> bool,
+) -> Vec<&'m SocketModel> {
+    let cands: Vec<&SocketModel> = legs
+        .iter()
+        .copied()
+        .filter(|c| {
+            c.pid == backend.pid
+                && c.cookie != backend.cookie
+                && !used.contains(&c.cookie)
+                && same_kind(c)
+        })
+        .collect();
+    chain
+        .candidates
+        .retain(|k| cands.iter().any(|c| c.cookie == k.cookie));
+    cands
+}
+
+/// `chain`'s candidate entry for leg `cookie`, added if new.
+fn candidate(chain: &mut Chain, cookie: u64) -> &mut Candidate {
+    let i = match chain.candidates.iter().position(|k| k.cookie == cookie) {
+        Some(i) => i,
+        None => {
+            chain.candidates.push(Candidate::new(cookie));
+            chain.candidates.len() - 1
+        }
+    };
+    &mut chain.candidates[i]
+}
+
+/// The addresses of socket `cookie` for pairing notes (`cookie N` if it is gone).
+fn sock_label(model: &Model, cookie: u64) -> String {
+    model
+        .sockets
+        .get(&cookie)
+        .map(sock_name)
+        .unwrap_or_else(|| format!("cookie {cookie}"))
+}
+
+/// Records the pairing note of this round in a chain's `pairing`: a note that the chain is
+/// still waiting replaces the previous waiting note, so the list does not grow while it waits.
+fn set_note(pairing: &mut Vec<String>, note: String) {
+    if pairing.last().is_some_and(|p| p.starts_with(WAITING)) {
+        pairing.pop();
+    }
+    pairing.push(note);
 }
 
 /// [`pair_client_leg`] for a backend joined mid-stream (no link message). Candidates are the
@@ -1179,37 +1208,12 @@ fn pair_joined_leg(
     chain: &mut Chain,
     used: &mut HashSet<u64>,
 ) {
-    let cands: Vec<&SocketModel> = legs
-        .iter()
-        .copied()
-        .filter(|c| {
-            c.pid == backend.pid
-                && c.cookie != backend.cookie
-                && !used.contains(&c.cookie)
-                && link_key(c).is_none()
-        })
-        .collect();
-    chain
-        .candidates
-        .retain(|k| cands.iter().any(|c| c.cookie == k.cookie));
+    let cands = refresh_candidates(legs, backend, chain, used, |c| link_key(c).is_none());
     for c in &cands {
-        let i = match chain.candidates.iter().position(|k| k.cookie == c.cookie) {
-            Some(i) => i,
-            None => {
-                chain.candidates.push(Candidate::new(c.cookie));
-                chain.candidates.len() - 1
-            }
-        };
-        let k = &mut chain.candidates[i];
+        let k = candidate(chain, c.cookie);
         k.excluded = examine_joined(backend, c, k).err();
     }
-    let name = |cookie: u64| {
-        model
-            .sockets
-            .get(&cookie)
-            .map(sock_name)
-            .unwrap_or_else(|| format!("cookie {cookie}"))
-    };
+    let name = |cookie: u64| sock_label(model, cookie);
     let live: Vec<&Candidate> = chain
         .candidates
         .iter()
@@ -1281,10 +1285,7 @@ fn pair_joined_leg(
                 .join(", ")
         ),
     };
-    if chain.pairing.last().is_some_and(|p| p.starts_with(WAITING)) {
-        chain.pairing.pop();
-    }
-    chain.pairing.push(note);
+    set_note(&mut chain.pairing, note);
     if let Some((k, a)) = pick {
         let c2s = unique_align(k, written(k, 1), 1);
         chain.client_leg = Some(k.cookie);
