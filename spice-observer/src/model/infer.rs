@@ -1203,7 +1203,7 @@ mod tests {
         /// session grouped around the inferred main channel, session ids unset.
         #[test]
         fn the_report_marks_inferred_fields() {
-            use crate::output::report::{ClockReport, RunInfo, SourceReport, build, render};
+            use crate::output::report::{build_for_test, render};
             let mut m = Model::default();
             client(&mut m, 100, "127.0.0.1", true);
             joined(
@@ -1215,28 +1215,7 @@ mod tests {
                 SERVER,
                 &[(S, 4, 12, 1), (R, 3, 12, 1)],
             );
-            let counters = [0; spice_ebpf_common::config::counter::COUNT as usize];
-            let r = build(
-                &m,
-                RunInfo {
-                    started_ns: 0,
-                    end_ns: 1_000_000_000,
-                    clock: ClockReport::default(),
-                    hook_set: "tracepoints",
-                    source: &SourceReport {
-                        kind: "loaded".into(),
-                        pin_dir: None,
-                        exact_from_session_start: false,
-                        tap: false,
-                    },
-                    counters: &counters,
-                    degraded: &[],
-                    pids: Vec::new(),
-                    tcp_final: &BTreeMap::new(),
-                    chains: &[],
-                    comms: &std::collections::HashMap::new(),
-                },
-            );
+            let r = build_for_test(&m, 1_000_000_000);
             let row = |cookie: u64| r.channels.iter().find(|c| c.cookie == cookie).unwrap();
             let main_key = "127.0.0.1:5900->127.0.0.1:40001";
             for (cookie, ty) in [

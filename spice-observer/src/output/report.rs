@@ -1318,6 +1318,34 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 }
 
 /// Renders the human table and verdicts.
+/// The report of `model` for unit tests: observation from 0 to `end_ns`, a standalone
+/// `observe` (source `loaded`), no counters, chains or final TCP state.
+#[cfg(test)]
+pub(crate) fn build_for_test(model: &Model, end_ns: u64) -> Report {
+    let counters = [0; counter::COUNT as usize];
+    build(
+        model,
+        RunInfo {
+            started_ns: 0,
+            end_ns,
+            clock: ClockReport::default(),
+            hook_set: "tracepoints",
+            source: &SourceReport {
+                kind: "loaded".into(),
+                pin_dir: None,
+                exact_from_session_start: false,
+                tap: false,
+            },
+            counters: &counters,
+            degraded: &[],
+            pids: Vec::new(),
+            tcp_final: &BTreeMap::new(),
+            chains: &[],
+            comms: &std::collections::HashMap::new(),
+        },
+    )
+}
+
 pub fn render(r: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "spice-observer: {}", r.source.line());
@@ -2019,29 +2047,7 @@ mod tests {
     }
 
     fn snapshot(m: &Model, now: u64) -> serde_json::Value {
-        let counters = [0; counter::COUNT as usize];
-        let r = build(
-            m,
-            RunInfo {
-                started_ns: 0,
-                end_ns: now,
-                clock: ClockReport::default(),
-                hook_set: "tracepoints",
-                source: &SourceReport {
-                    kind: "loaded".into(),
-                    pin_dir: None,
-                    exact_from_session_start: false,
-                    tap: false,
-                },
-                counters: &counters,
-                degraded: &[],
-                pids: Vec::new(),
-                tcp_final: &BTreeMap::new(),
-                chains: &[],
-                comms: &std::collections::HashMap::new(),
-            },
-        );
-        serde_json::to_value(r).unwrap()
+        serde_json::to_value(build_for_test(m, now)).unwrap()
     }
 
     /// A display connection joined mid-stream: before the client's pause its count is an

@@ -1294,34 +1294,50 @@ mod tests {
     fn how_a_joined_connection_was_made() {
         let listening: HashSet<u16> = [5900, 6900].into_iter().collect();
         let eph = Some((32768, 60999));
-        // spice-server's (or a relay's client-facing) socket: accepted on a listening port.
-        assert_eq!(
-            made_how(&listening, eph, 5900, 41000),
-            preexisting::ACCEPTED
-        );
-        // A relay's leg toward a local spice-server: connected to a listening port.
-        assert_eq!(
-            made_how(&listening, eph, 41002, 5900),
-            preexisting::CONNECTED
-        );
-        // Toward a remote server (its port not listening here): the ephemeral side connected.
-        assert_eq!(
-            made_how(&listening, eph, 41004, 5930),
-            preexisting::CONNECTED
-        );
-        // A server that closed its listener on a fixed port.
-        assert_eq!(
-            made_how(&listening, eph, 5931, 41006),
-            preexisting::ACCEPTED
-        );
-        // Both ephemeral (a scripted server on port 0 that closed its listener): unknown.
-        assert_eq!(
-            made_how(&listening, eph, 40000, 41008),
-            preexisting::UNKNOWN
-        );
-        assert_eq!(
-            made_how(&listening, None, 40000, 5931),
-            preexisting::UNKNOWN
-        );
+        use preexisting::{ACCEPTED, CONNECTED, UNKNOWN};
+        for (what, ephemeral, local, remote, want) in [
+            (
+                "spice-server's (or a relay's client-facing) socket: accepted on a listening port",
+                eph,
+                5900,
+                41000,
+                ACCEPTED,
+            ),
+            (
+                "a relay's leg toward a local spice-server: connected to a listening port",
+                eph,
+                41002,
+                5900,
+                CONNECTED,
+            ),
+            (
+                "toward a remote server (its port not listening here): the ephemeral side connected",
+                eph,
+                41004,
+                5930,
+                CONNECTED,
+            ),
+            (
+                "a server that closed its listener on a fixed port",
+                eph,
+                5931,
+                41006,
+                ACCEPTED,
+            ),
+            (
+                "both ephemeral (a scripted server on port 0 that closed its listener)",
+                eph,
+                40000,
+                41008,
+                UNKNOWN,
+            ),
+            ("the ephemeral range unreadable", None, 40000, 5931, UNKNOWN),
+        ] {
+            assert_eq!(
+                made_how(&listening, ephemeral, local, remote),
+                want,
+                "{what}"
+            );
+        }
     }
 }
