@@ -53,7 +53,7 @@ pub struct KernelConfig {
 /// ...), of the ring records and of [`KernelConfig`], and the meaning of their fields. Bump it
 /// with any such change: a new agent that finds another version pinned reloads the programs
 /// and marks the open channels `restarted` instead of misreading the old state.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;
 
 /// Values of the `WATCHED_TGIDS` map (key: tgid): the pid the watch descends from (the one
 /// given to `--pid` or found by discovery; forked children inherit it) in the low bits, and
@@ -152,8 +152,20 @@ pub mod counter {
     /// Resyncs: a framed direction met a header that failed validation and went back to
     /// hunting (the bytes until the next lock are not framed; see `DirState::unframed`).
     pub const RESYNCS: u32 = 14;
+    /// Plaintext calls framed at the libssl hooks (SSL_write / SSL_read and their _ex forms
+    /// that moved bytes on a TLS socket; self metric, not a loss).
+    pub const TLS_CALLS: u32 = 15;
+    /// A libssl call moved plaintext, but no socket call was ever seen inside a call on the
+    /// same `SSL *` (a memory BIO, or the mapping was evicted): its plaintext is not framed.
+    pub const TLS_UNMAPPED: u32 = 16;
+    /// A libssl call's arguments could not be saved in `TLS_CALLS` (map full).
+    pub const TLS_PENDING_FULL: u32 = 17;
+    /// A TLS socket moved bytes outside every hooked libssl function (the hooks were
+    /// detached, e.g. across an agent restart): the plaintext of that direction may have
+    /// moved unseen, so it goes back to hunting (a resync).
+    pub const TLS_UNSEEN: u32 = 18;
     /// Number of counters.
-    pub const COUNT: u32 = 15;
+    pub const COUNT: u32 = 19;
 
     /// Names used in reports and JSON (`kernel_counters`), by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -172,11 +184,15 @@ pub mod counter {
         "hunt_candidates",
         "locks",
         "resyncs",
+        "tls_calls",
+        "tls_unmapped",
+        "tls_pending_full",
+        "tls_unseen",
     ];
 
     /// True for counters that mean information was lost (they add up to `events_lost`).
     pub const fn is_loss(index: u32) -> bool {
-        index <= WATCH_MAP_FULL
+        index <= WATCH_MAP_FULL || index == TLS_UNMAPPED || index == TLS_PENDING_FULL
     }
 
     /// True for counters that mean information was lost for a reader of `TAP_EVENTS`: the

@@ -31,6 +31,12 @@ pub mod kind {
     /// [`super::LockEvent`]: a hunting direction found its boundaries; the next message
     /// record of that direction (flag [`super::msg_flags::LOCK`]) is the first one counted.
     pub const LOCK: u8 = 9;
+    /// [`super::TlsEvent`]: the socket carries TLS, and its framing runs on the plaintext the
+    /// process hands to libssl (uprobes), not on the socket's bytes. Once per socket, before
+    /// any record of its plaintext.
+    pub const TLS: u8 = 10;
+    /// [`super::TlsMarkEvent`]: where one libssl call's plaintext ends, in TCP sequence space.
+    pub const TLS_MARK: u8 = 11;
 }
 
 /// Direction of bytes relative to the watched process ([`EventHeader::dir`]).
@@ -209,6 +215,115 @@ pub struct LockEvent {
     pub resyncs: u32,
 }
 
+/// A socket turned out to carry TLS: its first traced call ran inside a hooked libssl
+/// function ([`tls_func`]). From here on the socket's message records, hunts, locks and link
+/// records describe the TLS plaintext (stream offsets count plaintext bytes), and its
+/// `SockState::wire_pos` counts the TCP bytes. 32 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TlsEvent {
+    pub hdr: EventHeader,
+    /// The [`tls_func`] whose call the socket's first traced call ran in.
+    pub func: u8,
+    pub _pad: [u8; 7],
+}
+
+/// One libssl call moved plaintext on a TLS socket: the plaintext up to `plain_end` (stream
+/// offset in direction `hdr.dir`) is in the TCP stream up to `seq`. For a send, `seq` is
+/// `write_seq` at the return of SSL_write: every byte of the records that call wrote is
+/// queued. For a receive, `copied_seq` at the return of SSL_read: the records the plaintext
+/// came from have been read. A plaintext byte is therefore placed in TCP sequence space to
+/// within one call's records (spice-server writes one iovec per SSL_write, so at most one
+/// message part). 40 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TlsMarkEvent {
+    pub hdr: EventHeader,
+    /// Plaintext stream offset just after this call's bytes.
+    pub plain_end: u64,
+    /// `write_seq` (send) or `copied_seq` (recv) at the call's return.
+    pub seq: u32,
+    /// Plaintext bytes this call moved.
+    pub len: u32,
+}
+
+/// libssl functions the TLS hooks attach to ([`TlsEvent::func`], [`TlsCall::func`]). OpenSSL
+/// 3 `ssl/ssl_lib.c`: SSL_write and SSL_write_ex both call `ssl_write_internal`, SSL_read and
+/// SSL_read_ex `ssl_read_internal`, SSL_accept and SSL_connect `SSL_do_handshake`, so no
+/// hooked function runs inside another.
+pub mod tls_func {
+    /// `int SSL_write(SSL *s, const void *buf, int num)`: returns the bytes written (> 0).
+    pub const WRITE: u8 = 1;
+    /// `int SSL_write_ex(SSL *s, const void *buf, size_t num, size_t *written)`: returns 1.
+    pub const WRITE_EX: u8 = 2;
+    /// `int SSL_read(SSL *s, void *buf, int num)`: returns the bytes read (> 0).
+    pub const READ: u8 = 3;
+    /// `int SSL_read_ex(SSL *s, void *buf, size_t num, size_t *readbytes)`: returns 1.
+    pub const READ_EX: u8 = 4;
+    /// SSL_do_handshake, SSL_shutdown, SSL_peek, SSL_peek_ex: no plaintext is framed from
+    /// these, but socket calls inside them are the TLS library's (handshake records, alerts,
+    /// reads ahead), not bytes the hooks missed.
+    pub const CONTEXT: u8 = 5;
+    /// True for the functions that return plaintext to frame.
+    pub const fn moves_plaintext(f: u8) -> bool {
+        f >= WRITE && f <= READ_EX
+    }
+    /// Short name for reports.
+    pub const fn name(f: u8) -> &'static str {
+        match f {
+            WRITE => "SSL_write",
+            WRITE_EX => "SSL_write_ex",
+            READ => "SSL_read",
+            READ_EX => "SSL_read_ex",
+            CONTEXT => "SSL_do_handshake/SSL_shutdown/SSL_peek",
+            _ => "none",
+        }
+    }
+}
+
+/// A libssl call a watched thread is in (map `TLS_CALLS`, key: pid_tgid), saved at the
+/// function's entry and taken at its return. 48 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TlsCall {
+    /// [`tls_func`].
+    pub func: u8,
+    /// [`crate::config::watch::route`] of the process.
+    pub watch: u8,
+    pub _pad: [u8; 6],
+    /// The `SSL *` (user address in the calling process).
+    pub ssl: u64,
+    /// Plaintext buffer (user address).
+    pub buf: u64,
+    /// Bytes asked (`num`).
+    pub num: u64,
+    /// SSL_write_ex / SSL_read_ex: the `size_t *` that receives the byte count.
+    pub out: u64,
+    /// Cookie of the socket a socket call inside this call used (0: none yet).
+    pub cookie: u64,
+}
+
+/// Key of the `SSL_SOCKETS` map: one `SSL *` of one process → the socket cookie its calls
+/// move bytes on.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SslKey {
+    pub tgid: u32,
+    pub _pad: u32,
+    pub ssl: u64,
+}
+
+/// [`SockState::carrier`] values: what the socket's framing reads.
+pub mod carrier {
+    /// No call seen yet.
+    pub const UNDECIDED: u8 = 0;
+    /// The socket's own bytes (plain SPICE, or anything else the plain path judges).
+    pub const PLAIN: u8 = 1;
+    /// TLS: the socket's first traced call ran inside a hooked libssl function, so its bytes
+    /// are TLS records; framing runs on the plaintext at the libssl hooks.
+    pub const TLS: u8 = 2;
+}
+
 /// First use of a TCP socket by a watched process.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -248,8 +363,9 @@ pub struct ProcEvent {
 pub struct CloseEvent {
     pub hdr: EventHeader,
     pub tcp: TcpSnapshot,
-    /// Bytes moved by traced calls in each direction so far ([`DirState::pos`], indexed by
-    /// [`dir`]): the socket's entry is deleted at `tcp_destroy_sock`, soon after this record,
+    /// Bytes moved by traced socket calls in each direction so far ([`DirState::pos`], or
+    /// [`SockState::wire_pos`] for a TLS socket: TCP bytes either way; indexed by [`dir`]):
+    /// the socket's entry is deleted at `tcp_destroy_sock`, soon after this record,
     /// so the agent's last read of it may be older.
     pub pos: [u64; 2],
 }
@@ -322,6 +438,12 @@ pub struct SockState {
     /// spice-server's ACK window on this connection, run by the kernel on every framed
     /// message (`crate::window`). The exact count lives here, not in the agent.
     pub window: WindowState,
+    /// [`carrier`]: whether `dir` frames the socket's bytes or its TLS plaintext.
+    pub carrier: u8,
+    pub _pad: [u8; 7],
+    /// [`carrier::TLS`] sockets: TCP bytes moved by traced socket calls in each direction
+    /// (indexed by [`dir`]); `dir[d].pos` then counts plaintext bytes. Zero otherwise.
+    pub wire_pos: [u64; 2],
 }
 
 /// Arguments of a socket syscall, saved at `sys_enter` (map `PENDING_CALLS`, key: pid_tgid).
@@ -363,4 +485,6 @@ mod pod {
     unsafe impl aya::Pod for TcpSnapshot {}
     unsafe impl aya::Pod for SockState {}
     unsafe impl aya::Pod for PendingCall {}
+    unsafe impl aya::Pod for TlsCall {}
+    unsafe impl aya::Pod for SslKey {}
 }

@@ -10,6 +10,7 @@ pub mod chain;
 pub mod hist;
 pub mod infer;
 pub mod joined;
+pub mod tls;
 pub mod traced;
 pub mod window;
 
@@ -597,6 +598,9 @@ pub struct Model {
     /// When a restarted agent rebuilt this model from the kernel's pinned socket map
     /// ([`Model::restore`]), CLOCK_MONOTONIC ns; `None` for a model built from the ring only.
     pub restored_ns: Option<u64>,
+    /// What the libssl hooks could do for each watched process (tgid → status), as the front
+    /// end last reported it ([`Model::set_tls_attach`]). Entries leave with their process.
+    pub tls_attach: BTreeMap<u32, tls::TlsAttach>,
 }
 
 /// One entry of the kernel's socket map and what the host knows about it, for
@@ -625,6 +629,16 @@ fn resume_window(w: &WindowState, now_ns: u64) -> AckWindow {
 }
 
 impl Model {
+    /// Records what the libssl hooks could do for process `tgid` (see [`tls::TlsAttach`]).
+    pub fn set_tls_attach(&mut self, tgid: u32, a: tls::TlsAttach) {
+        self.tls_attach.insert(tgid, a);
+    }
+
+    /// What the libssl hooks could do for process `tgid`, if the front end reported it.
+    pub fn tls_attach(&self, tgid: u32) -> Option<&tls::TlsAttach> {
+        self.tls_attach.get(&tgid)
+    }
+
     fn socket(&mut self, hdr: &EventHeader) -> &mut SocketModel {
         self.sockets
             .entry(hdr.cookie)
