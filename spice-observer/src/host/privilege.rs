@@ -308,6 +308,20 @@ impl fmt::Display for Dropped {
     }
 }
 
+/// Kept after attach too when the libssl hooks are on (`tls_hooks`) and the daemon holds it:
+/// attaching the uprobes to each process found later is a `perf_event_open(2)` of the uprobe
+/// PMU, which the kernel refuses (EACCES) without `CAP_SYS_ADMIN`; `CAP_PERFMON` is not
+/// enough (measured on Linux 6.18, see [`crate::kernel::tls::CAPABILITY_HINT`]).
+pub const TLS_HOOKS_CAP: Need = Need {
+    cap: Capability::CAP_SYS_ADMIN,
+    why: "attaching the libssl uprobes to each process found (perf_event_open of the uprobe PMU)",
+};
+
+/// Whether the current thread's effective set holds `cap`.
+pub fn holds(cap: Capability) -> bool {
+    effective().contains(&cap)
+}
+
 /// Drops every capability but [`STEADY`] from the current thread: bounding set (only with
 /// `CAP_SETPCAP`, which is dropped last), ambient, inheritable, effective, permitted, in
 /// that order (the kernel wants ambient ⊆ permitted ∩ inheritable and effective ⊆
@@ -317,10 +331,17 @@ impl fmt::Display for Dropped {
 /// Errors: a `capset(2)` or `prctl(2)` call failed (lowering never needs a capability, so
 /// this means the kernel refused for another reason).
 pub fn drop_after_attach() -> Result<Dropped> {
+    drop_after_attach_keeping(&[])
+}
+
+/// [`drop_after_attach`], keeping `extra` too (those of them the process has), e.g.
+/// [`TLS_HOOKS_CAP`].
+pub fn drop_after_attach_keeping(extra: &[Need]) -> Result<Dropped> {
     let before =
         caps::read(None, CapSet::Permitted).context("reading the permitted capabilities")?;
     let keep: caps::CapsHashSet = STEADY
         .iter()
+        .chain(extra)
         .map(|n| n.cap)
         .filter(|c| before.contains(c))
         .collect();

@@ -639,6 +639,12 @@ impl Model {
         self.tls_attach.get(&tgid)
     }
 
+    /// Drops the status of process `tgid` ([`Model::set_tls_attach`]): its process is gone or
+    /// no longer watched.
+    pub fn forget_tls_attach(&mut self, tgid: u32) {
+        self.tls_attach.remove(&tgid);
+    }
+
     fn socket(&mut self, hdr: &EventHeader) -> &mut SocketModel {
         self.sockets
             .entry(hdr.cookie)
