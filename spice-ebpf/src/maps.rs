@@ -21,10 +21,10 @@ pub static PENDING_CALLS: HashMap<u64, PendingCall> = HashMap::with_max_entries(
 
 /// The hooked libssl call a watched thread is in: pid_tgid → call (entry arguments, and the
 /// cookie of a socket a socket call inside it used). Written at the function's entry, taken
-/// at its return. LRU: an entry whose return never came (a thread killed inside the call) is
-/// evicted rather than kept.
+/// at its return; a thread that exits inside the call loses its entry at `sched_process_exit`
+/// (a plain hash: an LRU insert costs more on every call).
 #[map]
-pub static TLS_CALLS: LruHashMap<u64, TlsCall> = LruHashMap::with_max_entries(16384, 0);
+pub static TLS_CALLS: HashMap<u64, TlsCall> = HashMap::with_max_entries(16384, 0);
 
 /// `SSL *` of a watched process → the cookie of the socket its calls move bytes on, learned
 /// from the socket calls made inside libssl calls on it. LRU: `SSL_free` is not hooked.
