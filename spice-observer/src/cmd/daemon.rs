@@ -22,12 +22,21 @@
 //!
 //! Logging (env_logger; default `warn,spice_observer=info`, `RUST_LOG` overrides): one line
 //! at start (listen address, hook set, config file), one with the capabilities kept after
-//! attach, one per target found or lost, warnings when information is lost (kernel loss
-//! counters or undecodable records went up) or a target cannot be watched.
+//! attach, one per target found (naming the libssl its uprobes were attached on) or lost,
+//! warnings when information is lost (kernel loss counters or undecodable records went up),
+//! a target cannot be watched, or a process's libssl hooks cannot be attached (one line per
+//! process; once at start when the daemon lacks the capability for any).
+//!
+//! libssl hooks ([`crate::kernel::tls`], unless `tls_hooks = false` / `--no-tls-hooks`):
+//! attached to each target before it is watched, and at every scan to the watched processes
+//! not hooked yet (children forked since), re-checked every 5 s for those without a libssl;
+//! detached when they go. After a restart they are attached again (the previous daemon's
+//! links ended with it; the kernel resyncs a TLS direction whose bytes moved meanwhile).
 //!
 //! As a service ([`crate::cmd::service`], [`crate::host::privilege`]): after the programs
 //! are attached it drops every capability but the two that reading other users' `/proc`
-//! needs, tells systemd it is ready, and re-reads its config on SIGHUP.
+//! needs (and `CAP_SYS_ADMIN`, which attaching uprobes needs, when the libssl hooks are on
+//! and it holds it), tells systemd it is ready, and re-reads its config on SIGHUP.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -521,6 +530,8 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     // CAP_SYS_ADMIN for as long as the daemon runs (privilege::TLS_HOOKS_CAP).
     let mut tls_hooks = TlsHooks::new(cfg.tls_hooks);
     let keep_tls_cap = cfg.tls_hooks && privilege::holds(privilege::TLS_HOOKS_CAP.cap);
+    // A reason every process fails with, logged once here rather than per process.
+    let mut tls_said: Option<String> = None;
     if cfg.tls_hooks {
         tls::raise_fd_limit();
         if !keep_tls_cap {
@@ -530,7 +541,8 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                 tls::CAPABILITY_HINT
             );
             warn!("libssl hooks cannot be attached: {why}; TLS channels stay `unparsed: tls`");
-            tls_hooks.set_unavailable(why);
+            tls_hooks.set_unavailable(why.clone());
+            tls_said = Some(why);
         }
     }
     // Attached: keep only what discovery (and the libssl hooks) need from now on.
@@ -641,11 +653,19 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                         continue;
                     }
                     // The libssl hooks first, so that the process's sockets are decided
-                    // with them in place.
-                    let (cap, model) = engine.capture_and_model();
-                    let tls_state = tls_hooks.attach_first(cap, model, t.pid, false);
-                    if first && let Some(line) = tls_state.as_ref().and_then(|s| tls::failure_line(t.pid, &t.name, s)) {
-                        warn!("{line}");
+                    // with them in place. (A retry of a watch that failed does not attach
+                    // again each scan: the `follow` below hooks it once it is watched.)
+                    let mut tls_state = None;
+                    if first {
+                        let (cap, model) = engine.capture_and_model();
+                        let (root, children) = tls_hooks.attach_first(cap, model, t.pid, false);
+                        for (p, s) in root.iter().map(|s| (t.pid, s)).chain(children.iter().map(|(c, s)| (*c, s))) {
+                            let comm = crate::sockdiag::comm(p).unwrap_or_default();
+                            if let Some(line) = tls::failure_line(p, &comm, s, tls_said.as_deref()) {
+                                warn!("{line}");
+                            }
+                        }
+                        tls_state = root;
                     }
                     match engine.watch(t.pid) {
                         Ok(w) => info!(
@@ -671,7 +691,7 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                     Ok(changes) => {
                         for c in changes {
                             let comm = crate::sockdiag::comm(c.tgid).unwrap_or_default();
-                            if let Some(line) = c.status.as_ref().and_then(|s| tls::failure_line(c.tgid, &comm, s)) {
+                            if let Some(line) = c.status.as_ref().and_then(|s| tls::failure_line(c.tgid, &comm, s, tls_said.as_deref())) {
                                 warn!("{line}");
                             }
                         }

@@ -166,7 +166,7 @@ fn progress_line(p: &Progress, secs: f64) -> String {
 /// Prints the one line of a process whose libssl hooks failed ([`tls::failure_line`]).
 fn tls_failure(tgid: u32, status: &crate::model::tls::TlsAttach) {
     let comm = sockdiag::comm(tgid).unwrap_or_default();
-    if let Some(line) = tls::failure_line(tgid, &comm, status) {
+    if let Some(line) = tls::failure_line(tgid, &comm, status, None) {
         eprintln!("spice-observer: {line}");
     }
 }
@@ -257,8 +257,9 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     let mut watched = Vec::new();
     for &pid in &roots {
         let (cap, model) = engine.capture_and_model();
-        if let Some(s) = tls_hooks.attach_first(cap, model, pid, beside) {
-            tls_failure(pid, &s);
+        let (root, children) = tls_hooks.attach_first(cap, model, pid, beside);
+        for (t, s) in root.map(|s| (pid, s)).into_iter().chain(children) {
+            tls_failure(t, &s);
         }
         watched.push(engine.watch(pid)?);
     }

@@ -493,9 +493,7 @@ fn tls_supported() -> Result<std::result::Result<(), String>> {
     if !is_program_supported(ProgramType::KProbe)
         .context("probing the kernel for BPF program type `kprobe` failed")?
     {
-        return Ok(Err(format!(
-            "BPF program type `kprobe` {UNAVAILABLE}"
-        )));
+        return Ok(Err(format!("BPF program type `kprobe` {UNAVAILABLE}")));
     }
     if !Path::new(UPROBE_PMU).exists() {
         return Ok(Err(format!(
@@ -517,6 +515,11 @@ fn attach_error(e: ProgramError) -> tls::AttachError {
         tls::AttachError::MissingSymbol(text)
     } else if text.contains("perf_event_open") && text.contains("Permission denied") {
         tls::AttachError::Failed(format!("{text} ({})", tls::CAPABILITY_HINT))
+    } else if text.contains("perf_event_open") && text.contains("Operation not permitted") {
+        tls::AttachError::Failed(format!(
+            "{text} (a seccomp filter may refuse perf_event_open(2): systemd's \
+             SystemCallFilter=@system-service does not allow it)"
+        ))
     } else {
         tls::AttachError::Failed(text)
     }
@@ -554,9 +557,8 @@ impl tls::Host for Capture {
             TlsPrograms::Pinned(m) => m.get_mut(program),
             TlsPrograms::Unavailable(why) => return Err(tls::AttachError::Failed(why.clone())),
         };
-        let prog = prog.ok_or_else(|| {
-            tls::AttachError::Failed(format!("program {program} is not loaded"))
-        })?;
+        let prog = prog
+            .ok_or_else(|| tls::AttachError::Failed(format!("program {program} is not loaded")))?;
         let id = prog
             .attach(symbol, target, UProbeScope::OneProcess(pid))
             .map_err(attach_error)?;
@@ -1454,7 +1456,14 @@ mod tests {
     /// Only the agent's own names are its pins: its maps, link_/prog_ of its programs.
     #[test]
     fn owned_pin_names() {
-        for n in ["LAYOUT", "SOCKETS", "link_spice_exit", "prog_spice_sockops"] {
+        for n in [
+            "LAYOUT",
+            "SOCKETS",
+            "link_spice_exit",
+            "prog_spice_sockops",
+            "prog_spice_ssl_ret",
+            "prog_spice_ssl_context",
+        ] {
             assert!(is_owned_pin(n), "{n}");
         }
         for n in [
@@ -1464,6 +1473,7 @@ mod tests {
             "tc",
             "layout",
             "link_LAYOUT",
+            "prog_spice_ssl_other",
         ] {
             assert!(!is_owned_pin(n), "{n}");
         }

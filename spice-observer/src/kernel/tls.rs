@@ -102,7 +102,12 @@ pub const PROGRAMS: [TlsProgram; 6] = [
     TlsProgram {
         name: "spice_ssl_context",
         ret: false,
-        symbols: &["SSL_do_handshake", "SSL_shutdown", "SSL_peek", "SSL_peek_ex"],
+        symbols: &[
+            "SSL_do_handshake",
+            "SSL_shutdown",
+            "SSL_peek",
+            "SSL_peek_ex",
+        ],
     },
     TlsProgram {
         name: RET_PROGRAM,
@@ -219,7 +224,8 @@ pub fn libssl_in(maps: &MemoryMaps) -> Vec<MappedLibrary> {
 /// The libssl files process `pid` maps (`/proc/PID/maps`). Errors: the process is gone
 /// (`Gone`) or its map cannot be read (another user's process without `CAP_SYS_PTRACE`).
 pub fn mapped_libssl(pid: u32) -> Result<Vec<MappedLibrary>, ProcError> {
-    let p = procfs::process::Process::new(pid as i32).map_err(|e| ProcError::from_procfs(pid, e))?;
+    let p =
+        procfs::process::Process::new(pid as i32).map_err(|e| ProcError::from_procfs(pid, e))?;
     let maps = p.maps().map_err(|e| ProcError::from_procfs(pid, e))?;
     Ok(libssl_in(&maps))
 }
@@ -466,23 +472,34 @@ pub fn hooks_entry(value: u32, beside: bool) -> bool {
 }
 
 impl TlsHooks<UProbeLink> {
-    /// [`TlsHooks::handle`] of `tgid` through the capture, before the front end adds it to
-    /// `WATCHED_TGIDS` (`Engine::watch`), and its status to the model. Beside the daemon, a
-    /// process the daemon watches is left to it (`None`).
+    /// [`TlsHooks::handle`] of `tgid` and of the children it already has (those
+    /// `Engine::watch` watches with it, `sockdiag::descendants`) through the capture, before
+    /// the front end adds them to `WATCHED_TGIDS` (`Engine::watch`), and their statuses to
+    /// the model. Beside the daemon, a process the daemon watches is left to it. Returns the
+    /// status of `tgid` (`None`: gone, or left to the daemon) and the children's.
     pub fn attach_first(
         &mut self,
         cap: &mut Capture,
         model: &mut Model,
         tgid: u32,
         beside: bool,
-    ) -> Option<TlsAttach> {
-        if beside && cap.is_watched(tgid) {
-            return None;
-        }
-        let s = self.handle(cap, tgid, Instant::now())?;
-        debug!("pid {tgid}: libssl hooks {s:?}");
-        model.set_tls_attach(tgid, s.clone());
-        Some(s)
+    ) -> (Option<TlsAttach>, Vec<(u32, TlsAttach)>) {
+        let me = std::process::id();
+        let mut one = |hooks: &mut Self, t: u32| -> Option<TlsAttach> {
+            if t == me || (beside && cap.is_watched(t)) {
+                return None;
+            }
+            let s = hooks.handle(cap, t, Instant::now())?;
+            debug!("pid {t}: libssl hooks {s:?}");
+            model.set_tls_attach(t, s.clone());
+            Some(s)
+        };
+        let root = one(self, tgid);
+        let children = crate::sockdiag::descendants(tgid)
+            .into_iter()
+            .filter_map(|c| one(self, c).map(|s| (c, s)))
+            .collect();
+        (root, children)
     }
 
     /// [`TlsHooks::sync`] with the capture's `WATCHED_TGIDS` entries this front end hooks
@@ -516,7 +533,11 @@ impl TlsHooks<UProbeLink> {
 /// Attaches every hook to every library of `libs` for `pid`: [`TlsAttach::Attached`] (the
 /// libraries that took them, comma-separated) if any did, else the first library's
 /// failure.
-fn attach_all<H: Host>(host: &mut H, pid: u32, libs: &[MappedLibrary]) -> (TlsAttach, Vec<H::Link>) {
+fn attach_all<H: Host>(
+    host: &mut H,
+    pid: u32,
+    libs: &[MappedLibrary],
+) -> (TlsAttach, Vec<H::Link>) {
     let mut links = Vec::new();
     let mut attached: Vec<String> = Vec::new();
     let mut failed: Option<TlsAttach> = None;
@@ -624,9 +645,17 @@ pub fn raise_fd_limit() -> u64 {
 }
 
 /// The one line a front end prints when a process's hooks could not be attached (naming
-/// the process, the library and the error); `None` for every other status.
-pub fn failure_line(tgid: u32, comm: &str, status: &TlsAttach) -> Option<String> {
+/// the process, the library and the error); `None` for every other status, and for a
+/// failure whose error is `said` (a reason the front end logged once for every process,
+/// e.g. a missing capability).
+pub fn failure_line(
+    tgid: u32,
+    comm: &str,
+    status: &TlsAttach,
+    said: Option<&str>,
+) -> Option<String> {
     match status {
+        TlsAttach::Failed { error, .. } if Some(error.as_str()) == said => None,
         TlsAttach::Failed { library, error } => Some(format!(
             "libssl hooks for pid {tgid} ({comm}) not attached on {library}: {error}; its TLS \
              channels stay `unparsed: tls`"
@@ -671,7 +700,12 @@ mod tests {
 
     #[test]
     fn libssl_names() {
-        for yes in ["libssl.so", "libssl.so.3", "libssl.so.1.1", "libssl.so.3.0.15"] {
+        for yes in [
+            "libssl.so",
+            "libssl.so.3",
+            "libssl.so.1.1",
+            "libssl.so.3.0.15",
+        ] {
             assert!(is_libssl_name(OsStr::new(yes)), "{yes}");
         }
         for no in [
@@ -793,7 +827,10 @@ mod tests {
             self.procs.get(&pid).map(|p| p.0)
         }
         fn libssl(&self, pid: u32) -> Result<Vec<MappedLibrary>, ProcError> {
-            self.procs.get(&pid).map(|p| p.1.clone()).ok_or(ProcError::Gone)
+            self.procs
+                .get(&pid)
+                .map(|p| p.1.clone())
+                .ok_or(ProcError::Gone)
         }
         fn attach(
             &mut self,
@@ -807,8 +844,14 @@ mod tests {
             if self.lacks.contains(&symbol) {
                 return Err(AttachError::MissingSymbol(format!("no symbol {symbol}")));
             }
-            if self.refuse.iter().any(|r| *r == (program, symbol)) {
-                return Err(AttachError::Failed("Permission denied (os error 13)".into()));
+            if self
+                .refuse
+                .iter()
+                .any(|&(p, s)| p == program && s == symbol)
+            {
+                return Err(AttachError::Failed(
+                    "Permission denied (os error 13)".into(),
+                ));
             }
             let key = (pid, program.to_string(), symbol.to_string());
             self.live.borrow_mut().push(key.clone());
@@ -871,7 +914,10 @@ mod tests {
         f.lacks = vec!["SSL_write_ex", "SSL_read_ex", "SSL_peek_ex"];
         let mut h = TlsHooks::new(true);
         let t = Instant::now();
-        assert!(matches!(h.handle(&mut f, 10, t), Some(TlsAttach::Attached { .. })));
+        assert!(matches!(
+            h.handle(&mut f, 10, t),
+            Some(TlsAttach::Attached { .. })
+        ));
         assert_eq!(live_of(&f, 10).len(), 10);
 
         f.lacks = vec!["SSL_read"];
@@ -880,9 +926,22 @@ mod tests {
             panic!("{s:?}")
         };
         assert_eq!(library, "/usr/lib/x86_64-linux-gnu/libssl.so.3");
-        assert!(error.contains("SSL_read not found") && error.contains("no symbol SSL_read"), "{error}");
+        assert!(
+            error.contains("SSL_read not found") && error.contains("no symbol SSL_read"),
+            "{error}"
+        );
         assert!(live_of(&f, 10).is_empty(), "{:?}", live_of(&f, 10));
-        assert!(failure_line(10, "x", &s).unwrap().contains("libssl.so.3"));
+        assert!(
+            failure_line(10, "x", &s, None)
+                .unwrap()
+                .contains("libssl.so.3")
+        );
+        assert!(failure_line(10, "x", &s, Some("other")).is_some());
+        let TlsAttach::Failed { error, .. } = &s else {
+            unreachable!()
+        };
+        assert!(failure_line(10, "x", &s, Some(error)).is_none());
+        assert!(failure_line(10, "x", &TlsAttach::NoLibrary, None).is_none());
 
         f.lacks = Vec::new();
         f.refuse = vec![("spice_ssl_write", "SSL_write")];
@@ -890,12 +949,18 @@ mod tests {
         let TlsAttach::Failed { error, .. } = &s else {
             panic!("{s:?}")
         };
-        assert!(error.contains("spice_ssl_write") && error.contains("Permission denied"), "{error}");
+        assert!(
+            error.contains("spice_ssl_write") && error.contains("Permission denied"),
+            "{error}"
+        );
         assert!(live_of(&f, 10).is_empty());
 
         // An optional function that exists but cannot be attached is a failure too.
         f.refuse = vec![(RET_PROGRAM, "SSL_peek")];
-        assert!(matches!(h.handle(&mut f, 10, t), Some(TlsAttach::Failed { .. })));
+        assert!(matches!(
+            h.handle(&mut f, 10, t),
+            Some(TlsAttach::Failed { .. })
+        ));
         assert!(live_of(&f, 10).is_empty());
     }
 
@@ -945,19 +1010,34 @@ mod tests {
                 status: Some(TlsAttach::NoLibrary)
             }]
         );
-        assert!(h.sync(&mut f, &[10, 11], t0 + Duration::from_secs(1)).is_empty());
+        assert!(
+            h.sync(&mut f, &[10, 11], t0 + Duration::from_secs(1))
+                .is_empty()
+        );
         let n = f.attaches;
         // dlopen: 11 maps libssl now; seen at the recheck, not before.
         f.procs.get_mut(&11).unwrap().1 = vec![lib3()];
-        assert!(h.sync(&mut f, &[10, 11], t0 + Duration::from_secs(4)).is_empty());
+        assert!(
+            h.sync(&mut f, &[10, 11], t0 + Duration::from_secs(4))
+                .is_empty()
+        );
         assert_eq!(f.attaches, n);
         let c = h.sync(&mut f, &[10, 11], t0 + RECHECK);
         assert_eq!(c.len(), 1);
-        assert!(matches!(c[0].status, Some(TlsAttach::Attached { .. })), "{c:?}");
+        assert!(
+            matches!(c[0].status, Some(TlsAttach::Attached { .. })),
+            "{c:?}"
+        );
         assert_eq!(live_of(&f, 11).len(), 16);
         // No longer watched: detached and forgotten.
         let c = h.sync(&mut f, &[10], t0 + RECHECK);
-        assert_eq!(c, [Change { tgid: 11, status: None }]);
+        assert_eq!(
+            c,
+            [Change {
+                tgid: 11,
+                status: None
+            }]
+        );
         assert!(live_of(&f, 11).is_empty());
         // Pid 10 reused by another process (start time changed): its old links go first.
         f.procs.insert(10, (2, Vec::new()));
@@ -973,7 +1053,13 @@ mod tests {
         // Exited while still listed: dropped.
         f.procs.remove(&10);
         let c = h.sync(&mut f, &[10], t0 + RECHECK);
-        assert_eq!(c, [Change { tgid: 10, status: None }]);
+        assert_eq!(
+            c,
+            [Change {
+                tgid: 10,
+                status: None
+            }]
+        );
         assert!(h.is_empty());
         // Bounded: a thousand short-lived processes leave nothing behind.
         for pid in 100..1100 {
@@ -997,8 +1083,9 @@ mod tests {
         assert_eq!(
             s,
             TlsAttach::Attached {
-                library: "/usr/lib/x86_64-linux-gnu/libssl.so.3, /opt/ssl/lib/libssl.so.1.1 (deleted)"
-                    .into()
+                library:
+                    "/usr/lib/x86_64-linux-gnu/libssl.so.3, /opt/ssl/lib/libssl.so.1.1 (deleted)"
+                        .into()
             }
         );
         assert_eq!(live_of(&f, 10).len(), 32);
