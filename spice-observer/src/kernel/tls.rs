@@ -579,6 +579,7 @@ fn attach_library<H: Host>(
     lib: &MappedLibrary,
 ) -> Result<Vec<H::Link>, String> {
     let target = lib.attach_path(pid);
+    let t0 = Instant::now();
     let mut links = Vec::new();
     let mut missing = Vec::new();
     for f in FUNCTIONS {
@@ -607,9 +608,10 @@ fn attach_library<H: Host>(
         links.push(e);
     }
     debug!(
-        "pid {pid}: libssl hooks on {} ({} links{})",
+        "pid {pid}: libssl hooks on {} ({} links in {:.1} ms{})",
         target.display(),
         links.len(),
+        t0.elapsed().as_secs_f64() * 1e3,
         if missing.is_empty() {
             String::new()
         } else {
