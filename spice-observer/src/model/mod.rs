@@ -1127,8 +1127,11 @@ impl Model {
     /// or when the records it covers have been applied ([`KernelCheck`]); if they differ after
     /// records were lost, the window's counters continue from the kernel's
     /// ([`AckWindow::resync`]). Every direction also takes the kernel's count of all bytes
-    /// moved by traced calls, framed or not ([`DirStats::traced`]); a socket that carried no
-    /// message takes only that. Unknown sockets are ignored.
+    /// moved by traced calls, framed or not ([`DirStats::traced`]: TCP bytes, for a TLS socket
+    /// `SockState::wire_pos`, whose `DirState::pos` is its plaintext count, kept in
+    /// [`DirStats::tls`]); a socket that carried no message takes only that. A socket the
+    /// kernel says carries TLS (`SockState::carrier`) becomes one here if its `TLS` record was
+    /// lost. Unknown sockets are ignored.
     pub fn kernel_state(&mut self, cookie: u64, st: &SockState, read_ns: u64) {
         if let Some(s) = self.sockets.get_mut(&cookie) {
             let is_tls = st.carrier == carrier::TLS;

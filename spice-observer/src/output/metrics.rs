@@ -152,7 +152,7 @@ pub const METRICS: &[MetricDef] = &[
         "socket_bytes_total",
         Counter,
         CH_DIR,
-        "Every byte the process moved on this socket by traced calls, framed or not (hunting, unparsed, not SPICE; the kernel's DirState::pos at the last sample), by direction of the SPICE flow. channel=\"unknown\": the open socket of unknown channel type of this vm and leg that moved the most bytes."
+        "Every byte the process moved on this socket by traced calls, framed or not (hunting, unparsed, not SPICE; the kernel's DirState::pos at the last sample; TCP bytes, TLS records included, on a TLS socket), by direction of the SPICE flow. channel=\"unknown\": the open socket of unknown channel type of this vm and leg that moved the most bytes."
     ),
     def!(
         "acks_total",
