@@ -15,7 +15,7 @@ pub mod traced;
 pub mod window;
 
 use std::{
-    collections::{BTreeMap, VecDeque},
+    collections::{BTreeMap, BTreeSet, VecDeque},
     net::SocketAddr,
 };
 
@@ -688,8 +688,13 @@ pub struct Model {
     /// ([`Model::restore`]), CLOCK_MONOTONIC ns; `None` for a model built from the ring only.
     pub restored_ns: Option<u64>,
     /// What the libssl hooks could do for each watched process (tgid → status), as the front
-    /// end last reported it ([`Model::set_tls_attach`]). Entries leave with their process.
+    /// end last reported it ([`Model::set_tls_attach`]). Entries leave with their process
+    /// ([`Model::forget_tls_attach`]), once the model holds no socket of it any more.
     pub tls_attach: BTreeMap<u32, tls::TlsAttach>,
+    /// Processes the front end forgot ([`Model::forget_tls_attach`]) whose status is kept
+    /// while the model still holds sockets of theirs (their report rows, e.g. an `unparsed:
+    /// tls` detail, say what the hooks could do); dropped by [`Model::release_tls_attach`].
+    pub tls_forgotten: BTreeSet<u32>,
 }
 
 /// One entry of the kernel's socket map and what the host knows about it, for
@@ -720,7 +725,38 @@ fn resume_window(w: &WindowState, now_ns: u64) -> AckWindow {
 impl Model {
     /// Records what the libssl hooks could do for process `tgid` (see [`tls::TlsAttach`]).
     pub fn set_tls_attach(&mut self, tgid: u32, a: tls::TlsAttach) {
+        self.tls_forgotten.remove(&tgid);
         self.tls_attach.insert(tgid, a);
+    }
+
+    /// Drops the status of process `tgid` ([`Model::set_tls_attach`]): its process is gone or
+    /// no longer watched. While the model still holds sockets of `tgid` (closed sockets stay
+    /// until a snapshot reported them, and to the end in `observe`), the status is kept for
+    /// their report rows and `tls_processes`, and dropped by [`Model::release_tls_attach`]
+    /// once they are gone.
+    pub fn forget_tls_attach(&mut self, tgid: u32) {
+        if self.sockets.values().any(|s| s.pid == tgid) {
+            self.tls_forgotten.insert(tgid);
+        } else {
+            self.tls_forgotten.remove(&tgid);
+            self.tls_attach.remove(&tgid);
+        }
+    }
+
+    /// Drops the kept status of forgotten processes ([`Model::forget_tls_attach`]) the model
+    /// holds no socket of any more. Call after releasing sockets.
+    pub fn release_tls_attach(&mut self) {
+        let live: BTreeSet<u32> = self.sockets.values().map(|s| s.pid).collect();
+        let gone: Vec<u32> = self
+            .tls_forgotten
+            .iter()
+            .copied()
+            .filter(|t| !live.contains(t))
+            .collect();
+        for t in gone {
+            self.tls_forgotten.remove(&t);
+            self.tls_attach.remove(&t);
+        }
     }
 
     /// What the libssl hooks could do for process `tgid`, if the front end reported it.
@@ -1468,6 +1504,35 @@ mod tests {
                 Some(m.at)
             );
         }
+    }
+
+    /// The hook status of a process that went stays while its sockets are in the model (their
+    /// rows and `tls_processes` still say what the hooks could do), and goes with them.
+    #[test]
+    fn tls_status_stays_while_the_processes_sockets_do() {
+        let mut f = Feed::new(channel::DISPLAY);
+        f.m.set_tls_attach(1, tls::TlsAttach::NoLibrary);
+        f.m.set_tls_attach(2, tls::TlsAttach::Disabled);
+        f.m.forget_tls_attach(2);
+        assert_eq!(f.m.tls_attach(2), None, "no socket of pid 2");
+        f.m.forget_tls_attach(1);
+        assert_eq!(f.m.tls_attach(1), Some(&tls::TlsAttach::NoLibrary));
+        f.m.release_tls_attach();
+        assert_eq!(f.m.tls_attach(1), Some(&tls::TlsAttach::NoLibrary));
+        // A new process with the same pid reports again: not forgotten any more.
+        f.m.set_tls_attach(1, tls::TlsAttach::NoLibrary);
+        f.m.sockets.clear();
+        f.m.release_tls_attach();
+        assert_eq!(f.m.tls_attach(1), Some(&tls::TlsAttach::NoLibrary));
+        f.m.forget_tls_attach(1);
+        assert!(f.m.tls_attach.is_empty() && f.m.tls_forgotten.is_empty());
+        // Forgotten with a socket, released once it is gone.
+        let mut g = Feed::new(channel::DISPLAY);
+        g.m.set_tls_attach(1, tls::TlsAttach::NoLibrary);
+        g.m.forget_tls_attach(1);
+        g.m.sockets.clear();
+        g.m.release_tls_attach();
+        assert!(g.m.tls_attach.is_empty() && g.m.tls_forgotten.is_empty());
     }
 
     #[test]

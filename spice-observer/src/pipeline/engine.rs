@@ -1156,6 +1156,7 @@ impl Engine {
         let pids: HashSet<u32> = done.into_iter().flat_map(|(_, p)| p).collect();
         // Their libssl hook status goes with them (the model's list stays bounded).
         self.model.tls_attach.retain(|p, _| !pids.contains(p));
+        self.model.tls_forgotten.retain(|p| !pids.contains(p));
         if !pids.is_empty() {
             free.extend(
                 self.model
@@ -1169,6 +1170,7 @@ impl Engine {
             return;
         }
         self.model.sockets.retain(|c, _| !free.contains(c));
+        self.model.release_tls_attach();
         self.chains.retain(|c| !free.contains(&c.server));
         for c in self.chains.iter_mut() {
             if c.backend.is_some_and(|b| free.contains(&b)) {
