@@ -729,6 +729,11 @@ impl Model {
         self.tls_attach.insert(tgid, a);
     }
 
+    /// What the libssl hooks could do for process `tgid`, if the front end reported it.
+    pub fn tls_attach(&self, tgid: u32) -> Option<&tls::TlsAttach> {
+        self.tls_attach.get(&tgid)
+    }
+
     /// Drops the status of process `tgid` ([`Model::set_tls_attach`]): its process is gone or
     /// no longer watched. While the model still holds sockets of `tgid` (closed sockets stay
     /// until a snapshot reported them, and to the end in `observe`), the status is kept for
@@ -757,11 +762,6 @@ impl Model {
             self.tls_forgotten.remove(&t);
             self.tls_attach.remove(&t);
         }
-    }
-
-    /// What the libssl hooks could do for process `tgid`, if the front end reported it.
-    pub fn tls_attach(&self, tgid: u32) -> Option<&tls::TlsAttach> {
-        self.tls_attach.get(&tgid)
     }
 
     fn socket(&mut self, hdr: &EventHeader) -> &mut SocketModel {
