@@ -1367,10 +1367,11 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         .tls_attach
         .iter()
         .map(|(&pid, a)| {
+            // As the channel rows name it: the live process name, else the one its sockets'
+            // first records carried, else the watched pid's at the start.
             let comm = comms
                 .get(&pid)
                 .cloned()
-                .or_else(|| pids.iter().find(|p| p.pid == pid).map(|p| p.comm.clone()))
                 .or_else(|| {
                     model
                         .sockets
@@ -1378,6 +1379,7 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
                         .find(|s| s.pid == pid && !s.comm.is_empty())
                         .map(|s| s.comm.clone())
                 })
+                .or_else(|| pids.iter().find(|p| p.pid == pid).map(|p| p.comm.clone()))
                 .unwrap_or_default();
             TlsProcessReport::new(pid, comm, a)
         })
