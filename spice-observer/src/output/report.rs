@@ -1467,6 +1467,9 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_string(), |v| v.to_string())
 }
 
+/// Most processes the table's libssl line names one by one (beyond, it counts them per state).
+const TLS_LINE_PROCESSES: usize = 6;
+
 /// Renders the human table and verdicts.
 /// The report of `model` for unit tests: observation from 0 to `end_ns`, a standalone
 /// `observe` (source `loaded`), no counters, chains or final TCP state.
@@ -1610,18 +1613,30 @@ pub fn render(r: &Report) -> String {
         );
     }
     if !r.tls_processes.is_empty() {
-        let procs: Vec<String> = r
-            .tls_processes
-            .iter()
-            .map(|p| {
-                let what = match (&p.library, &p.error) {
-                    (Some(l), Some(e)) => format!("{} {l}: {e}", p.state),
-                    (Some(l), None) => format!("{} {l}", p.state),
-                    _ => p.state.clone(),
-                };
-                format!("pid {} ({}) {what}", p.pid, p.comm)
-            })
-            .collect();
+        // Each process when few; else the count per state, and the failures by name.
+        let many = r.tls_processes.len() > TLS_LINE_PROCESSES;
+        let mut procs: Vec<String> = Vec::new();
+        if many {
+            for state in ["attached", "no_libssl", "failed", "disabled"] {
+                let n = r.tls_processes.iter().filter(|p| p.state == state).count();
+                if n > 0 {
+                    procs.push(format!("{n} {state}"));
+                }
+            }
+        }
+        procs.extend(
+            r.tls_processes
+                .iter()
+                .filter(|p| !many || p.state == "failed")
+                .map(|p| {
+                    let what = match (&p.library, &p.error) {
+                        (Some(l), Some(e)) => format!("{} {l}: {e}", p.state),
+                        (Some(l), None) => format!("{} {l}", p.state),
+                        _ => p.state.clone(),
+                    };
+                    format!("pid {} ({}) {what}", p.pid, p.comm)
+                }),
+        );
         let _ = writeln!(
             out,
             "  libssl hooks (/tls: framed from the TLS plaintext): {}",
@@ -2496,6 +2511,23 @@ mod tests {
         let text = render(&r);
         assert!(text.contains(" display/tls 0 "), "{text}");
         assert!(text.contains("pid 2 (proc2) no_libssl"), "{text}");
+        // Many processes (a relay forking one per connection): counted per state, failures
+        // named.
+        let mut many = r.clone();
+        for pid in 10..20 {
+            many.tls_processes.push(TlsProcessReport::new(
+                pid,
+                "stunnel4".into(),
+                &TlsAttach::NoLibrary,
+            ));
+        }
+        let text = render(&many);
+        assert!(
+            text.contains(
+                "libssl hooks (/tls: framed from the TLS plaintext): 2 attached; 11 no_libssl; 1 failed; 1 disabled; pid 3 (proc3) failed /opt/lib/libssl.so.3: symbol SSL_write_ex not found\n"
+            ),
+            "{text}"
+        );
     }
 
     /// The kernel's TLS counters reach `kernel_counters`; `tls_unmapped` and
