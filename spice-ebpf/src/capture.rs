@@ -585,23 +585,29 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, tgid: u32) {
         },
     };
     run_call(sock, &call, tgid, now, None);
-    if ret > 0 {
-        let seq = TCP_STATE.get_ptr(&cookie).map_or(0, |s| unsafe {
-            if send {
-                (*s).write_seq
-            } else {
-                (*s).copied_seq
-            }
-        });
-        let plain_end = sock.dir[(call.dir & 1) as usize].pos;
-        let hdr = header(kind::TLS_MARK, call.dir, cookie, tgid, now);
-        write_record::<TlsMarkEvent>(tc.watch, |p| unsafe {
-            (*p).hdr = hdr;
-            (*p).plain_end = plain_end;
-            (*p).seq = seq;
-            (*p).len = ret as u32;
-        });
+    if ret <= 0 {
+        return;
     }
+    // No TCP state (the map was full when the socket's calls tried to add it): no position to
+    // give, so no mark (the host then cannot place this plaintext, rather than misplace it).
+    let Some(s) = TCP_STATE.get_ptr(&cookie) else {
+        return;
+    };
+    let seq = unsafe {
+        if send {
+            (*s).write_seq
+        } else {
+            (*s).copied_seq
+        }
+    };
+    let plain_end = sock.dir[(call.dir & 1) as usize].pos;
+    let hdr = header(kind::TLS_MARK, call.dir, cookie, tgid, now);
+    write_record::<TlsMarkEvent>(tc.watch, |p| unsafe {
+        (*p).hdr = hdr;
+        (*p).plain_end = plain_end;
+        (*p).seq = seq;
+        (*p).len = ret as u32;
+    });
 }
 
 /// Frames one call's bytes on socket state `sock`: the socket's own bytes (`seq_now`: its
