@@ -225,15 +225,17 @@ mod tests {
     }
 
     /// The sample file sets every key to its default, so parsing it gives the defaults, but
-    /// for `bpf_stats`: the packaged unit does not grant CAP_SYS_ADMIN, so the file installed
-    /// with it turns the stats off.
+    /// for `bpf_stats` and `tls_hooks`: the packaged unit does not grant CAP_SYS_ADMIN, so the
+    /// file installed with it turns both off.
     #[test]
     fn config_sample_file_is_default() {
         let sample = Config::parse(SAMPLE).unwrap();
         assert!(!sample.bpf_stats);
+        assert!(!sample.tls_hooks);
         assert_eq!(
             Config {
                 bpf_stats: true,
+                tls_hooks: true,
                 ..sample
             },
             Config::default()

@@ -417,33 +417,51 @@ fn service_each_capability_is_needed() -> Result<()> {
     }
 
     // The optional one: with CAP_SYS_ADMIN too, bpf_stats works, also after the drop (run
-    // counts are read through the program descriptors), and CAP_SYS_ADMIN is dropped too.
-    pins.reset_for(UID)?;
-    let config = write_config(&rig, &pins, "scan_ms = 200\nbpf_stats = true\n")?;
+    // counts are read through the program descriptors), and CAP_SYS_ADMIN is dropped too
+    // when the libssl hooks are off.
     let mut caps = all();
     caps.push(Need {
         cap: privilege::BPF_STATS_CAP,
         why: "BPF_ENABLE_STATS",
     });
-    let mut d = spawn_daemon(&caps, &config, None)?;
-    d.wait_line(found, Duration::from_secs(30))?;
-    thread::sleep(Duration::from_secs(1));
-    let s = Scrape::take(LISTEN)?;
-    s.check_run(0.0)?;
-    let runs: f64 = s
-        .find("spice_observer_bpf_runs_total", &[])
-        .iter()
-        .map(|x| x.value)
-        .sum();
-    ensure!(runs > 0.0, "bpf_runs_total {runs} with CAP_SYS_ADMIN");
     let steady = privilege::mask(privilege::STEADY.map(|n| n.cap));
-    for (tid, c) in ThreadCaps::of_process(d.pid())? {
-        ensure!(
-            c.effective == steady && c.permitted == steady,
-            "thread {tid}: {c:x?}"
+    let with_tls = privilege::mask(
+        privilege::STEADY
+            .iter()
+            .chain([&privilege::TLS_HOOKS_CAP])
+            .map(|n| n.cap),
+    );
+    for (tls_hooks, want) in [(false, steady), (true, with_tls)] {
+        pins.reset_for(UID)?;
+        let config = write_config(
+            &rig,
+            &pins,
+            &format!("scan_ms = 200\nbpf_stats = true\ntls_hooks = {tls_hooks}\n"),
+        )?;
+        let mut d = spawn_daemon(&caps, &config, None)?;
+        d.wait_line(found, Duration::from_secs(30))?;
+        thread::sleep(Duration::from_secs(1));
+        let s = Scrape::take(LISTEN)?;
+        s.check_run(0.0)?;
+        let runs: f64 = s
+            .find("spice_observer_bpf_runs_total", &[])
+            .iter()
+            .map(|x| x.value)
+            .sum();
+        ensure!(runs > 0.0, "bpf_runs_total {runs} with CAP_SYS_ADMIN");
+        // Only the libssl hooks keep CAP_SYS_ADMIN after attach: they hook each process
+        // found later (perf_event_open of the uprobe PMU).
+        for (tid, c) in ThreadCaps::of_process(d.pid())? {
+            ensure!(
+                c.effective == want && c.permitted == want,
+                "tls_hooks = {tls_hooks}: thread {tid}: {c:x?}, want {want:x}"
+            );
+        }
+        println!(
+            "with CAP_SYS_ADMIN, tls_hooks = {tls_hooks}: {runs} BPF program runs counted, \
+             CapEff {want:x} after attach"
         );
     }
-    println!("with CAP_SYS_ADMIN: {runs} BPF program runs counted, CapEff {steady:x} after attach");
     Ok(())
 }
 
