@@ -723,10 +723,12 @@ fn missing_keys(typed: &Value, raw: &Value, path: &str, what: &str) -> Result<()
     Ok(())
 }
 
-/// The hook set every privileged test expects: `tracepoints+sockops` (this project's machines),
+/// The hook set every privileged test expects: `tracepoints+sockops+libssl` (this project's
+/// machines: the libssl uprobe programs load whether or not a watched process maps libssl),
 /// or `$SPICE_OBSERVER_EXPECT_HOOK_SET`.
 pub fn expected_hook_set() -> String {
-    std::env::var("SPICE_OBSERVER_EXPECT_HOOK_SET").unwrap_or_else(|_| "tracepoints+sockops".into())
+    std::env::var("SPICE_OBSERVER_EXPECT_HOOK_SET")
+        .unwrap_or_else(|_| "tracepoints+sockops+libssl".into())
 }
 
 /// Checks every privileged test makes of a run: the expected hook set, nothing degraded, and
