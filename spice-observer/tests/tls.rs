@@ -33,7 +33,6 @@ use common::{
     oracle::{self, Capture, Clock, Sample, SpiceConn},
     peer::{Client as PeerClient, Server as PeerServer},
     privileged, remote_of,
-    summary::PeerSummary,
 };
 use spice_observer::report::{ChannelReport, Report, TlsChannelReport};
 
@@ -330,8 +329,16 @@ const PLAIN_GROUPS: [(&str, &[&str], PlainPos); 3] = [
         ],
         PlainPos::Upstream,
     ),
-    ("client_unacked", &["client_unacked"], PlainPos::ClientUnacked),
-    ("client_owes_ack", &["client_owes_ack"], PlainPos::ClientAcked),
+    (
+        "client_unacked",
+        &["client_unacked"],
+        PlainPos::ClientUnacked,
+    ),
+    (
+        "client_owes_ack",
+        &["client_owes_ack"],
+        PlainPos::ClientAcked,
+    ),
 ];
 
 /// Every stage of a byte-transparent relay chain with both legs (README "Stages").
@@ -378,16 +385,19 @@ fn plain_position(conn: &SpiceConn, last: u64, t: f64, late: bool) -> PlainPos {
 /// [`oracle::classify`]) on at least [`oracle::THRESHOLD`] of the samples per group. A sample
 /// without all eight stages, or without the client leg, is a disagreement in every group.
 /// Samples whose newest in-flight message the capture does not hold whole are excluded (at
-/// most 10 %). Returns (compared, agreeing per group).
+/// most 10 %). `mutate` changes the observer's stages before the comparison (identity for the
+/// check itself; a wrong placement for the mutation test).
 fn plain_leg_oracle(
     samples: &[Sample],
     clock: Clock,
     plain: &[SpiceConn],
     server_socket: &str,
-) -> Result<(usize, Vec<usize>)> {
+    mutate: &dyn Fn(&mut BTreeMap<String, u32>),
+) -> Result<PlainAgreement> {
     let base = clock.realtime_ns as f64 / 1e9;
     let mut compared = 0usize;
     let mut agree = vec![0usize; PLAIN_GROUPS.len()];
+    let mut sums = vec![(0u64, 0u64, 0u64); PLAIN_GROUPS.len()];
     let mut beyond = 0usize;
     let mut with_flight = 0usize;
     let all: BTreeSet<&str> = ALL_STAGES.into_iter().collect();
@@ -463,25 +473,67 @@ fn plain_leg_oracle(
             }
         }
         compared += 1;
+        let mut st = s.stages.clone();
+        mutate(&mut st);
         for (g, (_, stages, _)) in PLAIN_GROUPS.iter().enumerate() {
-            let obs: i64 = stages
-                .iter()
-                .map(|k| i64::from(s.stages[*k]))
-                .sum();
+            let obs: i64 = stages.iter().map(|k| i64::from(st[*k])).sum();
             if lo[g] as i64 - oracle::TOLERANCE <= obs && obs <= hi[g] as i64 + oracle::TOLERANCE {
                 agree[g] += 1;
             }
+            sums[g].0 += obs as u64;
+            sums[g].1 += lo[g];
+            sums[g].2 += hi[g];
         }
     }
     ensure!(
         (beyond as f64) <= 0.10 * with_flight as f64,
         "{beyond} of {with_flight} samples beyond the plaintext capture"
     );
-    Ok((compared, agree))
+    Ok(PlainAgreement {
+        compared,
+        agree,
+        sums,
+    })
 }
 
-/// Xspice (TLS port only) ← stunnel (client mode: plaintext in, TLS out) ← spice-gtk
-/// (plain). The observer watches Xorg and stunnel: spice-server's sockets are framed through
+/// What [`plain_leg_oracle`] found, per [`PLAIN_GROUPS`] group.
+struct PlainAgreement {
+    /// Samples compared (with messages in flight, within the capture).
+    compared: usize,
+    /// Samples whose observer count lies within the oracle's bounds.
+    agree: Vec<usize>,
+    /// Over the compared samples: (observer's messages, oracle's lower bounds, upper bounds).
+    sums: Vec<(u64, u64, u64)>,
+}
+
+impl PlainAgreement {
+    /// Prints one `ORACLE |` line per group; true if every group agrees on at least
+    /// [`oracle::THRESHOLD`] of the samples.
+    fn report(&self, what: &str) -> bool {
+        let n = self.compared;
+        let mut ok = true;
+        for (g, (name, _, _)) in PLAIN_GROUPS.iter().enumerate() {
+            let (o, lo, hi) = self.sums[g];
+            eprintln!(
+                "ORACLE | {what} | {name}: {}/{n} agree ({:.1}%); messages summed over the samples: observer {o}, oracle [{lo}, {hi}]",
+                self.agree[g],
+                100.0 * self.agree[g] as f64 / n.max(1) as f64
+            );
+            ok &= self.agree[g] as f64 >= oracle::THRESHOLD * n as f64;
+        }
+        ok
+    }
+}
+
+/// Moves all of stage `from` into stage `to`.
+fn merge_into(st: &mut BTreeMap<String, u32>, from: &str, to: &str) {
+    let n = st.insert(from.into(), 0).unwrap_or(0);
+    *st.entry(to.into()).or_default() += n;
+}
+
+/// Xspice (TLS port only) ← stunnel (client mode: plaintext in, TLS out) on 198.18.0.1 ←
+/// an 8 Mbit/s link (rig/shape.sh veth) ← spice-gtk (plain, in the client namespace, pausing
+/// 1.5 s). The observer watches Xorg and stunnel: spice-server's sockets are framed through
 /// Xorg's libssl, stunnel's leg toward Xorg through stunnel's libssl, its leg toward spice-gtk
 /// on the normal path. Per channel and direction the three sockets carry the same messages
 /// (types and bytes); the capture of the plaintext leg (tshark, the oracle's own SPICE
@@ -496,24 +548,43 @@ fn tls_relay_counts_equal_plain_leg() -> Result<()> {
     }
     let mut rig = Rig::new(T)?;
     let x509 = rig.tls_certs()?;
-    let xorg = rig.xspice_tls(5911, 11, &x509, &rects_with_cursor("6"))?;
-    let st = rig.stunnel("client", 6911, 5911, &x509)?;
+    // draws of ≈50 KB at 20/s (≈8 Mbit/s) over a client link of 8 Mbit/s: a backlog in
+    // stunnel's send queue and on the client link, more while the client pauses
+    let xorg = rig.xspice_tls(
+        5911,
+        11,
+        &x509,
+        &[
+            "--mode",
+            "noise",
+            "--fps",
+            "20",
+            "--size",
+            "128x96",
+            "--seconds",
+            "7",
+            "--cursor-every",
+            "2",
+        ],
+    )?;
+    rig.shaped_link(&["veth"], Some("8mbit"))?;
+    let st = rig.stunnel("client", "198.18.0.1", 6911, 5911, &x509)?;
     let lib_x = libssl_of(xorg)?.context("Xorg maps no libssl")?;
     let lib_s = libssl_of(st.pid)?.context("stunnel maps no libssl")?;
-    let mut cap = Capture::start(rig.state.join("plain-leg.pcapng"), None, "lo", &[6911])?;
+    let mut cap = Capture::start(rig.state.join("plain-leg.pcapng"), None, "rigr0", &[6911])?;
     let samples = rig.state.join("samples.jsonl");
     let obs = observe_or_skip!(
         T,
         &[xorg, st.pid],
-        9.0,
+        10.0,
         json(&rig),
         &["--samples", samples.to_str().unwrap()]
     );
     let client = Client::start(
-        "spice://127.0.0.1:6911",
+        "spice://198.18.0.1:6911",
         30,
-        &["--pause-at", "2", "--pause-for", "1.5"],
-        None,
+        &["--pause-at", "3", "--pause-for", "1.5"],
+        Some("rigc"),
     )?;
     let report = obs.finish_report()?;
     // End the session: stunnel logs each connection's byte counts as it closes.
@@ -632,10 +703,26 @@ fn tls_relay_counts_equal_plain_leg() -> Result<()> {
             conn.conn.c2s.bytes.len()
         );
         for (what, got, want) in [
-            ("spice-server's plaintext written", ts.plaintext_bytes_sent, to_socket),
-            ("spice-server's plaintext read", ts.plaintext_bytes_received, to_tls),
-            ("stunnel's TLS-leg plaintext read", tb.plaintext_bytes_received, to_socket),
-            ("stunnel's TLS-leg plaintext written", tb.plaintext_bytes_sent, to_tls),
+            (
+                "spice-server's plaintext written",
+                ts.plaintext_bytes_sent,
+                to_socket,
+            ),
+            (
+                "spice-server's plaintext read",
+                ts.plaintext_bytes_received,
+                to_tls,
+            ),
+            (
+                "stunnel's TLS-leg plaintext read",
+                tb.plaintext_bytes_received,
+                to_socket,
+            ),
+            (
+                "stunnel's TLS-leg plaintext written",
+                tb.plaintext_bytes_sent,
+                to_tls,
+            ),
         ] {
             ensure!(
                 got == want,
@@ -655,22 +742,67 @@ fn tls_relay_counts_equal_plain_leg() -> Result<()> {
         ch.kept_short_samples == 0 && ch.relay_above_true_samples == 0,
         "chain: {ch:?}: {d}"
     );
-    ensure!(ch.samples_placed >= 20, "too few placed samples: {ch:?}: {d}");
+    ensure!(
+        ch.samples_placed >= 20,
+        "too few placed samples: {ch:?}: {d}"
+    );
     let lines = oracle::read_samples(&samples)?;
     let clock = oracle::read_clock(&json(&rig))?;
-    let (n, agree) = plain_leg_oracle(&lines, clock, &plain, &disp.socket)?;
-    ensure!(n >= 20, "only {n} display samples with messages in flight compared");
-    for (g, (name, _, _)) in PLAIN_GROUPS.iter().enumerate() {
-        eprintln!(
-            "ORACLE | {T} | plaintext leg | display 0 | {name}: {}/{n} agree ({:.1}%)",
-            agree[g],
-            100.0 * agree[g] as f64 / n as f64
-        );
+    let a = plain_leg_oracle(&lines, clock, &plain, &disp.socket, &|_| {})?;
+    ensure!(
+        a.compared >= 20,
+        "only {} display samples with messages in flight compared",
+        a.compared
+    );
+    ensure!(
+        a.report(&format!("{T} | plaintext leg | display 0")),
+        "the observer's stages disagree with the plaintext leg's capture (ORACLE lines above)"
+    );
+    // Mutation test: wrong placements must be caught where the run exercised them (the
+    // stage moved holds messages at more than 10 % of the samples).
+    let mut per_stage: BTreeMap<&str, u64> = BTreeMap::new();
+    for l in lines.iter().filter(|l| l.socket == disp.socket) {
+        for (k, v) in &l.stages {
+            *per_stage.entry(k.as_str()).or_default() += u64::from(*v);
+        }
+    }
+    eprintln!("{T}: display 0: messages per stage summed over the samples: {per_stage:?}");
+    let mutations: [(&str, &str, &str); 3] = [
+        (
+            "proxy_notsent placed as client_unacked (client-leg boundary at write_seq, not snd_nxt)",
+            "proxy_notsent",
+            "client_unacked",
+        ),
+        (
+            "client_owes_ack placed as client_unacked (client boundary at snd_una, not the client's ACK)",
+            "client_owes_ack",
+            "client_unacked",
+        ),
+        (
+            "client_owes_ack placed upstream (as proxy_notsent)",
+            "client_owes_ack",
+            "proxy_notsent",
+        ),
+    ];
+    for (name, from, to) in mutations {
+        let used = lines
+            .iter()
+            .filter(|s| s.socket == disp.socket && s.stages.get(from).is_some_and(|&v| v >= 2))
+            .count();
+        if (used as f64) < 0.10 * a.compared as f64 {
+            eprintln!(
+                "ORACLE | {T} | mutation not exercised ({from} ≥ 2 at {used} samples): {name}"
+            );
+            continue;
+        }
+        let m = plain_leg_oracle(&lines, clock, &plain, &disp.socket, &|st| {
+            merge_into(st, from, to)
+        })?;
         ensure!(
-            agree[g] as f64 >= oracle::THRESHOLD * n as f64,
-            "{name}: the observer agrees with the plaintext leg's capture on {}/{n} samples",
-            agree[g]
+            !m.report(&format!("{T} | mutated: {name}")),
+            "the mutation '{name}' still agrees: the comparison does not catch it"
         );
+        eprintln!("ORACLE | {T} | mutation caught: {name}");
     }
     Ok(())
 }
@@ -716,13 +848,20 @@ fn spice_peer_through_two_stunnels_counts_exact() -> Result<()> {
             MARKER,
         ],
     )?;
-    let b = rig.stunnel("server", 5914, 5913, &x509)?;
-    let a = rig.stunnel("client", 6913, 5914, &x509)?;
+    let b = rig.stunnel("server", "127.0.0.1", 5914, 5913, &x509)?;
+    let a = rig.stunnel("client", "127.0.0.1", 6913, 5914, &x509)?;
     let lib_a = libssl_of(a.pid)?.context("stunnel A maps no libssl")?;
     let lib_b = libssl_of(b.pid)?.context("stunnel B maps no libssl")?;
     let mut client = PeerClient::gated(
         6913,
-        &["--messages", "30", "--body-size", "500", "--body-marker", MARKER],
+        &[
+            "--messages",
+            "30",
+            "--body-size",
+            "500",
+            "--body-marker",
+            MARKER,
+        ],
     )?;
     let mut caps = [
         Capture::start(rig.state.join("plain.pcapng"), None, "lo", &[5913, 6913])?,
@@ -731,7 +870,7 @@ fn spice_peer_through_two_stunnels_counts_exact() -> Result<()> {
     let out = |n: &str| rig.state.join(n);
     let (samples, plot, dump) = (out("samples.jsonl"), out("plot.svg"), out("events.txt"));
     let obs = match common::Observer::start_env(
-        &[a.pid, b.pid],
+        &[server.pid(), a.pid, b.pid],
         6.0,
         json(&rig),
         &[
@@ -880,7 +1019,10 @@ fn spice_peer_through_two_stunnels_counts_exact() -> Result<()> {
         has(&pcap(&caps[0])?),
         "the marker is not in the plaintext capture"
     );
-    ensure!(!has(&pcap(&caps[1])?), "the marker is in the TLS leg's capture");
+    ensure!(
+        !has(&pcap(&caps[1])?),
+        "the marker is in the TLS leg's capture"
+    );
     let mut outputs: Vec<(String, Vec<u8>)> = vec![
         ("stdout+stderr".into(), printed.join("\n").into_bytes()),
         ("JSON report".into(), serde_json::to_vec(&raw)?),
@@ -890,7 +1032,7 @@ fn spice_peer_through_two_stunnels_counts_exact() -> Result<()> {
         outputs.push((p.display().to_string(), bytes));
     }
     ensure!(
-        !printed.is_empty() && !outputs[4].1.is_empty(),
+        !printed.is_empty() && !outputs[5].1.is_empty(),
         "the observer printed nothing, or dumped no event"
     );
     for (what, bytes) in &outputs {
@@ -910,99 +1052,111 @@ fn spice_peer_through_two_stunnels_counts_exact() -> Result<()> {
 // d. TLS without libssl
 // ---------------------------------------------------------------------------------------------
 
-/// spice-peer maps no libssl; with `--tls-bytes` it opens with a TLS handshake record
-/// (ServerHello-like from the server, ClientHello-like from the client) instead of the link
-/// phase. Every one of its sockets stays `unparsed: tls`, transport `tcp`, no `tls` object,
-/// with an `unparsed_detail` naming the process and that it maps no libssl; `tls_processes`
-/// lists each peer as `no_libssl`.
+/// spice-peer maps no libssl (checked in /proc/PID/maps); with `--tls-bytes` it sends a TLS
+/// handshake record (ServerHello-like from a server, ClientHello-like from a client) where
+/// the link phase belongs. Two pairs:
+/// * `alive`: the server sends the record; its client sleeps 4 s before reading, so both
+///   outlive the 3 s observation. `tls_processes` lists both as `no_libssl` (no library, no
+///   error); the server's socket stays `unparsed: tls`.
+/// * `exited`: the client sends the record, the server refuses it at once; both are gone
+///   before the report. Both sockets stay `unparsed: tls` all the same.
+///
+/// Every socket that is `unparsed: tls` has transport `tcp`, no `tls` object, no message, and
+/// an `unparsed_detail` naming its process and that it maps no libssl.
 #[test]
 fn tls_without_libssl_stays_unparsed() -> Result<()> {
     const T: &str = "tls_without_libssl_stays_unparsed";
     if !privileged(T) {
         return Ok(());
     }
-    let pairs = [
-        ("tls-server", vec!["--tls-bytes"], vec![]),
-        ("tls-client", vec![], vec!["--tls-bytes"]),
-    ];
-    let mut running = Vec::new();
-    for (i, (name, sargs, cargs)) in pairs.iter().enumerate() {
-        let s = PeerServer::start_on(5915 + 100 * i as u16, sargs).context(*name)?;
-        // the process the observer will call `no_libssl` really maps none (the client is the
-        // same binary, exec'd by its gate when released)
+    let mut alive_s = PeerServer::start_on(5915, &["--tls-bytes"])?;
+    let mut alive_c = PeerClient::gated(5915, &["--recv-pause-ms", "4000"])?;
+    let mut gone_s = PeerServer::start_on(6015, &[])?;
+    let mut gone_c = PeerClient::gated(6015, &["--tls-bytes"])?;
+    for pid in [alive_s.pid(), gone_s.pid()] {
+        // the clients run the same binary once their gate execs it
         ensure!(
-            libssl_of(s.pid())?.is_none(),
-            "spice-peer (pid {}) maps libssl",
-            s.pid()
+            libssl_of(pid)?.is_none(),
+            "spice-peer (pid {pid}) maps libssl"
         );
-        let c = PeerClient::gated(s.port, cargs).context(*name)?;
-        running.push((*name, s, c));
     }
-    let mut pids = Vec::new();
-    for (_, s, c) in &running {
-        pids.extend([s.pid(), c.pid()]);
-    }
+    let pids = [alive_s.pid(), alive_c.pid(), gone_s.pid(), gone_c.pid()];
     let json = std::env::temp_dir().join(format!("spice-observer-tls-{T}.json"));
     let obs = observe_or_skip!(T, &pids, 3.0, json);
-    let mut done: Vec<(&str, u32, u32, PeerSummary, PeerSummary)> = Vec::new();
-    for (_, _, c) in running.iter_mut() {
-        c.go()?;
-    }
-    for (name, mut s, mut c) in running {
-        let cs = c.summary(&format!("{name} client"))?;
-        let ss = s.summary(&format!("{name} server"))?;
-        done.push((name, s.pid(), c.pid(), ss, cs));
-    }
+    alive_c.go()?;
+    gone_c.go()?;
+    let gone = [
+        gone_c.summary("exited client")?,
+        gone_s.summary("exited server")?,
+    ];
     let report = obs.finish_report()?;
+    let alive = [
+        alive_c.summary("alive client")?,
+        alive_s.summary("alive server")?,
+    ];
+    eprintln!(
+        "{T}: tls_processes {:?}; exited {:?}",
+        report.tls_processes, report.exited
+    );
     check_run(&report)?;
     ensure!(
-        report.hook_set.split('+').any(|h| h == "libssl"),
-        "hook set {:?} lacks libssl",
-        report.hook_set
+        alive[1].mode == "tls" && gone[0].mode == "tls",
+        "the peers did not send TLS records: {} / {}",
+        alive[1].mode,
+        gone[0].mode
     );
-    for (name, spid, cpid, ss, cs) in &done {
-        let mode = if *name == "tls-server" { &ss.mode } else { &cs.mode };
-        ensure!(mode == "tls", "{name}: the peer's mode is {mode}");
-        for pid in [*spid, *cpid] {
-            let p = report
-                .tls_processes
-                .iter()
-                .find(|p| p.pid == pid)
-                .with_context(|| format!("{name}: pid {pid} not in tls_processes"))?;
-            ensure!(
-                p.state == "no_libssl" && p.library.is_none() && p.error.is_none(),
-                "{name}: pid {pid}: {p:?}"
-            );
-            let mine: Vec<&ChannelReport> =
-                report.channels.iter().filter(|c| c.pid == pid).collect();
-            let [c] = mine.as_slice() else {
-                bail!("{name}: {} channels of pid {pid}", mine.len());
-            };
-            let d = format!(
-                "{name}: {} ({:?}: {:?})",
-                describe_ch(c),
-                c.unparsed_reason,
-                c.unparsed_detail
-            );
-            ensure!(
-                c.unparsed_reason.as_deref() == Some("tls") && c.framing == "unparsed",
-                "not unparsed tls: {d}"
-            );
-            ensure!(c.transport == "tcp" && c.tls.is_none(), "transport: {d}");
-            let detail = c
-                .unparsed_detail
-                .as_deref()
-                .ok_or_else(|| anyhow!("no unparsed_detail: {d}"))?;
-            ensure!(
-                detail.contains("maps no libssl") && detail.contains(&pid.to_string()),
-                "the detail does not say that process {pid} maps no libssl: {d}"
-            );
-            ensure!(
-                c.messages_sent == 0 && c.messages_received == 0,
-                "messages framed: {d}"
-            );
-            eprintln!("{T}: {name} pid {pid}: unparsed tls: {detail}");
-        }
+    let exited: BTreeSet<u32> = report.exited.iter().map(|e| e.pid).collect();
+    ensure!(
+        exited.contains(&gone_s.pid())
+            && exited.contains(&gone_c.pid())
+            && !exited.contains(&alive_s.pid())
+            && !exited.contains(&alive_c.pid()),
+        "exited {exited:?}: the alive pair must outlive the observation, the other not"
+    );
+    for pid in [alive_s.pid(), alive_c.pid()] {
+        let p = report
+            .tls_processes
+            .iter()
+            .find(|p| p.pid == pid)
+            .with_context(|| format!("pid {pid} not in tls_processes"))?;
+        ensure!(
+            p.state == "no_libssl" && p.library.is_none() && p.error.is_none(),
+            "pid {pid}: {p:?}"
+        );
+    }
+    for (what, pid) in [
+        ("alive server", alive_s.pid()),
+        ("exited server", gone_s.pid()),
+        ("exited client", gone_c.pid()),
+    ] {
+        let mine: Vec<&ChannelReport> = report.channels.iter().filter(|c| c.pid == pid).collect();
+        let [c] = mine.as_slice() else {
+            bail!("{what}: {} channels of pid {pid}", mine.len());
+        };
+        let d = format!(
+            "{what}: {} ({:?}: {:?})",
+            describe_ch(c),
+            c.unparsed_reason,
+            c.unparsed_detail
+        );
+        ensure!(
+            c.unparsed_reason.as_deref() == Some("tls") && c.framing == "unparsed",
+            "not unparsed tls: {d}"
+        );
+        ensure!(c.transport == "tcp" && c.tls.is_none(), "transport: {d}");
+        ensure!(
+            c.messages_sent == 0 && c.messages_received == 0,
+            "messages framed: {d}"
+        );
+        let detail = c
+            .unparsed_detail
+            .as_deref()
+            .ok_or_else(|| anyhow!("no unparsed_detail: {d}"))?;
+        ensure!(
+            detail.contains("maps no libssl") && detail.contains(&format!("process {pid} ")),
+            "the detail does not say that process {pid} maps no libssl: {d}"
+        );
+        eprintln!("{T}: {what} pid {pid}: unparsed tls: {detail}");
     }
     Ok(())
 }

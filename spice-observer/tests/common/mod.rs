@@ -168,7 +168,13 @@ impl Rig {
         self.xspice_opts(port, display, &["--tls", dir], anim)
     }
 
-    fn xspice_opts(&mut self, port: u16, display: u32, opts: &[&str], anim: &[&str]) -> Result<u32> {
+    fn xspice_opts(
+        &mut self,
+        port: u16,
+        display: u32,
+        opts: &[&str],
+        anim: &[&str],
+    ) -> Result<u32> {
         let run = self.state.join(format!("xspice-{port}"));
         let mut stop = Command::new(rig().join("start-xspice.sh"));
         stop.env("RIG_RUN", &run).args(["stop", &port.to_string()]);
@@ -191,10 +197,17 @@ impl Rig {
         Ok(dir)
     }
 
-    /// A TLS-terminating relay (rig/stunnel.sh) from 127.0.0.1:`lport` to 127.0.0.1:`sport`:
+    /// A TLS-terminating relay (rig/stunnel.sh) from `laddr`:`lport` to 127.0.0.1:`sport`:
     /// `mode` `client` (plaintext in, TLS out, the server verified against
     /// `x509/ca-cert.pem`) or `server` (TLS in with `x509/server.pem`, plaintext out).
-    pub fn stunnel(&mut self, mode: &str, lport: u16, sport: u16, x509: &Path) -> Result<Stunnel> {
+    pub fn stunnel(
+        &mut self,
+        mode: &str,
+        laddr: &str,
+        lport: u16,
+        sport: u16,
+        x509: &Path,
+    ) -> Result<Stunnel> {
         let pidfile = self.state.join(format!("stunnel-{lport}.pid"));
         let mut stop = Command::new(rig().join("stunnel.sh"));
         stop.arg("stop").arg(&pidfile);
@@ -205,7 +218,13 @@ impl Rig {
             other => bail!("stunnel mode {other:?}"),
         };
         sh(Command::new(rig().join("stunnel.sh"))
-            .args([mode, "127.0.0.1", &lport.to_string(), "127.0.0.1", &sport.to_string()])
+            .args([
+                mode,
+                laddr,
+                &lport.to_string(),
+                "127.0.0.1",
+                &sport.to_string(),
+            ])
             .arg(&tls)
             .arg(&pidfile))?;
         Ok(Stunnel {
@@ -390,9 +409,9 @@ impl Stunnel {
                     .collect::<Result<_, _>>()
                     .with_context(|| format!("stunnel log line {line:?}"))?;
                 ensure!(nums.len() == 2, "stunnel log line {line:?}");
-                let a = from
-                    .get(n)
-                    .with_context(|| format!("connection {n} closed but never accepted: {line:?}"))?;
+                let a = from.get(n).with_context(|| {
+                    format!("connection {n} closed but never accepted: {line:?}")
+                })?;
                 out.insert(a.clone(), (nums[0], nums[1]));
             }
         }
