@@ -525,6 +525,25 @@ impl PlainAgreement {
     }
 }
 
+/// Offsets just past each TLS record in one direction of a TCP stream (5-byte record headers:
+/// content type 20–23, version 3.x, 16-bit length; RFC 8446 §5.1). Fails on bytes that are
+/// not a record header where one belongs (a hole or a wrong parse).
+fn tls_record_ends(b: &[u8]) -> Result<BTreeSet<u64>> {
+    let mut ends = BTreeSet::new();
+    let mut off = 0usize;
+    while off + 5 <= b.len() {
+        let (ty, major) = (b[off], b[off + 1]);
+        ensure!(
+            (20..=23).contains(&ty) && major == 3,
+            "no TLS record header at offset {off}: {:02x?}",
+            &b[off..off + 5]
+        );
+        off += 5 + usize::from(u16::from_be_bytes([b[off + 3], b[off + 4]]));
+        ends.insert(off as u64);
+    }
+    Ok(ends)
+}
+
 /// Moves all of stage `from` into stage `to`.
 fn merge_into(st: &mut BTreeMap<String, u32>, from: &str, to: &str) {
     let n = st.insert(from.into(), 0).unwrap_or(0);
@@ -572,6 +591,7 @@ fn tls_relay_counts_equal_plain_leg() -> Result<()> {
     let lib_x = libssl_of(xorg)?.context("Xorg maps no libssl")?;
     let lib_s = libssl_of(st.pid)?.context("stunnel maps no libssl")?;
     let mut cap = Capture::start(rig.state.join("plain-leg.pcapng"), None, "rigr0", &[6911])?;
+    let mut tls_cap = Capture::start(rig.state.join("tls-leg.pcapng"), None, "lo", &[5911])?;
     let samples = rig.state.join("samples.jsonl");
     let obs = observe_or_skip!(
         T,
@@ -591,6 +611,7 @@ fn tls_relay_counts_equal_plain_leg() -> Result<()> {
     drop(client);
     std::thread::sleep(std::time::Duration::from_millis(500));
     cap.stop()?;
+    tls_cap.stop()?;
     check_tls_run(&report)?;
     check_attached(&report, xorg, &lib_x)?;
     check_attached(&report, st.pid, &lib_s)?;
@@ -757,6 +778,45 @@ fn tls_relay_counts_equal_plain_leg() -> Result<()> {
     ensure!(
         a.report(&format!("{T} | plaintext leg | display 0")),
         "the observer's stages disagree with the plaintext leg's capture (ORACLE lines above)"
+    );
+    // Placement in TCP space: the newest and oldest in-flight message's last byte is the last
+    // byte of a TLS record in the TLS leg's capture (the records of the SSL_write that moved
+    // the message's last plaintext byte).
+    let tls_conns = oracle::parse_tcp(&tls_cap.path)?;
+    let (l, r) = disp.socket.split_once("->").unwrap();
+    let tconn = tls_conns
+        .iter()
+        .find(|c| c.s2c.src == l && c.s2c.dst == r)
+        .with_context(|| format!("{} not in the TLS leg's capture", disp.socket))?;
+    let ends = tls_record_ends(&tconn.s2c.bytes)?;
+    let (mut at_end, mut checked) = (0usize, 0usize);
+    for line in lines.iter().filter(|l| l.socket == disp.socket) {
+        for seq in [line.newest_last_byte_seq, line.oldest_last_byte_seq]
+            .into_iter()
+            .flatten()
+        {
+            let end = tconn.s2c.offset(seq) + 1;
+            if end > tconn.s2c.bytes.len() as u64 {
+                continue; // beyond the capture
+            }
+            checked += 1;
+            if ends.contains(&end) {
+                at_end += 1;
+            } else {
+                eprintln!(
+                    "{T}: sample t_s {:.3}: last byte seq {seq} (TLS stream offset {end}) is not the end of a TLS record",
+                    line.t_s
+                );
+            }
+        }
+    }
+    eprintln!(
+        "{T}: display 0: {at_end}/{checked} newest/oldest last-byte sequence numbers at a TLS record end ({} records in the TLS leg's capture)",
+        ends.len()
+    );
+    ensure!(
+        checked >= 20 && at_end == checked,
+        "{at_end}/{checked} last-byte sequence numbers at TLS record ends"
     );
     // Mutation test: wrong placements must be caught where the run exercised them (the
     // stage moved holds messages at more than 10 % of the samples).
