@@ -26,8 +26,8 @@ use spice_ebpf_common::{
     config::{MAX_STEPS_PER_CALL, counter, preexisting},
     event::{
         EventHeader, HuntEvent, LinkEvent, LockEvent, MessageEvent, PendingCall, SockState,
-        SocketEvent, TcpSnapshot, UnparsedEvent, call_kind, dir as dirs, kind, lock_how, msg_flags,
-        tcp_source,
+        SocketEvent, TcpSnapshot, TlsCall, TlsEvent, TlsMarkEvent, UnparsedEvent, call_kind,
+        carrier, dir as dirs, kind, lock_how, msg_flags, tcp_source, tls_func,
     },
     framing::{
         BUF_LEN, DirState, LinkInfo, MAX_WANT, MessageInfo, Output, PeerView, Phase, Role,
@@ -39,7 +39,7 @@ use spice_ebpf_common::{
 
 use crate::{
     kernel::{self, AF_INET, AF_INET6, konf, read_at},
-    maps::{PREEXISTING, SOCKETS, TCP_STATE, ZERO_SOCK, count, write_record},
+    maps::{PREEXISTING, SOCKETS, TCP_STATE, TLS_CALLS, ZERO_SOCK, count, write_record},
 };
 
 const EAGAIN: i32 = 11;
@@ -473,9 +473,148 @@ pub fn on_call(call: &Call) {
         }
     };
     let sock = unsafe { &mut *sp };
+    if sock.carrier != carrier::PLAIN && tls_socket_call(sock, call, pid_tgid, tgid, now) {
+        return;
+    }
 
     let seq_now = store_tcp(call.sk, call.cookie, now, call.dir == dirs::SEND);
+    run_call(sock, call, tgid, now, Some(seq_now));
+}
 
+/// The carrier part of a socket call on a socket that is not known to be plain: decides the
+/// carrier at its first call ([`carrier`]: TLS if the call runs inside a hooked libssl
+/// function, announced by a [`TlsEvent`]), and for a TLS socket does all the call needs (its
+/// TCP state and TCP byte count, the cookie for the libssl call it runs in). Returns true if
+/// the socket is TLS: its framing then runs on the plaintext ([`on_plaintext`]), not here.
+///
+/// A TLS socket's call outside every hooked libssl function moved bytes whose plaintext the
+/// hooks cannot have seen (they were detached): that direction resyncs
+/// ([`counter::TLS_UNSEEN`]).
+#[inline(never)]
+fn tls_socket_call(sock: &mut SockState, call: &Call, pid_tgid: u64, tgid: u32, now: u64) -> bool {
+    let tc = TLS_CALLS.get_ptr_mut(&pid_tgid);
+    if sock.carrier == carrier::UNDECIDED {
+        match tc {
+            None => {
+                sock.carrier = carrier::PLAIN;
+                return false;
+            }
+            Some(t) => {
+                sock.carrier = carrier::TLS;
+                let func = unsafe { (*t).func };
+                let hdr = header(kind::TLS, call.dir, call.cookie, tgid, now);
+                write_record::<TlsEvent>(call.args.watch, |p| unsafe {
+                    (*p).hdr = hdr;
+                    (*p).func = func;
+                    (*p)._pad = [0; 7];
+                });
+            }
+        }
+    }
+    if sock.carrier != carrier::TLS {
+        return false;
+    }
+    let d = (call.dir & 1) as usize;
+    match tc {
+        Some(t) => unsafe { (*t).cookie = call.cookie },
+        None => {
+            if call.ret > 0 {
+                count(counter::TLS_UNSEEN);
+                let st = &mut sock.dir[d];
+                if st.phase != Phase::Hunt as u8 && !st.is_unparsed() {
+                    let at = st.pos;
+                    let _ = st.hunt(UnparsedReason::UntracedBytes, call.ret as u32, at);
+                    let hdr = header(kind::HUNT, call.dir, call.cookie, tgid, now);
+                    count(counter::RESYNCS);
+                    emit_hunt(&hdr, call.args.watch, st);
+                }
+            }
+        }
+    }
+    let _ = store_tcp(call.sk, call.cookie, now, call.dir == dirs::SEND);
+    if call.ret > 0 {
+        sock.wire_pos[d] += call.ret as u64;
+    }
+    true
+}
+
+/// Frames the plaintext one hooked libssl call moved on TLS socket `cookie`: `moved` bytes
+/// (≤ 0: none, e.g. SSL_ERROR_WANT_WRITE) at `tc.buf`. Then writes a [`TlsMarkEvent`]: the
+/// plaintext up to here is in the TCP stream up to the socket's `write_seq` (send) or
+/// `copied_seq` (recv) as its last socket call left it in `TCP_STATE`.
+#[inline(always)]
+pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, tgid: u32) {
+    let Some(sp) = SOCKETS.get_ptr_mut(&cookie) else {
+        if moved > 0 {
+            count(counter::TLS_UNMAPPED);
+        }
+        return;
+    };
+    let sock = unsafe { &mut *sp };
+    if sock.carrier != carrier::TLS {
+        return;
+    }
+    let send = tc.func == tls_func::WRITE || tc.func == tls_func::WRITE_EX;
+    let now = unsafe { bpf_ktime_get_ns() };
+    let ret = if moved > i32::MAX as i64 {
+        i32::MAX
+    } else if moved > 0 {
+        moved as i32
+    } else if send {
+        // Nothing taken: treated like a send that failed with EAGAIN (spice-server counts
+        // the message it tried to start, `docs/spice-protocol.md` §3.2).
+        -EAGAIN
+    } else {
+        return;
+    };
+    if ret > 0 {
+        count(counter::TLS_CALLS);
+    }
+    let call = Call {
+        sk: core::ptr::null(),
+        cookie,
+        dir: if send { dirs::SEND } else { dirs::RECV },
+        ret,
+        args: PendingCall {
+            kind: call_kind::BUFFER,
+            watch: tc.watch,
+            _pad: [0; 2],
+            fd: 0,
+            ptr: tc.buf,
+            len: tc.num,
+        },
+    };
+    run_call(sock, &call, tgid, now, None);
+    if ret <= 0 {
+        return;
+    }
+    // No TCP state (the map was full when the socket's calls tried to add it): no position to
+    // give, so no mark (the host then cannot place this plaintext, rather than misplace it).
+    let Some(s) = TCP_STATE.get_ptr(&cookie) else {
+        return;
+    };
+    let seq = unsafe {
+        if send {
+            (*s).write_seq
+        } else {
+            (*s).copied_seq
+        }
+    };
+    let plain_end = sock.dir[(call.dir & 1) as usize].pos;
+    let hdr = header(kind::TLS_MARK, call.dir, cookie, tgid, now);
+    write_record::<TlsMarkEvent>(tc.watch, |p| unsafe {
+        (*p).hdr = hdr;
+        (*p).plain_end = plain_end;
+        (*p).seq = seq;
+        (*p).len = ret as u32;
+    });
+}
+
+/// Frames one call's bytes on socket state `sock`: the socket's own bytes (`seq_now`: its
+/// `write_seq` / `copied_seq` after the call, checked against the bytes traced) or a TLS
+/// socket's plaintext (`seq_now` `None`: plaintext has no TCP sequence of its own).
+#[inline(always)]
+fn run_call(sock: &mut SockState, call: &Call, tgid: u32, now: u64, seq_now: Option<u32>) {
     let d = (call.dir & 1) as usize;
     let peer = sock.dir[d ^ 1].view();
     let window = &mut sock.window as *mut WindowState;
@@ -509,22 +648,24 @@ pub fn on_call(call: &Call) {
     let call_start = st.pos;
     let call_end = call_start + moved;
 
-    if sock.seq_init[d] == 0 {
-        sock.seq_base[d] = seq_now.wrapping_sub(call_end as u32);
-        sock.seq_init[d] = 1;
-    } else {
-        let expected = sock.seq_base[d].wrapping_add(call_end as u32);
-        // A read that also consumes the peer's FIN advances copied_seq by one more
-        // (tcp_recvmsg_locked, found_fin_ok): not a byte of the stream.
-        let fin = call.dir == dirs::RECV && seq_now == expected.wrapping_add(1);
-        if expected != seq_now && !fin && !st.is_unparsed() {
-            // Bytes moved that no traced call accounted for.
-            count(counter::UNTRACED_BYTES);
-            let out = st.stop(
-                UnparsedReason::UntracedBytes,
-                seq_now.wrapping_sub(expected),
-            );
-            emit_stop(&hdr, call.args.watch, &out);
+    if let Some(seq_now) = seq_now {
+        if sock.seq_init[d] == 0 {
+            sock.seq_base[d] = seq_now.wrapping_sub(call_end as u32);
+            sock.seq_init[d] = 1;
+        } else {
+            let expected = sock.seq_base[d].wrapping_add(call_end as u32);
+            // A read that also consumes the peer's FIN advances copied_seq by one more
+            // (tcp_recvmsg_locked, found_fin_ok): not a byte of the stream.
+            let fin = call.dir == dirs::RECV && seq_now == expected.wrapping_add(1);
+            if expected != seq_now && !fin && !st.is_unparsed() {
+                // Bytes moved that no traced call accounted for.
+                count(counter::UNTRACED_BYTES);
+                let out = st.stop(
+                    UnparsedReason::UntracedBytes,
+                    seq_now.wrapping_sub(expected),
+                );
+                emit_stop(&hdr, call.args.watch, &out);
+            }
         }
     }
 

@@ -1,4 +1,5 @@
-//! spice-observer's kernel programs, hook set `tracepoints` (see README "Kernel requirements").
+//! spice-observer's kernel programs, hook set `tracepoints` (see README "Kernel requirements"),
+//! plus uprobes on libssl for TLS plaintext (`probes/tls.rs`).
 //!
 //! Entry points are thin: they unpack their context and call the hook family in `probes/`,
 //! which hands socket calls to `capture`, where the shared framing state machine
@@ -14,10 +15,12 @@ mod probes;
 
 use aya_ebpf::{
     bindings::pt_regs,
-    macros::{btf_tracepoint, raw_tracepoint, sock_ops},
-    programs::{BtfTracePointContext, RawTracePointContext, SockOpsContext},
+    macros::{btf_tracepoint, raw_tracepoint, sock_ops, uprobe, uretprobe},
+    programs::{
+        BtfTracePointContext, ProbeContext, RawTracePointContext, RetProbeContext, SockOpsContext,
+    },
 };
-use spice_ebpf_common::event::dir;
+use spice_ebpf_common::event::{dir, tls_func};
 
 /// Every syscall entry: stash socket-call arguments of watched processes.
 #[raw_tracepoint(tracepoint = "sys_enter")]
@@ -69,6 +72,49 @@ pub fn spice_tcp_state(ctx: BtfTracePointContext) -> i32 {
 #[btf_tracepoint(function = "tcp_destroy_sock")]
 pub fn spice_tcp_destroy(ctx: BtfTracePointContext) -> i32 {
     probes::tcp_state::on_destroy(ctx.arg(0));
+    0
+}
+
+/// libssl `SSL_write(ssl, buf, num)` entry (attached per watched process).
+#[uprobe]
+pub fn spice_ssl_write(ctx: ProbeContext) -> u32 {
+    probes::tls::on_entry(&ctx, tls_func::WRITE);
+    0
+}
+
+/// libssl `SSL_write_ex(ssl, buf, num, written)` entry.
+#[uprobe]
+pub fn spice_ssl_write_ex(ctx: ProbeContext) -> u32 {
+    probes::tls::on_entry(&ctx, tls_func::WRITE_EX);
+    0
+}
+
+/// libssl `SSL_read(ssl, buf, num)` entry.
+#[uprobe]
+pub fn spice_ssl_read(ctx: ProbeContext) -> u32 {
+    probes::tls::on_entry(&ctx, tls_func::READ);
+    0
+}
+
+/// libssl `SSL_read_ex(ssl, buf, num, readbytes)` entry.
+#[uprobe]
+pub fn spice_ssl_read_ex(ctx: ProbeContext) -> u32 {
+    probes::tls::on_entry(&ctx, tls_func::READ_EX);
+    0
+}
+
+/// libssl `SSL_do_handshake`, `SSL_shutdown`, `SSL_peek`, `SSL_peek_ex` entry: socket calls
+/// inside are the TLS library's own.
+#[uprobe]
+pub fn spice_ssl_context(ctx: ProbeContext) -> u32 {
+    probes::tls::on_entry(&ctx, tls_func::CONTEXT);
+    0
+}
+
+/// Return of every hooked libssl function.
+#[uretprobe]
+pub fn spice_ssl_ret(ctx: RetProbeContext) -> u32 {
+    probes::tls::on_return(&ctx);
     0
 }
 

@@ -2,11 +2,11 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use spice_ebpf_common::{
     config::counter,
-    event::{PendingCall, SockState, TcpSnapshot},
+    event::{PendingCall, SockState, SslKey, TcpSnapshot, TlsCall},
 };
 
 /// Watched processes: tgid → the `--pid` it descends from, with the flags of who reads its
@@ -18,6 +18,18 @@ pub static WATCHED_TGIDS: HashMap<u32, u32> = HashMap::with_max_entries(4096, 0)
 /// Arguments of the socket syscall a watched thread is in: pid_tgid → call.
 #[map]
 pub static PENDING_CALLS: HashMap<u64, PendingCall> = HashMap::with_max_entries(16384, 0);
+
+/// The hooked libssl call a watched thread is in: pid_tgid → call (entry arguments, and the
+/// cookie of a socket a socket call inside it used). Written at the function's entry, taken
+/// at its return; a thread that exits inside the call loses its entry at `sched_process_exit`
+/// (a plain hash: an LRU insert costs more on every call).
+#[map]
+pub static TLS_CALLS: HashMap<u64, TlsCall> = HashMap::with_max_entries(16384, 0);
+
+/// `SSL *` of a watched process → the cookie of the socket its calls move bytes on, learned
+/// from the socket calls made inside libssl calls on it. LRU: `SSL_free` is not hooked.
+#[map]
+pub static SSL_SOCKETS: LruHashMap<SslKey, u64> = LruHashMap::with_max_entries(16384, 0);
 
 /// Framing state per socket: cookie → state. Removed when the socket closes.
 #[map]

@@ -6,3 +6,4 @@ pub mod sock_calls;
 pub mod sockops;
 pub mod syscalls;
 pub mod tcp_state;
+pub mod tls;

@@ -9,7 +9,7 @@ use spice_ebpf_common::{
 
 use crate::{
     kernel::{konf, read_at},
-    maps::{PENDING_CALLS, WATCHED_TGIDS, count, write_record},
+    maps::{PENDING_CALLS, TLS_CALLS, WATCHED_TGIDS, count, write_record},
 };
 
 /// Writes a FORK or EXIT record to the rings `route` names (the watch value's flags).
@@ -69,6 +69,8 @@ pub fn on_exit() {
     };
     let route = watch::route(unsafe { *w });
     let _ = PENDING_CALLS.remove(&pid_tgid);
+    // A thread that exits inside a hooked libssl call never reaches its return.
+    let _ = TLS_CALLS.remove(&pid_tgid);
     if pid == tgid {
         let _ = WATCHED_TGIDS.remove(&tgid);
         proc_event(kind::EXIT, tgid, tgid, route);

@@ -6,7 +6,7 @@
 use aya_ebpf::helpers::{bpf_ktime_get_ns, generated::bpf_get_socket_cookie};
 use spice_ebpf_common::{
     config::watch,
-    event::{CloseEvent, EventHeader, TcpSnapshot, kind, tcp_source},
+    event::{CloseEvent, EventHeader, TcpSnapshot, carrier, kind, tcp_source},
 };
 
 use crate::{
@@ -27,7 +27,14 @@ pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
         return;
     };
     let tgid = unsafe { (*sock).tgid };
-    let pos = unsafe { [(*sock).dir[0].pos, (*sock).dir[1].pos] };
+    // TCP bytes moved by traced calls: a TLS socket's framing positions count plaintext.
+    let pos = unsafe {
+        if (*sock).carrier == carrier::TLS {
+            (*sock).wire_pos
+        } else {
+            [(*sock).dir[0].pos, (*sock).dir[1].pos]
+        }
+    };
     // The rings of the owning process's watch now (no PendingCall here: the one lookup of
     // this path, made only for tracked sockets); after the process exited (its entry gone),
     // those of the call that created the socket.

@@ -6,7 +6,7 @@ use anyhow::{Result, bail};
 use spice_ebpf_common::{
     event::{
         CloseEvent, EventHeader, HuntEvent, LinkEvent, LockEvent, MessageEvent, ProcEvent,
-        SocketEvent, TcpSnapshot, UnparsedEvent, kind,
+        SocketEvent, TcpSnapshot, TlsEvent, TlsMarkEvent, UnparsedEvent, kind,
     },
     framing::UnparsedReason,
 };
@@ -40,6 +40,15 @@ pub enum Event {
     /// Direction `hdr.dir` locked on its boundaries again; its next message record is the
     /// first one counted.
     Lock(LockEvent),
+    /// The socket carries TLS: its framing runs on the plaintext at the libssl hooks, and
+    /// its message, link, hunt and lock records describe that plaintext (offsets are
+    /// plaintext offsets). `func`: the `spice_ebpf_common::event::tls_func` its first traced
+    /// call ran in. Once per socket, before any record of its plaintext.
+    Tls { hdr: EventHeader, func: u8 },
+    /// One libssl call on a TLS socket moved plaintext of direction `hdr.dir` up to
+    /// `plain_end`, which is in the TCP stream up to `seq` (`write_seq` / `copied_seq` at the
+    /// call's return).
+    TlsMark(TlsMarkEvent),
     /// A watched process forked `child`.
     Fork {
         hdr: EventHeader,
@@ -49,7 +58,8 @@ pub enum Event {
     /// A watched process exited.
     Exit { hdr: EventHeader },
     /// A tracked socket closed, with its last TCP state.
-    /// `pos`: bytes moved by traced calls per direction at the close.
+    /// `pos`: bytes moved by traced socket calls per direction at the close: TCP bytes
+    /// (for a TLS socket `SockState::wire_pos`, not its plaintext).
     Close {
         hdr: EventHeader,
         tcp: TcpSnapshot,
@@ -114,6 +124,11 @@ pub fn decode(buf: &[u8]) -> Result<Event> {
         }
         kind::HUNT => Event::Hunt(read(buf)?),
         kind::LOCK => Event::Lock(read(buf)?),
+        kind::TLS => {
+            let e: TlsEvent = read(buf)?;
+            Event::Tls { hdr, func: e.func }
+        }
+        kind::TLS_MARK => Event::TlsMark(read(buf)?),
         kind::FORK => {
             let e: ProcEvent = read(buf)?;
             Event::Fork {
@@ -133,4 +148,61 @@ pub fn decode(buf: &[u8]) -> Result<Event> {
         }
         other => bail!("unknown record kind {other}"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spice_ebpf_common::event::{dir, tls_func};
+
+    fn bytes<T: Copy>(v: &T) -> Vec<u8> {
+        // SAFETY: plain repr(C) record, read as bytes.
+        unsafe { std::slice::from_raw_parts(v as *const T as *const u8, size_of::<T>()) }.to_vec()
+    }
+
+    #[test]
+    fn tls_records_decode() {
+        let hdr = EventHeader {
+            kind: kind::TLS,
+            tgid: 42,
+            cookie: 7,
+            ts_ns: 5,
+            ..Default::default()
+        };
+        let e = TlsEvent {
+            hdr,
+            func: tls_func::WRITE,
+            _pad: [0; 7],
+        };
+        assert_eq!(size_of::<TlsEvent>(), 32);
+        match decode(&bytes(&e)).unwrap() {
+            Event::Tls { hdr, func } => {
+                assert_eq!((hdr.cookie, hdr.tgid, func), (7, 42, tls_func::WRITE));
+            }
+            other => panic!("{other:?}"),
+        }
+        let m = TlsMarkEvent {
+            hdr: EventHeader {
+                kind: kind::TLS_MARK,
+                dir: dir::RECV,
+                cookie: 7,
+                ..Default::default()
+            },
+            plain_end: 1 << 33,
+            seq: 0xffff_fff0,
+            len: 16_384,
+        };
+        assert_eq!(size_of::<TlsMarkEvent>(), 40);
+        match decode(&bytes(&m)).unwrap() {
+            Event::TlsMark(x) => {
+                assert_eq!(
+                    (x.hdr.dir, x.plain_end, x.seq, x.len),
+                    (dir::RECV, 1 << 33, 0xffff_fff0, 16_384)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // A short record is an error, not a zero-filled mark.
+        assert!(decode(&bytes(&m)[..30]).is_err());
+    }
 }

@@ -424,9 +424,24 @@ impl Chain {
     /// same byte in spice-server's stream: the server→client alignment ([`Align::offset`],
     /// client leg → backend) plus the backend's `seq_base` less spice-server's (backend →
     /// spice-server: one TCP connection). 0 for legs traced from their first byte; `None`
-    /// without an alignment, or for joined legs without both bases.
+    /// without an alignment, or for joined legs without both bases. When that connection is
+    /// TLS, both ends count plaintext offsets: the same offsets when both were traced from the
+    /// first plaintext byte (both saw the link phase), else the delta their marks give at a
+    /// TCP position where a call of each ended ([`tls_delta`]).
     pub fn client_shift(&self, model: &Model) -> Option<i64> {
         let a = self.align[0]?;
+        let (b, s) = (
+            model.sockets.get(&self.backend?),
+            model.sockets.get(&self.server),
+        );
+        if b.is_some_and(|x| x.is_tls()) || s.is_some_and(|x| x.is_tls()) {
+            let (b, s) = (b?, s?);
+            if linked(b) && linked(s) {
+                return Some(a.offset);
+            }
+            let delta = tls_delta(&s.dirs[s.s2c()?], &b.dirs[b.s2c()?])?;
+            return Some(a.offset + delta);
+        }
         let base = |c: u64| {
             let s = model.sockets.get(&c)?;
             s.dirs[s.s2c()?].seq_base
@@ -477,6 +492,50 @@ impl Chain {
             (true, false) => vec![0, 1, 2, 3],
         }
     }
+}
+
+/// Whether a socket's offsets count from the stream's first byte: its link message (or the
+/// map's record of it, after a restart) was parsed, which only happens at offset 0.
+fn linked(s: &SocketModel) -> bool {
+    s.dirs.iter().any(|d| d.link.is_some())
+}
+
+/// Marks of both ends agreeing on this many TCP positions fix the plaintext delta of a TLS
+/// connection joined mid-stream ([`tls_delta`]).
+const TLS_DELTA_AGREE: usize = 2;
+
+/// For one TLS connection seen from both ends, each joined mid-stream (offsets from its own
+/// first traced plaintext byte): spice-server's plaintext offset less the relay's at the
+/// same byte. Where an SSL_write of spice-server ended at TCP position X (its mark's
+/// `write_seq`) and the relay's reads ended there too (its marks' `copied_seq` = X; several
+/// SSL_reads of one record share it, the last holds the most plaintext), both had moved
+/// the same plaintext. Taken when the newest [`TLS_DELTA_AGREE`] such positions agree;
+/// `None` otherwise (no common position kept yet, or disagreement: a read that ended
+/// inside a call's records).
+pub fn tls_delta(server: &DirStats, relay: &DirStats) -> Option<i64> {
+    let (st, rt) = (server.tls.as_ref()?, relay.tls.as_ref()?);
+    let newest = st.marks.back()?.seq;
+    let rel = |x: u32| x.wrapping_sub(newest) as i32;
+    let mut found: Vec<i64> = Vec::new();
+    // Relay marks newest first; the last one at each seq is the one with the most plaintext.
+    let mut prev: Option<u32> = None;
+    for m in rt.marks.iter().rev() {
+        if prev == Some(m.seq) {
+            continue;
+        }
+        prev = Some(m.seq);
+        // The newest server mark at or before that seq; it must end exactly there.
+        let i = st.marks.partition_point(|x| rel(x.seq) <= rel(m.seq));
+        if let Some(x) = i.checked_sub(1).and_then(|i| st.marks.get(i))
+            && x.seq == m.seq
+        {
+            found.push(x.plain_end as i64 - m.plain_end as i64);
+            if found.len() == TLS_DELTA_AGREE {
+                break;
+            }
+        }
+    }
+    (found.len() == TLS_DELTA_AGREE && found.iter().all(|&d| d == found[0])).then(|| found[0])
 }
 
 fn same_ip(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
@@ -915,6 +974,10 @@ fn joined(s: &SocketModel) -> bool {
 /// and size, and not beyond what it wrote. `None` when that cannot be told (no message on
 /// either side, or the mapped offset older than what `server` keeps).
 fn same_seq_space(server: &SocketModel, b: &SocketModel) -> Option<bool> {
+    if server.is_tls() || b.is_tls() {
+        // Offsets of plaintext, no `seq_base`: sequence numbers cannot tell.
+        return None;
+    }
     let sd = &server.dirs[server.s2c()?];
     let bd = &b.dirs[b.s2c()?];
     let m = bd.recent.back()?;
@@ -1417,6 +1480,45 @@ mod tests {
                 m
             })
             .collect()
+    }
+
+    /// Both ends of one TLS connection joined mid-stream: spice-server counts plaintext
+    /// from 1000 bytes earlier than the relay. Where a write's records end and the relay's
+    /// reads of them end too (the last of several reads at one `copied_seq`), the offsets
+    /// differ by that constant.
+    #[test]
+    fn tls_delta_from_marks_at_common_tcp_positions() {
+        use crate::model::tls::{Mark, TlsDir};
+        let mk = |marks: &[(u64, u32, u32)]| {
+            let mut t = TlsDir::default();
+            for &(plain_end, seq, len) in marks {
+                t.push(Mark {
+                    plain_end,
+                    seq,
+                    len,
+                });
+            }
+            DirStats {
+                tls: Some(t),
+                ..Default::default()
+            }
+        };
+        // spice-server: writes of 100, 200, 300 bytes (22 bytes of record each).
+        let server = mk(&[(1100, 5122, 100), (1300, 5344, 200), (1600, 5666, 300)]);
+        // The relay: the 200-byte record in two reads; the newest record not read yet.
+        let relay = mk(&[(100, 5122, 100), (150, 5344, 50), (300, 5344, 150)]);
+        assert_eq!(tls_delta(&server, &relay), Some(1000));
+        // One common position is not enough.
+        let one = mk(&[(300, 5344, 300)]);
+        assert_eq!(tls_delta(&server, &one), None);
+        // Reads that end inside a write's records share no position with it.
+        let inside = mk(&[(50, 5100, 50), (250, 5300, 200)]);
+        assert_eq!(tls_delta(&server, &inside), None);
+        // Positions that disagree (a relay that dropped bytes): no delta.
+        let bad = mk(&[(100, 5122, 100), (290, 5344, 190)]);
+        assert_eq!(tls_delta(&server, &bad), None);
+        // A plain direction has no marks.
+        assert_eq!(tls_delta(&server, &DirStats::default()), None);
     }
 
     #[test]

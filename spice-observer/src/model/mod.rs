@@ -15,12 +15,14 @@ pub mod traced;
 pub mod window;
 
 use std::{
-    collections::{BTreeMap, VecDeque},
+    collections::{BTreeMap, BTreeSet, VecDeque},
     net::SocketAddr,
 };
 
 use spice_ebpf_common::{
-    event::{EventHeader, LinkEvent, MessageEvent, SockState, TcpSnapshot, dir, kind, msg_flags},
+    event::{
+        EventHeader, LinkEvent, MessageEvent, SockState, TcpSnapshot, carrier, dir, kind, msg_flags,
+    },
     framing::{Role, UnparsedReason},
     protocol::{channel, msg_server},
     window::WindowState,
@@ -134,8 +136,13 @@ pub struct DirStats {
     /// Timestamps (CLOCK_MONOTONIC ns) of the first and last message.
     pub first_ns: Option<u64>,
     pub last_ns: u64,
-    /// TCP sequence number of stream offset 0 (from the first message record).
+    /// TCP sequence number of stream offset 0 (from the first message record). Always `None`
+    /// on a TLS socket ([`SocketModel::tls`]): its offsets count plaintext bytes, which sit in
+    /// TCP sequence space by [`Self::tls`]'s marks, and its records' `seq` means nothing.
     pub seq_base: Option<u32>,
+    /// A TLS socket's marks of this direction (where its plaintext lies in TCP sequence
+    /// space) and plaintext counts; `None` on a socket not carried by TLS.
+    pub tls: Option<tls::TlsDir>,
     /// The last [`RECENT`] messages.
     pub recent: VecDeque<MsgSpan>,
     /// The first [`FINGERPRINT`] messages.
@@ -161,7 +168,8 @@ pub struct DirStats {
     pub derived_bytes: u64,
     /// Every byte the watched process moved in this direction by traced calls, framed or not
     /// (hunting, unparsed, not SPICE): the kernel's `DirState::pos` at the newest read of its
-    /// socket map ([`Model::kernel_state`]), with the rates derived from the reads.
+    /// socket map ([`Model::kernel_state`]), with the rates derived from the reads. TCP bytes
+    /// on a TLS socket too (`SockState::wire_pos`; its plaintext count is in [`Self::tls`]).
     pub traced: traced::TracedBytes,
 }
 
@@ -230,6 +238,10 @@ pub struct SocketModel {
     /// spice-server's window as an interval, for a connection joined mid-stream
     /// ([`joined::is_joined`]); `None` for others.
     pub joined: Option<Box<joined::JoinedWindow>>,
+    /// Set when the socket carries TLS (its `TLS` record, a mark, or the kernel's
+    /// `SockState::carrier`): its framing, message records and offsets are of the plaintext
+    /// the process hands to libssl; the marks are in [`DirStats::tls`].
+    pub tls: Option<tls::TlsSocket>,
 }
 
 impl SocketModel {
@@ -251,6 +263,77 @@ impl SocketModel {
             notsent_max: 0,
             found_by_dump: false,
             joined: None,
+            tls: None,
+        }
+    }
+
+    /// The socket carries TLS (framed from the plaintext at the libssl hooks).
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// `"tls"` for a socket carried by TLS, else `"tcp"`.
+    pub fn transport(&self) -> &'static str {
+        if self.is_tls() { "tls" } else { "tcp" }
+    }
+
+    /// Marks the socket as carried by TLS: `func` is the libssl function its first traced
+    /// call ran in (0: not known), `ts_ns` when that became known. Its sequence bases are
+    /// dropped (a TLS socket's message records carry no meaningful `seq`) and each direction
+    /// gets its marks.
+    fn set_tls(&mut self, func: u8, ts_ns: u64) {
+        match &mut self.tls {
+            Some(t) if t.func == 0 => t.func = func,
+            Some(_) => {}
+            None => {
+                self.tls = Some(tls::TlsSocket {
+                    func,
+                    since_ns: ts_ns,
+                })
+            }
+        }
+        for d in self.dirs.iter_mut() {
+            d.seq_base = None;
+            d.tls.get_or_insert_with(Default::default);
+        }
+    }
+
+    /// The plaintext offset below which direction `d`'s marks are needed by no placement:
+    /// the start of the oldest message that can still be counted in flight on the server →
+    /// client direction (the newest max(count, 2W+2, the joined interval's high end)
+    /// messages), the start of the newest message on the client → server direction (whose
+    /// positions are never converted). `None` while not known (no role, or fewer messages
+    /// kept than that).
+    fn mark_floor(&self, d: usize) -> Option<u64> {
+        let ds = &self.dirs[d];
+        let n = match ds.role {
+            Role::ServerToClient => {
+                let mut n = self.placement_count().max(self.window.count);
+                if self.window.active() {
+                    n = n.max(self.window.limit() + 1);
+                }
+                if let Some(i) = self.joined.as_deref().and_then(|j| j.interval()) {
+                    n = n.max(i.high);
+                }
+                n.max(1)
+            }
+            Role::ClientToServer => 1,
+            _ => return None,
+        };
+        let i = ds.recent.len().checked_sub(n as usize)?;
+        Some(ds.recent[i].at)
+    }
+
+    /// Prunes direction `d`'s marks ([`tls::TlsDir::prune`]) to [`Self::mark_floor`].
+    fn prune_marks(&mut self, d: usize) {
+        if self.dirs[d].tls.is_none() {
+            return;
+        }
+        let Some(floor) = self.mark_floor(d) else {
+            return;
+        };
+        if let Some(t) = self.dirs[d].tls.as_mut() {
+            t.prune(floor);
         }
     }
 
@@ -388,7 +471,9 @@ impl SocketModel {
                     msg_type: m.msg_type,
                 });
             }
-            ds.seq_base.get_or_insert(m.seq.wrapping_sub(m.at as u32));
+            if ds.tls.is_none() {
+                ds.seq_base.get_or_insert(m.seq.wrapping_sub(m.at as u32));
+            }
             if ds.role == Role::ServerToClient
                 && self.channel().map(|c| c.0) == Some(channel::MAIN)
                 && m.msg_type == msg_server::MAIN_INIT
@@ -422,7 +507,10 @@ impl SocketModel {
         }
         ds.first_ns.get_or_insert(m.hdr.ts_ns);
         ds.last_ns = m.hdr.ts_ns;
-        ds.seq_base.get_or_insert(m.seq.wrapping_sub(m.at as u32));
+        if ds.tls.is_none() {
+            // A TLS socket's records carry no meaningful `seq`: its marks place it.
+            ds.seq_base.get_or_insert(m.seq.wrapping_sub(m.at as u32));
+        }
         let span = MsgSpan {
             index: m.index,
             at: m.at,
@@ -446,6 +534,7 @@ impl SocketModel {
         {
             self.session_id = Some(m.prefix[0]);
         }
+        self.prune_marks(d);
         self.compare_kernel();
     }
 
@@ -599,8 +688,13 @@ pub struct Model {
     /// ([`Model::restore`]), CLOCK_MONOTONIC ns; `None` for a model built from the ring only.
     pub restored_ns: Option<u64>,
     /// What the libssl hooks could do for each watched process (tgid → status), as the front
-    /// end last reported it ([`Model::set_tls_attach`]). Entries leave with their process.
+    /// end last reported it ([`Model::set_tls_attach`]). Entries leave with their process
+    /// ([`Model::forget_tls_attach`]), once the model holds no socket of it any more.
     pub tls_attach: BTreeMap<u32, tls::TlsAttach>,
+    /// Processes the front end forgot ([`Model::forget_tls_attach`]) whose status is kept
+    /// while the model still holds sockets of theirs (their report rows, e.g. an `unparsed:
+    /// tls` detail, say what the hooks could do); dropped by [`Model::release_tls_attach`].
+    pub tls_forgotten: BTreeSet<u32>,
 }
 
 /// One entry of the kernel's socket map and what the host knows about it, for
@@ -631,12 +725,43 @@ fn resume_window(w: &WindowState, now_ns: u64) -> AckWindow {
 impl Model {
     /// Records what the libssl hooks could do for process `tgid` (see [`tls::TlsAttach`]).
     pub fn set_tls_attach(&mut self, tgid: u32, a: tls::TlsAttach) {
+        self.tls_forgotten.remove(&tgid);
         self.tls_attach.insert(tgid, a);
     }
 
     /// What the libssl hooks could do for process `tgid`, if the front end reported it.
     pub fn tls_attach(&self, tgid: u32) -> Option<&tls::TlsAttach> {
         self.tls_attach.get(&tgid)
+    }
+
+    /// Drops the status of process `tgid` ([`Model::set_tls_attach`]): its process is gone or
+    /// no longer watched. While the model still holds sockets of `tgid` (closed sockets stay
+    /// until a snapshot reported them, and to the end in `observe`), the status is kept for
+    /// their report rows and `tls_processes`, and dropped by [`Model::release_tls_attach`]
+    /// once they are gone.
+    pub fn forget_tls_attach(&mut self, tgid: u32) {
+        if self.sockets.values().any(|s| s.pid == tgid) {
+            self.tls_forgotten.insert(tgid);
+        } else {
+            self.tls_forgotten.remove(&tgid);
+            self.tls_attach.remove(&tgid);
+        }
+    }
+
+    /// Drops the kept status of forgotten processes ([`Model::forget_tls_attach`]) the model
+    /// holds no socket of any more. Call after releasing sockets.
+    pub fn release_tls_attach(&mut self) {
+        let live: BTreeSet<u32> = self.sockets.values().map(|s| s.pid).collect();
+        let gone: Vec<u32> = self
+            .tls_forgotten
+            .iter()
+            .copied()
+            .filter(|t| !live.contains(t))
+            .collect();
+        for t in gone {
+            self.tls_forgotten.remove(&t);
+            self.tls_attach.remove(&t);
+        }
     }
 
     fn socket(&mut self, hdr: &EventHeader) -> &mut SocketModel {
@@ -679,6 +804,7 @@ impl Model {
         s.local = r.local;
         s.remote = r.remote;
         s.tcp = r.tcp;
+        let is_tls = st.carrier == carrier::TLS;
         for d in 0..2 {
             let k = &st.dir[d];
             let ds = &mut s.dirs[d];
@@ -743,12 +869,21 @@ impl Model {
             if ds.locked.is_some() {
                 ds.locks = 1;
             }
-            if st.seq_init[d] != 0 {
+            if st.seq_init[d] != 0 && !is_tls {
                 ds.seq_base = Some(st.seq_base[d]);
             }
-            // The map's byte total runs since the kernel's entry began, before this agent.
-            ds.traced = traced::TracedBytes::since(k.pos, now_ns);
-            ds.traced.read(k.pos, now_ns);
+            // The map's byte total runs since the kernel's entry began, before this agent:
+            // TCP bytes (a TLS socket's `pos` counts its plaintext, `wire_pos` its TCP bytes).
+            let wire = if is_tls { st.wire_pos[d] } else { k.pos };
+            ds.traced = traced::TracedBytes::since(wire, now_ns);
+            ds.traced.read(wire, now_ns);
+            if is_tls {
+                // The framing state is the plaintext's; the marks before now are gone.
+                ds.tls = Some(tls::TlsDir::restored(k.pos));
+            }
+        }
+        if is_tls {
+            s.set_tls(0, now_ns);
         }
         if let Some(i) = s.c2s()
             && let Some(l) = s.dirs[i].link
@@ -788,6 +923,7 @@ impl Model {
             Event::Link(l) => &l.hdr,
             Event::Message(m) => &m.hdr,
             Event::Unparsed { hdr, .. } => hdr,
+            Event::TlsMark(t) => &t.hdr,
             _ => return,
         };
         if hdr.ts_ns >= t || self.sockets.contains_key(&hdr.cookie) {
@@ -898,6 +1034,17 @@ impl Model {
                 // counted, so the next ordinal is no gap.
                 ds.last_index = ds.last_index.max(l.index.saturating_sub(1));
             }
+            Event::Tls { hdr, func } => self.socket(hdr).set_tls(*func, hdr.ts_ns),
+            Event::TlsMark(e) => {
+                let s = self.socket(&e.hdr);
+                // A mark says the socket carries TLS even if its TLS record was lost.
+                s.set_tls(0, e.hdr.ts_ns);
+                let d = (e.hdr.dir & 1) as usize;
+                if let Some(t) = s.dirs[d].tls.as_mut() {
+                    t.push(tls::Mark::of(e));
+                }
+                s.prune_marks(d);
+            }
             Event::Fork { hdr, child, comm } => {
                 self.forks += 1;
                 self.note(ProcessNote::Forked {
@@ -918,7 +1065,8 @@ impl Model {
                 if let Some(s) = self.sockets.get_mut(&hdr.cookie) {
                     s.closed_ns = Some(hdr.ts_ns);
                     s.tcp = Some(*tcp);
-                    // The kernel's entry goes at tcp_destroy_sock: take its byte totals now.
+                    // The kernel's entry goes at tcp_destroy_sock: take its byte totals now
+                    // (TCP bytes, for a TLS socket too; its plaintext count is its marks').
                     for (ds, &p) in s.dirs.iter_mut().zip(pos) {
                         if ds.traced.total.is_none() {
                             ds.traced = traced::TracedBytes::since(0, s.first_ns);
@@ -1015,18 +1163,34 @@ impl Model {
     /// or when the records it covers have been applied ([`KernelCheck`]); if they differ after
     /// records were lost, the window's counters continue from the kernel's
     /// ([`AckWindow::resync`]). Every direction also takes the kernel's count of all bytes
-    /// moved by traced calls, framed or not ([`DirStats::traced`]); a socket that carried no
-    /// message takes only that. Unknown sockets are ignored.
+    /// moved by traced calls, framed or not ([`DirStats::traced`]: TCP bytes, for a TLS socket
+    /// `SockState::wire_pos`, whose `DirState::pos` is its plaintext count, kept in
+    /// [`DirStats::tls`]); a socket that carried no message takes only that. A socket the
+    /// kernel says carries TLS (`SockState::carrier`) becomes one here if its `TLS` record was
+    /// lost. Unknown sockets are ignored.
     pub fn kernel_state(&mut self, cookie: u64, st: &SockState, read_ns: u64) {
         if let Some(s) = self.sockets.get_mut(&cookie) {
-            for (ds, k) in s.dirs.iter_mut().zip(&st.dir) {
+            let is_tls = st.carrier == carrier::TLS;
+            if is_tls {
+                // Its TLS record may have been lost: the kernel's state says it too.
+                s.set_tls(0, read_ns);
+            }
+            for (d, (ds, k)) in s.dirs.iter_mut().zip(&st.dir).enumerate() {
                 if ds.traced.total.is_none() {
                     // The first read (a restored socket has one from the map): the kernel's
                     // entry began at the socket's first traced call after the agent knew it,
                     // so count from 0 then.
                     ds.traced = traced::TracedBytes::since(0, s.first_ns);
                 }
-                ds.traced.read(k.pos, read_ns);
+                // TCP bytes: a TLS socket's `pos` counts its plaintext (kept with its marks).
+                if is_tls {
+                    ds.traced.read(st.wire_pos[d], read_ns);
+                    if let Some(t) = ds.tls.as_mut() {
+                        t.read_plain(k.pos);
+                    }
+                } else {
+                    ds.traced.read(k.pos, read_ns);
+                }
             }
             if st
                 .dir
@@ -1153,6 +1317,222 @@ mod tests {
         fn socket(&self) -> &SocketModel {
             &self.m.sockets[&7]
         }
+    }
+
+    fn tls_mark(d: u8, ts: u64, plain_end: u64, seq: u32, len: u32) -> Event {
+        Event::TlsMark(spice_ebpf_common::event::TlsMarkEvent {
+            hdr: hdr(d, ts),
+            plain_end,
+            seq,
+            len,
+        })
+    }
+
+    /// A TLS socket: its records' `seq` never makes a sequence base, its marks are kept per
+    /// direction, its byte totals are TCP bytes (`wire_pos` at the reads, the close
+    /// record's `pos`) and its plaintext bytes are counted apart (`DirState::pos`).
+    #[test]
+    fn a_tls_socket_counts_tcp_bytes_and_plaintext_apart() {
+        let mut f = Feed::new(channel::DISPLAY);
+        f.m.apply(&Event::Tls {
+            hdr: hdr(0, 3),
+            func: spice_ebpf_common::event::tls_func::CONTEXT,
+        });
+        let s = dir::SEND as usize;
+        let r = dir::RECV as usize;
+        let Event::Message(mut m) = f.kernel(dir::SEND, 10, msg_server::SET_ACK, [1, 2]) else {
+            unreachable!()
+        };
+        (m.at, m.seq) = (46, 0x1234_5678);
+        f.m.apply(&Event::Message(m));
+        f.m.apply(&tls_mark(dir::SEND, 11, 46 + 14, 4000, 14));
+        f.m.apply(&tls_mark(dir::RECV, 12, 46, 900, 46));
+        let sock = f.socket();
+        assert_eq!(sock.transport(), "tls");
+        assert_eq!(
+            sock.tls.as_ref().unwrap().func_name(),
+            "SSL_do_handshake/SSL_shutdown/SSL_peek"
+        );
+        assert!(sock.dirs.iter().all(|d| d.seq_base.is_none()));
+        let t = sock.dirs[s].tls.as_ref().unwrap();
+        assert_eq!((t.calls, t.marks.len(), t.plain_bytes), (1, 1, 60));
+        assert_eq!(crate::sampler::stream_pos(&sock.dirs[s], 4000), Some(60));
+        assert_eq!(crate::sampler::stream_pos(&sock.dirs[s], 3999), Some(46));
+        // A read of the kernel's map: pos is plaintext, wire_pos the TCP bytes.
+        f.k.carrier = carrier::TLS;
+        f.k.dir[s].pos = 60;
+        f.k.dir[r].pos = 46;
+        f.k.wire_pos = [3100, 900];
+        f.m.kernel_state(7, &f.k, 20);
+        let sock = f.socket();
+        assert_eq!(sock.dirs[s].traced.total, Some(3100));
+        assert_eq!(sock.dirs[r].traced.total, Some(900));
+        assert_eq!(sock.dirs[r].tls.as_ref().unwrap().plain_bytes, 46);
+        assert_eq!(sock.kernel.compared, 1);
+        assert_eq!(sock.kernel.differed, 0, "{:?}", sock.kernel.differences);
+        // The close record carries TCP bytes (wire_pos).
+        f.m.apply(&Event::Close {
+            hdr: hdr(0, 30),
+            tcp: TcpSnapshot::default(),
+            pos: [3300, 950],
+        });
+        let sock = f.socket();
+        assert_eq!(sock.dirs[s].traced.total, Some(3300));
+        assert_eq!(sock.dirs[r].traced.total, Some(950));
+        assert_eq!(sock.dirs[s].tls.as_ref().unwrap().plain_bytes, 60);
+    }
+
+    /// A socket whose TLS record was lost: the kernel's `carrier` at the next read makes it a
+    /// TLS socket and drops the sequence base its records made.
+    #[test]
+    fn the_kernels_carrier_makes_a_socket_tls() {
+        let mut f = Feed::started(channel::DISPLAY, &[302]);
+        let s = dir::SEND as usize;
+        assert!(f.socket().dirs[s].seq_base.is_some());
+        assert_eq!(f.socket().transport(), "tcp");
+        f.k.carrier = carrier::TLS;
+        f.k.wire_pos = [5000, 700];
+        f.m.kernel_state(7, &f.k, 40);
+        let sock = f.socket();
+        assert_eq!(sock.transport(), "tls");
+        assert!(
+            sock.dirs
+                .iter()
+                .all(|d| d.seq_base.is_none() && d.tls.is_some())
+        );
+        assert_eq!(sock.dirs[s].traced.total, Some(5000));
+        // Marks only from now on.
+        f.m.apply(&tls_mark(dir::SEND, 41, 100, 9000, 10));
+        assert_eq!(f.socket().dirs[s].tls.as_ref().unwrap().calls, 1);
+    }
+
+    /// A restarted agent takes over a TLS socket from the pinned map: transport tls, framing
+    /// state of the plaintext, byte totals from `wire_pos`, no sequence base (whatever
+    /// `seq_base` holds), and no conversion before its first new mark.
+    #[test]
+    fn restore_of_a_tls_socket() {
+        let mut st = SockState {
+            carrier: carrier::TLS,
+            wire_pos: [80_000, 3_000],
+            ..Default::default()
+        };
+        let s = dir::SEND as usize;
+        st.dir[s].pos = 70_000;
+        st.dir[s].role = Role::ServerToClient as u8;
+        st.dir[s].hdr_len = 6;
+        st.dir[s].msg_count = 12;
+        st.seq_init = [1, 1];
+        st.seq_base = [123, 456];
+        let mut m = Model::default();
+        m.restore(
+            &Restored {
+                cookie: 7,
+                state: st,
+                comm: "Xorg".into(),
+                local: None,
+                remote: None,
+                tcp: None,
+            },
+            1000,
+        );
+        let sock = &m.sockets[&7];
+        assert_eq!(sock.transport(), "tls");
+        assert!(sock.dirs.iter().all(|d| d.seq_base.is_none()));
+        assert_eq!(sock.dirs[s].traced.total, Some(80_000));
+        assert_eq!(sock.dirs[1].traced.total, Some(3_000));
+        let t = sock.dirs[s].tls.as_ref().unwrap();
+        assert_eq!((t.plain_bytes, t.before), (70_000, tls::Before::Unknown));
+        assert_eq!(sock.dirs[s].messages, 12);
+        m.apply(&tls_mark(dir::SEND, 1001, 70_100, 9_000, 100));
+        let d = &m.sockets[&7].dirs[s];
+        assert_eq!(crate::sampler::stream_pos(d, 8_999), None);
+        assert_eq!(crate::sampler::stream_pos(d, 9_000), Some(70_100));
+    }
+
+    /// Marks of a long run stay few: those below the oldest message that can be in flight
+    /// (the newest 2W+2 here, W = 2) are pruned as the messages come; the calls are all
+    /// counted.
+    #[test]
+    fn marks_are_pruned_below_what_can_be_in_flight() {
+        let mut f = Feed::new(channel::DISPLAY);
+        f.m.apply(&Event::Tls {
+            hdr: hdr(0, 3),
+            func: spice_ebpf_common::event::tls_func::CONTEXT,
+        });
+        let (mut at, mut seq) = (46u64, 10_000u32);
+        let mut send = |f: &mut Feed, ts: u64, ty: u16, prefix: [u32; 2]| {
+            let Event::Message(mut m) = f.kernel(dir::SEND, ts, ty, prefix) else {
+                unreachable!()
+            };
+            m.at = at;
+            f.m.apply(&Event::Message(m));
+            // Header and body: two SSL_writes.
+            for n in [6u64, 10] {
+                at += n;
+                seq = seq.wrapping_add(n as u32 + 22);
+                f.m.apply(&tls_mark(dir::SEND, ts, at, seq, n as u32));
+            }
+        };
+        send(&mut f, 10, msg_server::SET_ACK, [1, 2]);
+        f.send(dir::RECV, 11, msg_client::ACK_SYNC, [1, 0]);
+        for i in 0..1000u64 {
+            send(&mut f, 20 + 2 * i, 302, [0, 0]);
+            if i % 2 == 1 {
+                f.send(dir::RECV, 21 + 2 * i, msg_client::ACK, [0, 0]);
+            }
+        }
+        let sock = f.socket();
+        let t = sock.dirs[dir::SEND as usize].tls.as_ref().unwrap();
+        assert_eq!(t.calls, 2002);
+        assert_eq!(t.overflowed, 0);
+        // 2W+2 = 6 messages of two calls each, and the newest message of the one before.
+        assert!(t.marks.len() <= 2 * 6 + 1, "{} marks kept", t.marks.len());
+        // Every in-flight message's start still converts exactly.
+        let d = &sock.dirs[dir::SEND as usize];
+        for m in chain::inflight(sock) {
+            let i = t
+                .marks
+                .iter()
+                .position(|k| k.plain_end == m.at + 6)
+                .unwrap();
+            assert_eq!(
+                crate::sampler::stream_pos(d, t.marks[i].seq),
+                Some(m.at + 6)
+            );
+            assert_eq!(
+                crate::sampler::stream_pos(d, t.marks[i].seq - 1),
+                Some(m.at)
+            );
+        }
+    }
+
+    /// The hook status of a process that went stays while its sockets are in the model (their
+    /// rows and `tls_processes` still say what the hooks could do), and goes with them.
+    #[test]
+    fn tls_status_stays_while_the_processes_sockets_do() {
+        let mut f = Feed::new(channel::DISPLAY);
+        f.m.set_tls_attach(1, tls::TlsAttach::NoLibrary);
+        f.m.set_tls_attach(2, tls::TlsAttach::Disabled);
+        f.m.forget_tls_attach(2);
+        assert_eq!(f.m.tls_attach(2), None, "no socket of pid 2");
+        f.m.forget_tls_attach(1);
+        assert_eq!(f.m.tls_attach(1), Some(&tls::TlsAttach::NoLibrary));
+        f.m.release_tls_attach();
+        assert_eq!(f.m.tls_attach(1), Some(&tls::TlsAttach::NoLibrary));
+        // A new process with the same pid reports again: not forgotten any more.
+        f.m.set_tls_attach(1, tls::TlsAttach::NoLibrary);
+        f.m.sockets.clear();
+        f.m.release_tls_attach();
+        assert_eq!(f.m.tls_attach(1), Some(&tls::TlsAttach::NoLibrary));
+        f.m.forget_tls_attach(1);
+        assert!(f.m.tls_attach.is_empty() && f.m.tls_forgotten.is_empty());
+        // Forgotten with a socket, released once it is gone.
+        let mut g = Feed::new(channel::DISPLAY);
+        g.m.set_tls_attach(1, tls::TlsAttach::NoLibrary);
+        g.m.forget_tls_attach(1);
+        g.m.sockets.clear();
+        g.m.release_tls_attach();
+        assert!(g.m.tls_attach.is_empty() && g.m.tls_forgotten.is_empty());
     }
 
     #[test]

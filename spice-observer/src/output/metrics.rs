@@ -152,7 +152,7 @@ pub const METRICS: &[MetricDef] = &[
         "socket_bytes_total",
         Counter,
         CH_DIR,
-        "Every byte the process moved on this socket by traced calls, framed or not (hunting, unparsed, not SPICE; the kernel's DirState::pos at the last sample), by direction of the SPICE flow. channel=\"unknown\": the open socket of unknown channel type of this vm and leg that moved the most bytes."
+        "Every byte the process moved on this socket by traced calls, framed or not (hunting, unparsed, not SPICE; the kernel's DirState::pos at the last sample; TCP bytes, TLS records included, on a TLS socket), by direction of the SPICE flow. channel=\"unknown\": the open socket of unknown channel type of this vm and leg that moved the most bytes."
     ),
     def!(
         "acks_total",
@@ -260,9 +260,10 @@ pub const METRICS: &[MetricDef] = &[
             "framing",
             "unparsed_reason",
             "channel_inferred",
-            "session_key"
+            "session_key",
+            "transport"
         ],
-        "1 per watched open socket, labelled with its process, addresses, SPICE session and framing (channel_inferred=\"true\": the channel type was inferred from the message types of a connection joined mid-stream; session_key: the socket of its session's main channel, session_inferred in the JSON)."
+        "1 per watched open socket, labelled with its process, addresses, SPICE session and framing (channel_inferred=\"true\": the channel type was inferred from the message types of a connection joined mid-stream; session_key: the socket of its session's main channel, session_inferred in the JSON; transport: tcp, or tls for a socket framed from its TLS plaintext at the libssl hooks)."
     ),
     // --- self metrics ---
     def!(
@@ -320,6 +321,12 @@ pub const METRICS: &[MetricDef] = &[
         "Entries of the snapshot's degraded list: kernel features missing at start, unreadable counters, undecodable records (0 normally)."
     ),
     def!(
+        "tls_processes",
+        Gauge,
+        &["state"],
+        "Watched processes by what the libssl hooks could do for them (state: attached, no_libssl: it maps no libssl, failed: attaching failed, disabled: --no-tls-hooks); 0 for a state no process is in."
+    ),
+    def!(
         "hook_set_info",
         Gauge,
         &["hook_set"],
@@ -356,6 +363,10 @@ pub const METRICS: &[MetricDef] = &[
         "1, labelled with the daemon's version."
     ),
 ];
+
+/// Every `state` of `spice_observer_tls_processes` (`crate::model::tls::TlsAttach::state`),
+/// each exported, 0 when no process is in it.
+pub const TLS_STATES: [&str; 4] = ["attached", "no_libssl", "failed", "disabled"];
 
 /// The definition named `name` (full name).
 pub fn def(name: &str) -> Option<&'static MetricDef> {
@@ -640,6 +651,7 @@ pub fn families(input: &ScrapeInput<'_>) -> Vec<MetricFamily> {
                     "false"
                 },
                 c.session_key.as_deref().unwrap_or(""),
+                &c.transport,
             ],
             1.0,
         );
@@ -893,6 +905,10 @@ pub fn families(input: &ScrapeInput<'_>) -> Vec<MetricFamily> {
         &[],
         r.degraded.len() as f64,
     );
+    for state in TLS_STATES {
+        let n = r.tls_processes.iter().filter(|p| p.state == state).count();
+        b.put("spice_observer_tls_processes", &[state], n as f64);
+    }
     b.put("spice_observer_hook_set_info", &[&r.hook_set], 1.0);
     if let Some(programs) = input.programs {
         for p in programs {
@@ -939,6 +955,7 @@ mod tests {
         let mut v = json!({
             "socket": socket, "cookie": 1, "pid": pid, "comm": "x", "end": end,
             "session_id": 7, "channel_type": ty, "channel_id": 0, "framing": "mini",
+            "transport": "tcp", "tls": null,
             "unparsed_reason": null, "unparsed_detail": null, "window": 20,
             "ack_generation": 1, "ack_sync_generation": 1, "set_acks": 1, "generations": 1,
             "ack_syncs": 1, "acks": 3, "acks_ignored": 0, "ack_surplus": 0,
@@ -982,7 +999,7 @@ mod tests {
             "hook_set": "tracepoints+sockops", "events_lost": 0,
             "kernel_counters": {"ring_full": 0, "calls_traced": 12}, "degraded": [],
             "pids": [], "forked": [{"parent": 200, "child": 201, "comm": "socat", "at_s": 0.1}],
-            "exited": [], "channels": channels
+            "exited": [], "tls_processes": [], "channels": channels
         }))
         .unwrap()
     }
@@ -1343,6 +1360,76 @@ mod tests {
     /// joined socket whose end is not known yet takes its directions from its leg; of two
     /// open sockets of unknown channel type of one vm and leg, the one that moved more
     /// bytes gets the series; a socket not read yet has none.
+    #[test]
+    fn metrics_tls_processes_and_transport() {
+        let mut tls = row("10.0.0.1:5900->10.0.0.1:40000", 100, "server", "display", 5);
+        tls["transport"] = json!("tls");
+        let plain = row("10.0.0.1:5900->10.0.0.1:40001", 100, "server", "cursor", 5);
+        let mut r = report(vec![tls, plain]);
+        r.tls_processes = serde_json::from_value(json!([
+            {"pid": 100, "comm": "qemu", "state": "attached", "library": "/usr/lib/libssl.so.3", "error": null},
+            {"pid": 201, "comm": "socat", "state": "no_libssl", "library": null, "error": null},
+            {"pid": 202, "comm": "haproxy", "state": "no_libssl", "library": null, "error": null}
+        ]))
+        .unwrap();
+        // The kernel's TLS counters: losses count as information lost, the rest as events.
+        r.kernel_counters = counter::NAMES.iter().map(|n| (n.to_string(), 3)).collect();
+        let targets = [target(
+            100,
+            TargetKind::SpiceServer(ServerKind::Qemu),
+            "vm-a",
+        )];
+        let t = text(&families(&ScrapeInput {
+            report: &r,
+            targets: &targets,
+            programs: None,
+            sockets: 2,
+            chains: 0,
+            processes: 0,
+            records: 0,
+            decode_errors: 0,
+            start_time_s: 0.0,
+        }));
+        assert_eq!(
+            lines(&t, "spice_observer_tls_processes"),
+            [
+                "spice_observer_tls_processes{state=\"attached\"} 1",
+                "spice_observer_tls_processes{state=\"no_libssl\"} 2",
+                "spice_observer_tls_processes{state=\"failed\"} 0",
+                "spice_observer_tls_processes{state=\"disabled\"} 0",
+            ],
+            "{t}"
+        );
+        let info = lines(&t, "spice_observer_channel_info");
+        assert_eq!(info.len(), 2);
+        assert!(
+            info.iter()
+                .any(|l| l.contains("channel=\"display\"") && l.contains("transport=\"tls\"")),
+            "{info:?}"
+        );
+        assert!(
+            info.iter()
+                .any(|l| l.contains("channel=\"cursor\"") && l.contains("transport=\"tcp\"")),
+            "{info:?}"
+        );
+        for (name, lost) in [
+            ("tls_unmapped", true),
+            ("tls_pending_full", true),
+            ("tls_calls", false),
+            ("tls_unseen", false),
+        ] {
+            let family = if lost {
+                "spice_observer_information_lost_total{reason="
+            } else {
+                "spice_observer_kernel_events_total{event="
+            };
+            assert!(
+                t.contains(&format!("{family}\"{name}\"}} 3")),
+                "{name}: {t}"
+            );
+        }
+    }
+
     #[test]
     fn metrics_socket_bytes_for_unframed_sockets() {
         let traffic = |v: &mut serde_json::Value, w: u64, r: u64| {

@@ -3,7 +3,7 @@
 
 use std::{collections::BTreeMap, fmt::Write as _};
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 use spice_ebpf_common::{
     config::counter,
     event::TcpSnapshot,
@@ -12,11 +12,112 @@ use spice_ebpf_common::{
 };
 
 use crate::model::joined::WindowSource;
+use crate::model::tls::TlsAttach;
 pub use crate::model::window::InFlightHistogram;
 use crate::model::{
     Model, SocketModel,
     chain::{Chain, STAGES, Transparency},
 };
+
+/// Reads an `Option` field that must be present (as a value or `null`): serde alone would
+/// read a missing `Option` field as `None`.
+pub(crate) fn required<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<T>, D::Error> {
+    Option::<T>::deserialize(d)
+}
+
+/// What the libssl hooks could do for one watched process ([`Report::tls_processes`], from
+/// [`crate::model::Model::tls_attach`] as the front end reported it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TlsProcessReport {
+    pub pid: u32,
+    pub comm: String,
+    /// `attached` (uprobes on the process's libssl), `no_libssl` (it maps none: linked
+    /// statically, another TLS library, or not loaded yet), `failed` (attaching failed, see
+    /// `error`), `disabled` (`--no-tls-hooks`): [`TlsAttach::state`].
+    pub state: String,
+    /// The libssl file, as the process maps it (`attached`, `failed`); null otherwise.
+    #[serde(deserialize_with = "required")]
+    pub library: Option<String>,
+    /// Why attaching failed (`failed`); null otherwise.
+    #[serde(deserialize_with = "required")]
+    pub error: Option<String>,
+}
+
+impl TlsProcessReport {
+    /// The row of process `pid` named `comm` with hook status `a`.
+    pub fn new(pid: u32, comm: String, a: &TlsAttach) -> Self {
+        let (library, error) = match a {
+            TlsAttach::Attached { library } => (Some(library.clone()), None),
+            TlsAttach::Failed { library, error } => (Some(library.clone()), Some(error.clone())),
+            TlsAttach::NoLibrary | TlsAttach::Disabled => (None, None),
+        };
+        Self {
+            pid,
+            comm,
+            state: a.state().into(),
+            library,
+            error,
+        }
+    }
+}
+
+/// A TLS socket's plaintext side ([`ChannelReport::tls`]): the framing, message counts and
+/// offsets of such a channel are of the plaintext the process hands to libssl (uprobes on
+/// SSL_write / SSL_read and their _ex forms), placed in TCP sequence space by one mark per
+/// call ([`crate::model::tls`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TlsChannelReport {
+    /// The libssl file the hooks are attached to in the socket's process; null when the front
+    /// end reports no attached library for it (any more).
+    #[serde(deserialize_with = "required")]
+    pub library: Option<String>,
+    /// libssl calls that moved plaintext on this socket (marks seen): SSL_write /
+    /// SSL_write_ex (sent), SSL_read / SSL_read_ex (received).
+    pub plaintext_calls_sent: u64,
+    pub plaintext_calls_received: u64,
+    /// Marks the agent keeps now, both directions (bounded: at most 4096 per direction).
+    pub marks_kept: usize,
+    /// Plaintext bytes written / read through libssl on this socket (the kernel's
+    /// `DirState::pos` of a TLS socket, or the newest mark's end). `bytes_written_total` and
+    /// `bytes_read_total` stay TCP bytes (TLS records).
+    pub plaintext_bytes_sent: u64,
+    pub plaintext_bytes_received: u64,
+}
+
+impl TlsChannelReport {
+    /// From a TLS socket's model; `library` from the front end's status of its process.
+    pub fn of(s: &SocketModel, library: Option<String>) -> Option<Self> {
+        s.tls.as_ref()?;
+        let t = |d: usize| s.dirs[d].tls.as_ref();
+        Some(Self {
+            library,
+            plaintext_calls_sent: t(0).map_or(0, |t| t.calls),
+            plaintext_calls_received: t(1).map_or(0, |t| t.calls),
+            marks_kept: (0..2).filter_map(t).map(|t| t.marks.len()).sum(),
+            plaintext_bytes_sent: t(0).map_or(0, |t| t.plain_bytes),
+            plaintext_bytes_received: t(1).map_or(0, |t| t.plain_bytes),
+        })
+    }
+}
+
+/// `unparsed_detail` of a socket NOT carried by TLS whose bytes are TLS records (`unparsed:
+/// tls`): why its plaintext is not visible, from the libssl hook status of its process
+/// (`a`; `None` when the front end reported none).
+pub fn tls_unparsed_detail(pid: u32, comm: &str, a: Option<&TlsAttach>) -> String {
+    match a {
+        Some(TlsAttach::NoLibrary) => format!(
+            "process {pid} ({comm}) maps no libssl: linked statically or using another TLS library, so its TLS plaintext cannot be hooked"
+        ),
+        Some(TlsAttach::Failed { library, error }) => {
+            format!("uprobes on {library} failed: {error}")
+        }
+        Some(TlsAttach::Attached { .. }) => "the connection's first bytes moved outside the libssl hooks (it started before they were attached)".into(),
+        Some(TlsAttach::Disabled) => "TLS hooks disabled (--no-tls-hooks)".into(),
+        None => "TLS hooks not attached for this process".into(),
+    }
+}
 
 /// TCP state of one socket at the end of the run.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -230,6 +331,14 @@ pub struct ChannelReport {
     /// message boundaries found yet in either direction) or `"pending"` (link phase not
     /// finished).
     pub framing: String,
+    /// `"tls"`: the socket carries TLS and is framed from the plaintext at the libssl hooks
+    /// (its framing, messages, offsets and window are the plaintext's; see `tls`). `"tcp"`:
+    /// framed from the socket's own bytes (a socket whose bytes are TLS records the hooks did
+    /// not see stays `unparsed_reason` `tls`).
+    pub transport: String,
+    /// The plaintext side of a `"tls"` socket; null for `"tcp"`.
+    #[serde(deserialize_with = "required")]
+    pub tls: Option<TlsChannelReport>,
     /// How each direction found its message boundaries when it had to hunt for them (a
     /// connection open before observation started, or a header that failed validation);
     /// null for a direction framed from its link phase without a resync.
@@ -699,6 +808,8 @@ pub struct Report {
     pub pids: Vec<PidReport>,
     pub forked: Vec<ForkReport>,
     pub exited: Vec<ExitReport>,
+    /// The libssl hook status of every watched process the front end reported one for.
+    pub tls_processes: Vec<TlsProcessReport>,
     pub channels: Vec<ChannelReport>,
 }
 
@@ -933,6 +1044,8 @@ pub fn channel_report(
         session_inferred: false,
         session_evidence: None,
         framing: s.framing().into(),
+        transport: s.transport().into(),
+        tls: TlsChannelReport::of(s, None),
         sync_sent: SyncReport::new(send, start_ns),
         sync_received: SyncReport::new(recv, start_ns),
         unparsed_reason: unparsed.map(|u| u.reason.name().into()),
@@ -1170,6 +1283,15 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
             if let Some(comm) = comms.get(&s.pid) {
                 c.comm = comm.clone();
             }
+            let attach = model.tls_attach(s.pid);
+            if let Some(t) = c.tls.as_mut()
+                && let Some(TlsAttach::Attached { library }) = attach
+            {
+                t.library = Some(library.clone());
+            }
+            if c.tls.is_none() && unparsed_tls(s) {
+                c.unparsed_detail = Some(tls_unparsed_detail(s.pid, &c.comm, attach));
+            }
             if let Some(chain) = chains.iter().find(|ch| ch.server == s.cookie) {
                 add_chain(&mut c, chain, model, duration_s, end_ns);
             }
@@ -1241,6 +1363,27 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
             _ => None,
         })
         .collect();
+    let tls_processes = model
+        .tls_attach
+        .iter()
+        .map(|(&pid, a)| {
+            // As the channel rows name it: the live process name, else the one its sockets'
+            // first records carried, else the watched pid's at the start.
+            let comm = comms
+                .get(&pid)
+                .cloned()
+                .or_else(|| {
+                    model
+                        .sockets
+                        .values()
+                        .find(|s| s.pid == pid && !s.comm.is_empty())
+                        .map(|s| s.comm.clone())
+                })
+                .or_else(|| pids.iter().find(|p| p.pid == pid).map(|p| p.comm.clone()))
+                .unwrap_or_default();
+            TlsProcessReport::new(pid, comm, a)
+        })
+        .collect();
     Report {
         source: source.clone(),
         duration_s,
@@ -1252,8 +1395,15 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         pids,
         forked,
         exited,
+        tls_processes,
         channels,
     }
+}
+
+/// Whether the first reason framing stopped on `s` is that its bytes are TLS records.
+fn unparsed_tls(s: &SocketModel) -> bool {
+    s.unparsed()
+        .is_some_and(|u| u.reason == UnparsedReason::Tls)
 }
 
 /// A mean message size for the table: bytes below 1 KiB, else KiB with one decimal.
@@ -1317,6 +1467,9 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_string(), |v| v.to_string())
 }
 
+/// Most processes the table's libssl line names one by one (beyond, it counts them per state).
+const TLS_LINE_PROCESSES: usize = 6;
+
 /// Renders the human table and verdicts.
 /// The report of `model` for unit tests: observation from 0 to `end_ns`, a standalone
 /// `observe` (source `loaded`), no counters, chains or final TCP state.
@@ -1362,7 +1515,7 @@ pub fn render(r: &Report) -> String {
     }
     let _ = writeln!(
         out,
-        "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8} {:>7} {:>9} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
+        "{:<44} {:>7} {:<10} {:<16} {:>3} {:>8} {:>7} {:>9} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
         "SOCKET",
         "PID",
         "COMM",
@@ -1388,9 +1541,15 @@ pub fn render(r: &Report) -> String {
     let hidden = r.channels.iter().filter(not_spice).count();
     let mut unframed_rows = 0;
     for c in r.channels.iter().filter(|c| !not_spice(c)) {
+        // A TLS socket, framed from its plaintext at the libssl hooks: `display/tls 0`.
+        let ty = if c.transport == "tls" {
+            format!("{}/tls", c.channel_type)
+        } else {
+            c.channel_type.clone()
+        };
         let chan = match c.channel_id {
-            Some(id) => format!("{} {}", c.channel_type, id),
-            None => c.channel_type.to_string(),
+            Some(id) => format!("{ty} {id}"),
+            None => ty,
         };
         let chan = if c.framing == "unparsed" {
             format!("{chan}!")
@@ -1418,7 +1577,7 @@ pub fn render(r: &Report) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<44} {:>7} {:<10} {:<12} {:>3} {:>8.1} {:>7} {:>9} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
+            "{:<44} {:>7} {:<10} {:<16} {:>3} {:>8.1} {:>7} {:>9} {:>7} {:>13} {:>7} {:>8} {:>6} {:>9} {:>6}",
             c.socket,
             c.pid,
             c.comm.chars().take(10).collect::<String>(),
@@ -1451,6 +1610,37 @@ pub fn render(r: &Report) -> String {
         let _ = writeln!(
             out,
             "  * no framed server → client message: MBIT/S of every byte the process moved on the socket, both ways (JSON bytes_written_per_s + bytes_read_per_s)"
+        );
+    }
+    if !r.tls_processes.is_empty() {
+        // Each process when few; else the count per state, and the failures by name.
+        let many = r.tls_processes.len() > TLS_LINE_PROCESSES;
+        let mut procs: Vec<String> = Vec::new();
+        if many {
+            for state in ["attached", "no_libssl", "failed", "disabled"] {
+                let n = r.tls_processes.iter().filter(|p| p.state == state).count();
+                if n > 0 {
+                    procs.push(format!("{n} {state}"));
+                }
+            }
+        }
+        procs.extend(
+            r.tls_processes
+                .iter()
+                .filter(|p| !many || p.state == "failed")
+                .map(|p| {
+                    let what = match (&p.library, &p.error) {
+                        (Some(l), Some(e)) => format!("{} {l}: {e}", p.state),
+                        (Some(l), None) => format!("{} {l}", p.state),
+                        _ => p.state.clone(),
+                    };
+                    format!("pid {} ({}) {what}", p.pid, p.comm)
+                }),
+        );
+        let _ = writeln!(
+            out,
+            "  libssl hooks (/tls: framed from the TLS plaintext): {}",
+            procs.join("; ")
         );
     }
     // Window facts the columns cannot show: several generations, surplus ACKs, and starts
@@ -1768,6 +1958,8 @@ mod tests {
             session_inferred: false,
             session_evidence: None,
             framing: "mini".into(),
+            transport: "tcp".into(),
+            tls: None,
             sync_sent: None,
             sync_received: None,
             unparsed_reason: None,
@@ -1935,6 +2127,7 @@ mod tests {
             pids: Vec::new(),
             forked: Vec::new(),
             exited: Vec::new(),
+            tls_processes: Vec::new(),
             channels: vec![c],
         };
         let plain = render(&report(display(0.0, 1, 10.0, 1.0)));
@@ -2141,6 +2334,237 @@ mod tests {
     /// A joined socket that stays hunting: its JSON row carries the kernel's byte totals and
     /// rates (flattened into the channel), and the table's MBIT/S shows the rate of those
     /// bytes, marked `*`, not 0.00; it round-trips through the typed report.
+    /// A TLS display channel (transport tls, its plaintext side with the hooked library and
+    /// its calls), and plain sockets whose bytes are TLS records the hooks did not see, one
+    /// per hook status of their process: the detail says why their plaintext is not visible.
+    #[test]
+    fn tls_channels_and_unhooked_tls_sockets() {
+        use crate::model::tls::TlsAttach;
+        use spice_ebpf_common::event::{SockState, TlsMarkEvent, carrier, tls_func};
+        let (mut m, _) = display_model();
+        m.apply(&Event::Tls {
+            hdr: hdr(dir::SEND, 1),
+            func: tls_func::CONTEXT,
+        });
+        for (d, ts, end, seq) in [
+            (dir::SEND, 40, 60, 900),
+            (dir::SEND, 41, 80, 942),
+            (dir::RECV, 42, 46, 300),
+        ] {
+            m.apply(&Event::TlsMark(TlsMarkEvent {
+                hdr: hdr(d, ts),
+                plain_end: end,
+                seq,
+                len: 20,
+            }));
+        }
+        let st = SockState {
+            carrier: carrier::TLS,
+            wire_pos: [1200, 400],
+            ..Default::default()
+        };
+        m.kernel_state(7, &st, 50);
+        m.set_tls_attach(
+            1,
+            TlsAttach::Attached {
+                library: "/usr/lib/x86_64-linux-gnu/libssl.so.3".into(),
+            },
+        );
+        // Plain sockets unparsed as tls, in processes 2..=6.
+        let states = [
+            Some(TlsAttach::NoLibrary),
+            Some(TlsAttach::Failed {
+                library: "/opt/lib/libssl.so.3".into(),
+                error: "symbol SSL_write_ex not found".into(),
+            }),
+            Some(TlsAttach::Attached {
+                library: "/usr/lib/libssl.so.3".into(),
+            }),
+            Some(TlsAttach::Disabled),
+            None,
+        ];
+        for (i, a) in states.iter().enumerate() {
+            let pid = 2 + i as u32;
+            let cookie = 100 + i as u64;
+            m.apply(&Event::Socket {
+                hdr: EventHeader {
+                    cookie,
+                    tgid: pid,
+                    ..Default::default()
+                },
+                tid: pid,
+                local: "127.0.0.1:5901".parse().unwrap(),
+                remote: format!("127.0.0.1:{}", 41000 + i).parse().unwrap(),
+                comm: format!("proc{pid}"),
+            });
+            m.apply(&Event::Unparsed {
+                hdr: EventHeader {
+                    cookie,
+                    tgid: pid,
+                    dir: dir::RECV,
+                    ..Default::default()
+                },
+                at: 0,
+                reason: UnparsedReason::Tls,
+                detail: 0x0103_0116,
+            });
+            if let Some(a) = a {
+                m.set_tls_attach(pid, a.clone());
+            }
+        }
+        let v = snapshot(&m, 100);
+        let r: Report = serde_json::from_value(v.clone()).unwrap();
+        let c = r.channels.iter().find(|c| c.cookie == 7).unwrap();
+        assert_eq!(c.transport, "tls");
+        assert_eq!(
+            c.tls,
+            Some(TlsChannelReport {
+                library: Some("/usr/lib/x86_64-linux-gnu/libssl.so.3".into()),
+                plaintext_calls_sent: 2,
+                plaintext_calls_received: 1,
+                marks_kept: 3,
+                plaintext_bytes_sent: 80,
+                plaintext_bytes_received: 46,
+            })
+        );
+        assert_eq!(c.traffic.bytes_written_total, Some(1200), "TCP bytes");
+        let detail = |cookie: u64| {
+            let c = r.channels.iter().find(|c| c.cookie == cookie).unwrap();
+            assert_eq!(
+                (c.transport.as_str(), c.unparsed_reason.as_deref()),
+                ("tcp", Some("tls"))
+            );
+            assert!(c.tls.is_none());
+            c.unparsed_detail.clone().unwrap()
+        };
+        assert_eq!(
+            detail(100),
+            "process 2 (proc2) maps no libssl: linked statically or using another TLS library, so its TLS plaintext cannot be hooked"
+        );
+        assert_eq!(
+            detail(101),
+            "uprobes on /opt/lib/libssl.so.3 failed: symbol SSL_write_ex not found"
+        );
+        assert_eq!(
+            detail(102),
+            "the connection's first bytes moved outside the libssl hooks (it started before they were attached)"
+        );
+        assert_eq!(detail(103), "TLS hooks disabled (--no-tls-hooks)");
+        assert_eq!(detail(104), "TLS hooks not attached for this process");
+        let states: Vec<(u32, &str, Option<&str>, Option<&str>)> = r
+            .tls_processes
+            .iter()
+            .map(|p| {
+                (
+                    p.pid,
+                    p.state.as_str(),
+                    p.library.as_deref(),
+                    p.error.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            states,
+            [
+                (
+                    1,
+                    "attached",
+                    Some("/usr/lib/x86_64-linux-gnu/libssl.so.3"),
+                    None
+                ),
+                (2, "no_libssl", None, None),
+                (
+                    3,
+                    "failed",
+                    Some("/opt/lib/libssl.so.3"),
+                    Some("symbol SSL_write_ex not found")
+                ),
+                (4, "attached", Some("/usr/lib/libssl.so.3"), None),
+                (5, "disabled", None, None),
+            ]
+        );
+        assert_eq!(r.tls_processes[1].comm, "proc2");
+        // The JSON names the tests read; a missing `tls` or `library` fails to parse.
+        let ch = &v["channels"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["cookie"] == 7)
+            .unwrap()
+            .clone();
+        for k in [
+            "library",
+            "plaintext_calls_sent",
+            "plaintext_calls_received",
+            "marks_kept",
+            "plaintext_bytes_sent",
+            "plaintext_bytes_received",
+        ] {
+            assert!(ch["tls"].get(k).is_some(), "{k}");
+        }
+        let mut missing = v.clone();
+        missing["channels"][0]
+            .as_object_mut()
+            .unwrap()
+            .remove("tls");
+        assert!(serde_json::from_value::<Report>(missing).is_err());
+        let text = render(&r);
+        assert!(text.contains(" display/tls 0 "), "{text}");
+        assert!(text.contains("pid 2 (proc2) no_libssl"), "{text}");
+        // Many processes (a relay forking one per connection): counted per state, failures
+        // named.
+        let mut many = r.clone();
+        for pid in 10..20 {
+            many.tls_processes.push(TlsProcessReport::new(
+                pid,
+                "stunnel4".into(),
+                &TlsAttach::NoLibrary,
+            ));
+        }
+        let text = render(&many);
+        assert!(
+            text.contains(
+                "libssl hooks (/tls: framed from the TLS plaintext): 2 attached; 11 no_libssl; 1 failed; 1 disabled; pid 3 (proc3) failed /opt/lib/libssl.so.3: symbol SSL_write_ex not found\n"
+            ),
+            "{text}"
+        );
+    }
+
+    /// The kernel's TLS counters reach `kernel_counters`; `tls_unmapped` and
+    /// `tls_pending_full` are losses (`events_lost`), `tls_calls` and `tls_unseen` not.
+    #[test]
+    fn tls_losses_count_in_events_lost() {
+        let mut counters = [0; counter::COUNT as usize];
+        counters[counter::TLS_CALLS as usize] = 1000;
+        counters[counter::TLS_UNSEEN as usize] = 7;
+        counters[counter::TLS_UNMAPPED as usize] = 2;
+        counters[counter::TLS_PENDING_FULL as usize] = 3;
+        let r = build(
+            &Model::default(),
+            RunInfo {
+                started_ns: 0,
+                end_ns: 1,
+                clock: ClockReport::default(),
+                hook_set: "tracepoints+libssl",
+                source: &SourceReport {
+                    kind: "loaded".into(),
+                    pin_dir: None,
+                    exact_from_session_start: false,
+                    tap: false,
+                },
+                counters: &counters,
+                degraded: &[],
+                pids: Vec::new(),
+                tcp_final: &BTreeMap::new(),
+                chains: &[],
+                comms: &std::collections::HashMap::new(),
+            },
+        );
+        assert_eq!(r.events_lost, 5);
+        assert_eq!(r.kernel_counters["tls_calls"], 1000);
+        assert_eq!(r.kernel_counters["tls_unseen"], 7);
+    }
+
     #[test]
     fn a_hunting_socket_shows_its_bytes() {
         let mut m = Model::default();

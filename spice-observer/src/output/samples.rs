@@ -6,7 +6,9 @@
 //! connection joined mid-stream counts ([`crate::model::joined`]). The line holds what the sample read and what it made of
 //! it: spice-server's in-flight count, the stage split, and the raw TCP sequence numbers it
 //! was placed against, so that an independent reader (e.g. of packet captures) can check the
-//! split. [`SampleLine`] is the format; README "Sample series" documents it.
+//! split. On a TLS socket the sequence numbers are the TCP stream's (TLS records); its
+//! messages' offsets are plaintext offsets, placed by the libssl marks
+//! ([`crate::model::tls`]). [`SampleLine`] is the format; README "Sample series" documents it.
 
 use std::{
     collections::BTreeMap,
@@ -129,7 +131,9 @@ pub struct SampleLine {
     pub legs: Legs,
     /// TCP sequence number (spice-server's socket, sending direction) of the last byte of the
     /// newest in-flight message; `null` when nothing is in flight or the stream's sequence
-    /// base is unknown.
+    /// base is unknown. On a TLS socket (`transport` `tls` in the report) the last byte of the
+    /// TLS records of the SSL_write that moved the message's last plaintext byte
+    /// ([`sampler::last_byte_seq`]); `null` while that call has not returned.
     #[serde(deserialize_with = "required")]
     pub newest_last_byte_seq: Option<u32>,
     /// The same for the oldest in-flight message kept.

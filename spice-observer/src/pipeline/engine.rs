@@ -1066,11 +1066,17 @@ impl Engine {
     /// an up-to-date report.
     pub fn snapshot(&self, now_ns: u64) -> Report {
         let mut comms: HashMap<u32, String> = HashMap::new();
-        for s in self.model.sockets.values() {
-            if !comms.contains_key(&s.pid)
-                && let Some(c) = sockdiag::comm(s.pid)
+        let pids = self
+            .model
+            .sockets
+            .values()
+            .map(|s| s.pid)
+            .chain(self.model.tls_attach.keys().copied());
+        for pid in pids {
+            if !comms.contains_key(&pid)
+                && let Some(c) = sockdiag::comm(pid)
             {
-                comms.insert(s.pid, c);
+                comms.insert(pid, c);
             }
         }
         let mut degraded = self.cap.degraded.clone();
@@ -1148,6 +1154,9 @@ impl Engine {
             self.unwatched.drain(..).partition(|(at, _)| *at <= t);
         self.unwatched = pending;
         let pids: HashSet<u32> = done.into_iter().flat_map(|(_, p)| p).collect();
+        // Their libssl hook status goes with them (the model's list stays bounded).
+        self.model.tls_attach.retain(|p, _| !pids.contains(p));
+        self.model.tls_forgotten.retain(|p| !pids.contains(p));
         if !pids.is_empty() {
             free.extend(
                 self.model
@@ -1161,6 +1170,7 @@ impl Engine {
             return;
         }
         self.model.sockets.retain(|c, _| !free.contains(c));
+        self.model.release_tls_attach();
         self.chains.retain(|c| !free.contains(&c.server));
         for c in self.chains.iter_mut() {
             if c.backend.is_some_and(|b| free.contains(&b)) {

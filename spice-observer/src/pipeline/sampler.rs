@@ -24,11 +24,31 @@ use crate::{
 
 /// Converts a 32-bit TCP sequence number to a stream offset of direction `dir`, anchored at
 /// the newest framed message (valid within ±2 GiB of it).
+///
+/// A direction of a TLS socket ([`DirStats::tls`]) counts plaintext offsets: the TCP
+/// position converts to the plaintext offset of the newest libssl call whose records end at
+/// or before it ([`crate::model::tls::TlsDir::plain_at`]; precise to one call's records),
+/// never through `seq_base`. The positions of the other end of the same TCP connection (a
+/// relay's `rcv_nxt`, `copied_seq`) convert with this direction's marks too.
 pub fn stream_pos(dir: &DirStats, seq: u32) -> Option<u64> {
+    if let Some(t) = &dir.tls {
+        return t.plain_at(seq);
+    }
     let base = dir.seq_base?;
     let anchor = dir.recent.back().map_or(0, |m| m.end);
     let delta = seq.wrapping_sub(base).wrapping_sub(anchor as u32) as i32 as i64;
     Some((anchor as i64 + delta).max(0) as u64)
+}
+
+/// The TCP sequence number of the last byte of the stream up to offset `end` of direction
+/// `dir` (`end` > 0): `seq_base + end − 1`; on a TLS direction the last byte of the records
+/// of the libssl call that moved plaintext offset `end − 1` (the first mark reaching `end`,
+/// [`crate::model::tls::TlsDir::seq_at`]). `None` when not known.
+pub fn last_byte_seq(dir: &DirStats, end: u64) -> Option<u32> {
+    match &dir.tls {
+        Some(t) => Some(t.seq_at(end)?.wrapping_sub(1)),
+        None => Some(dir.seq_base?.wrapping_add(end as u32).wrapping_sub(1)),
+    }
 }
 
 /// The raw 32-bit TCP sequence numbers of one socket at one sample, as the sample used them.
@@ -103,8 +123,12 @@ fn shifted(p: SendPos, shift: i64) -> SendPos {
 /// `snd_una`'s traced offset, on the sending side (`net/ipv4/tcp_input.c`
 /// `tcp_rcv_nxt_update`, `tcp_snd_una_update`; neither counts the SYN of a connection the
 /// socket accepted). The relay's leg toward a client is accepted; its leg toward
-/// spice-server receives.
+/// spice-server receives. `None` for a TLS socket: its byte counters count TLS records, its
+/// offsets plaintext.
 fn stream_start(n: &Now<'_>) -> Option<i64> {
+    if n.model.is_tls() {
+        return None;
+    }
     let (info, leg) = (n.diag.info.as_ref()?, n.leg.as_ref()?);
     let d = n.model.s2c()?;
     let ds = &n.model.dirs[d];
@@ -147,7 +171,8 @@ pub struct ChainTake {
     pub backend_leg: Option<LegSeqs>,
     pub client_leg: Option<LegSeqs>,
     /// TCP sequence number of the last byte of the newest and of the oldest kept in-flight
-    /// message, on spice-server's sending direction (`seq_base` + end offset − 1).
+    /// message, on spice-server's sending direction ([`last_byte_seq`]: `seq_base` + end
+    /// offset − 1, or on a TLS socket the last byte of the records that carry it).
     pub newest_last_byte_seq: Option<u32>,
     pub oldest_last_byte_seq: Option<u32>,
 }
@@ -402,10 +427,8 @@ pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
             kept: inflight.len() as u64,
         };
         chain.stats.add(&sample);
-        let last_byte_seq = |m: Option<&MsgSpan>| {
-            let base = server.s2c().and_then(|d| server.dirs[d].seq_base)?;
-            Some(base.wrapping_add(m?.end as u32).wrapping_sub(1))
-        };
+        let last_byte_seq =
+            |m: Option<&MsgSpan>| last_byte_seq(&server.dirs[server.s2c()?], m?.end);
         taken.push(ChainTake {
             server: chain.server,
             sample,
@@ -436,5 +459,422 @@ pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
         t_end_ns,
         dump,
         chains: taken,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use spice_ebpf_common::{
+        event::{EventHeader, LinkEvent, MessageEvent, TlsMarkEvent, dir, tls_func},
+        framing::Role,
+        protocol::{channel, msg_server},
+        window::WindowState,
+    };
+
+    use super::*;
+    use crate::{events::Event, model::chain::STAGES, sockdiag::TcpInfo};
+
+    const XORG: u32 = 10;
+    const STUNNEL: u32 = 20;
+    /// spice-server's socket, the relay's TLS leg toward it, the relay's plaintext leg toward
+    /// the client.
+    const S: u64 = 1;
+    const B: u64 = 2;
+    const C: u64 = 3;
+    /// Bytes of TLS record around each SSL_write's plaintext (TLS 1.3 AES-GCM: 5 header,
+    /// 1 content type, 16 tag).
+    const REC: u32 = 22;
+    /// The link message and reply: 16-byte header + 30.
+    const LINK: u64 = 46;
+    /// Sequence number of the client leg's stream offset 0.
+    const C0: u32 = 777_000;
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    fn hdr(cookie: u64, pid: u32, d: u8, ts: u64) -> EventHeader {
+        EventHeader {
+            tgid: pid,
+            cookie,
+            dir: d,
+            ts_ns: ts,
+            ..Default::default()
+        }
+    }
+
+    /// One server → client message as spice-server wrote it: plaintext span and the TCP
+    /// positions after its header's and its body's TLS records.
+    #[derive(Clone, Copy, Debug)]
+    struct Sent {
+        at: u64,
+        end: u64,
+        hdr_seq: u32,
+        end_seq: u32,
+        ty: u16,
+        size: u32,
+        prefix: [u32; 2],
+    }
+
+    /// spice-server (Xspice) with a TLS port, stunnel terminating TLS in front of it
+    /// (its leg toward spice-server is TLS, hooked in stunnel's libssl; its leg toward the
+    /// client plain), one display channel.
+    struct Rig {
+        m: Model,
+        ts: u64,
+        /// spice-server's write_seq after its newest SSL_write, and the plaintext offset.
+        seq: u32,
+        plain: u64,
+        sent: Vec<Sent>,
+        win: [WindowState; 3],
+    }
+
+    impl Rig {
+        fn new(first_seq: u32) -> Self {
+            let mut m = Model::default();
+            for (cookie, pid, l, r) in [
+                (S, XORG, 5900, 40000),
+                (B, STUNNEL, 40000, 5900),
+                (C, STUNNEL, 6900, 50000),
+            ] {
+                m.apply(&Event::Socket {
+                    hdr: hdr(cookie, pid, 0, 1),
+                    tid: pid,
+                    local: addr(l),
+                    remote: addr(r),
+                    comm: String::new(),
+                });
+            }
+            // Both ends of the TLS connection: the first traced calls are the handshake's.
+            m.apply(&Event::Tls {
+                hdr: hdr(S, XORG, 0, 2),
+                func: tls_func::CONTEXT,
+            });
+            m.apply(&Event::Tls {
+                hdr: hdr(B, STUNNEL, 0, 2),
+                func: tls_func::CONTEXT,
+            });
+            let mut r = Rig {
+                m,
+                ts: 10,
+                seq: first_seq,
+                plain: 0,
+                sent: Vec::new(),
+                win: Default::default(),
+            };
+            // The client's link message: read on C, written on B (one SSL_write), read by
+            // spice-server (one SSL_read); the reply the other way.
+            let link = |r: &mut Rig, cookie, pid, d, role: Role| {
+                r.m.apply(&Event::Link(LinkEvent {
+                    hdr: hdr(cookie, pid, d, 3),
+                    role: role as u8,
+                    channel_type: channel::DISPLAY,
+                    link_size: 30,
+                    end: LINK,
+                    ..Default::default()
+                }));
+            };
+            link(&mut r, C, STUNNEL, dir::RECV, Role::ClientToServer);
+            link(&mut r, B, STUNNEL, dir::SEND, Role::ClientToServer);
+            r.mark(
+                B,
+                STUNNEL,
+                dir::SEND,
+                LINK,
+                5000 + LINK as u32 + REC,
+                LINK as u32,
+            );
+            link(&mut r, S, XORG, dir::RECV, Role::ClientToServer);
+            r.mark(
+                S,
+                XORG,
+                dir::RECV,
+                LINK,
+                5000 + LINK as u32 + REC,
+                LINK as u32,
+            );
+            link(&mut r, S, XORG, dir::SEND, Role::ServerToClient);
+            let (end, seq) = r.write(LINK);
+            link(&mut r, B, STUNNEL, dir::RECV, Role::ServerToClient);
+            r.mark(B, STUNNEL, dir::RECV, end, seq, LINK as u32);
+            link(&mut r, C, STUNNEL, dir::SEND, Role::ServerToClient);
+            r
+        }
+
+        fn mark(&mut self, cookie: u64, pid: u32, d: u8, plain_end: u64, seq: u32, len: u32) {
+            self.ts += 1;
+            self.m.apply(&Event::TlsMark(TlsMarkEvent {
+                hdr: hdr(cookie, pid, d, self.ts),
+                plain_end,
+                seq,
+                len,
+            }));
+        }
+
+        /// One SSL_write of `n` plaintext bytes by spice-server: one TLS record.
+        fn write(&mut self, n: u64) -> (u64, u32) {
+            self.plain += n;
+            self.seq = self.seq.wrapping_add(n as u32 + REC);
+            let (p, s) = (self.plain, self.seq);
+            self.mark(S, XORG, dir::SEND, p, s, n as u32);
+            (p, s)
+        }
+
+        /// A message record of `cookie`'s direction `d`; `w`: whose window it runs in.
+        fn record(&mut self, cookie: u64, pid: u32, d: u8, w: usize, x: &Sent, index: u64) {
+            self.ts += 1;
+            let fx = self.win[w].apply(
+                Role::ServerToClient as u8,
+                self.ts,
+                channel::DISPLAY,
+                x.ty,
+                x.prefix,
+            );
+            let seq = if cookie == C {
+                C0.wrapping_add(x.at as u32)
+            } else {
+                // Meaningless on a TLS socket: must not be used.
+                0xdead_beef
+            };
+            self.m.apply(&Event::Message(MessageEvent {
+                hdr: hdr(cookie, pid, d, self.ts),
+                at: x.at,
+                index,
+                size: x.size,
+                msg_type: x.ty,
+                hdr_len: 6,
+                prefix: x.prefix,
+                seq,
+                win_mw: self.win[w].messages_window,
+                win_count: self.win[w].count,
+                win_effects: fx,
+                ..Default::default()
+            }));
+        }
+
+        /// spice-server starts a message: one SSL_write for the header, one for the body
+        /// unless `body_pending` (that call has not returned yet: no mark).
+        fn send(&mut self, ty: u16, size: u32, prefix: [u32; 2], body_pending: bool) {
+            let at = self.plain;
+            let mut x = Sent {
+                at,
+                end: at + 6 + u64::from(size),
+                hdr_seq: 0,
+                end_seq: 0,
+                ty,
+                size,
+                prefix,
+            };
+            x.hdr_seq = self.write(6).1;
+            let index = self.sent.len() as u64 + 1;
+            self.record(S, XORG, dir::SEND, 0, &x, index);
+            if !body_pending {
+                x.end_seq = self.write(u64::from(size)).1;
+            }
+            self.sent.push(x);
+        }
+
+        /// stunnel reads message `i` (two SSL_reads: its records) from its TLS leg.
+        fn relay_reads(&mut self, i: usize) {
+            let x = self.sent[i];
+            self.mark(B, STUNNEL, dir::RECV, x.at + 6, x.hdr_seq, 6);
+            self.record(B, STUNNEL, dir::RECV, 1, &x, i as u64 + 1);
+            self.mark(B, STUNNEL, dir::RECV, x.end, x.end_seq, x.size);
+        }
+
+        /// stunnel writes message `i` toward the client (plain).
+        fn relay_writes(&mut self, i: usize) {
+            let x = self.sent[i];
+            self.record(C, STUNNEL, dir::SEND, 2, &x, i as u64 + 1);
+        }
+    }
+
+    fn diag(
+        cookie: u64,
+        l: u16,
+        r: u16,
+        send_queue: u32,
+        recv_queue: u32,
+        notsent: u32,
+    ) -> DiagSocket {
+        DiagSocket {
+            cookie,
+            inode: 0,
+            state: 1,
+            local: addr(l),
+            remote: addr(r),
+            recv_queue,
+            send_queue,
+            info: Some(TcpInfo {
+                notsent_bytes: notsent,
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn snap(write_seq: u32, copied_seq: u32) -> TcpSnapshot {
+        TcpSnapshot {
+            write_seq,
+            copied_seq,
+            ..Default::default()
+        }
+    }
+
+    /// Eight in-flight messages (SET_ACK, W = 4, then seven draws), one in each stage of a
+    /// chain whose spice-server socket is TLS (stunnel in front). spice-server's write_seq,
+    /// snd_nxt and snd_una and stunnel's copied_seq convert to plaintext offsets with
+    /// spice-server's marks; the client leg is plain and pairs by its link message. The TCP
+    /// sequence numbers wrap around 2³² in the middle.
+    #[test]
+    fn a_chain_whose_server_socket_is_tls_places_every_stage() {
+        let mut r = Rig::new(u32::MAX - 1500);
+        r.send(msg_server::SET_ACK, 8, [1, 4], false);
+        for (i, size) in [100u32, 2000, 300, 50, 400, 1000, 700]
+            .into_iter()
+            .enumerate()
+        {
+            r.send(302, size, [0, 0], i == 6);
+        }
+        for i in 0..4 {
+            r.relay_reads(i);
+        }
+        for i in 0..3 {
+            r.relay_writes(i);
+        }
+        let x = r.sent.clone();
+        assert!(
+            x[2].end_seq < x[0].end_seq,
+            "the sequence numbers wrap inside the run"
+        );
+        // Offsets are plaintext; no sequence base on a TLS socket whatever its records say.
+        let s = &r.m.sockets[&S];
+        assert_eq!(s.transport(), "tls");
+        assert!(s.dirs.iter().all(|d| d.seq_base.is_none()));
+        assert_eq!(s.dirs[SEND].recent.front().unwrap().at, LINK);
+        assert_eq!(r.m.sockets[&C].transport(), "tcp");
+        assert_eq!(r.m.sockets[&C].dirs[SEND].seq_base, Some(C0));
+
+        let mut chains = Vec::new();
+        chain::pair(&r.m, &mut chains);
+        assert_eq!(chains.len(), 1);
+        assert_eq!(
+            (chains[0].backend, chains[0].client_leg),
+            (Some(B), Some(C))
+        );
+        assert!(chains[0].is_transparent());
+        assert_eq!(chains[0].client_shift(&r.m), Some(0));
+
+        // spice-server: m7's body call still writing (write_seq 10 bytes into its record),
+        // sent up to m5's end, acknowledged 3 bytes into m5's header record.
+        let write_seq = x[7].hdr_seq.wrapping_add(10);
+        let snd_nxt = x[5].end_seq;
+        let snd_una = x[4].end_seq.wrapping_add(3);
+        // stunnel: read up to m3's end, m4 arrived.
+        let (copied, rcv_nxt) = (x[3].end_seq, x[4].end_seq);
+        // The client leg: written up to m2, sent up to m1, acknowledged up to m0.
+        let c = |i: usize| C0.wrapping_add(x[i].end as u32);
+        let pos = Positions {
+            t_ns: 100,
+            t_end_ns: 101,
+            dump: [
+                diag(
+                    S,
+                    5900,
+                    40000,
+                    write_seq.wrapping_sub(snd_una),
+                    0,
+                    write_seq.wrapping_sub(snd_nxt),
+                ),
+                diag(B, 40000, 5900, 0, rcv_nxt.wrapping_sub(copied), 0),
+                diag(
+                    C,
+                    6900,
+                    50000,
+                    c(2).wrapping_sub(c(0)),
+                    0,
+                    c(2).wrapping_sub(c(1)),
+                ),
+            ]
+            .into_iter()
+            .map(|d| (d.cookie, d))
+            .collect(),
+            snaps: [
+                (S, snap(write_seq, 5000 + LINK as u32 + REC)),
+                (B, snap(5000 + LINK as u32 + REC, copied)),
+                (C, snap(c(2), 0)),
+            ]
+            .into_iter()
+            .collect(),
+        };
+        let sample = place(&r.m, &mut chains, pos);
+        let take = &sample.chains[0];
+        assert_eq!(take.stages.len(), STAGES.len());
+        let p = take.sample.placement.expect("placed");
+        assert_eq!(p.counts, [1; 8], "{p:?}");
+        assert_eq!((p.clamped, p.unplaced), (0, 0));
+        // Bytes per stage: from m7's end down to the oldest message's start, cut at each
+        // converted position (precise to one SSL_write: m7's header call is the last done).
+        assert_eq!(p.bytes[0], x[7].end - (x[7].at + 6));
+        assert_eq!(p.bytes[2], x[5].end - x[4].end);
+        assert_eq!(p.bytes[3], x[4].end - x[3].end);
+        // The oldest in-flight message's last byte: its body record's last byte; the newest
+        // one's body call has not returned, so where it ends in TCP is not known yet.
+        assert_eq!(
+            take.oldest_last_byte_seq,
+            Some(x[0].end_seq.wrapping_sub(1))
+        );
+        assert_eq!(take.newest_last_byte_seq, None);
+        assert_eq!(take.sample.relay_visible, Some(4));
+    }
+
+    /// A TLS socket's message records carry a `seq` that means nothing: a plain socket of
+    /// another process whose sequence base happens to equal what those records would give is
+    /// not taken for the relay's leg toward spice-server (only mirrored addresses pair).
+    #[test]
+    fn no_pairing_by_sequence_number_across_a_tls_socket() {
+        let mut r = Rig::new(1000);
+        r.send(msg_server::SET_ACK, 8, [1, 4], false);
+        // An unrelated plain socket at the client end of some other connection, framed with
+        // the sequence base the TLS records' meaningless seq would give.
+        let other = 9;
+        r.m.apply(&Event::Socket {
+            hdr: hdr(other, 30, 0, 1),
+            tid: 30,
+            local: addr(41000),
+            remote: addr(7000),
+            comm: String::new(),
+        });
+        for (d, role) in [
+            (dir::SEND, Role::ClientToServer),
+            (dir::RECV, Role::ServerToClient),
+        ] {
+            r.m.apply(&Event::Link(LinkEvent {
+                hdr: hdr(other, 30, d, 3),
+                role: role as u8,
+                channel_type: channel::DISPLAY,
+                link_size: 30,
+                end: LINK,
+                ..Default::default()
+            }));
+        }
+        r.m.apply(&Event::Message(MessageEvent {
+            hdr: hdr(other, 30, dir::RECV, 50),
+            at: LINK,
+            index: 1,
+            size: 8,
+            msg_type: msg_server::SET_ACK,
+            hdr_len: 6,
+            seq: 0xdead_beef,
+            ..Default::default()
+        }));
+        // The stunnel legs are gone: only the unrelated socket could be a backend.
+        r.m.sockets.remove(&B);
+        r.m.sockets.remove(&C);
+        let mut chains = Vec::new();
+        chain::pair(&r.m, &mut chains);
+        assert_eq!(chains.len(), 1);
+        assert_eq!(chains[0].backend, None);
     }
 }
