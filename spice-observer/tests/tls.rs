@@ -1116,10 +1116,11 @@ fn spice_peer_through_two_stunnels_counts_exact() -> Result<()> {
 /// handshake record (ServerHello-like from a server, ClientHello-like from a client) where
 /// the link phase belongs. Two pairs:
 /// * `alive`: the server sends the record; its client sleeps 4 s before reading, so both
-///   outlive the 3 s observation. `tls_processes` lists both as `no_libssl` (no library, no
-///   error); the server's socket stays `unparsed: tls`.
+///   outlive the 3 s observation. The server's socket stays `unparsed: tls`.
 /// * `exited`: the client sends the record, the server refuses it at once; both are gone
 ///   before the report. Both sockets stay `unparsed: tls` all the same.
+///
+/// `tls_processes` lists all four as `no_libssl` (no library, no error).
 ///
 /// Every socket that is `unparsed: tls` has transport `tcp`, no `tls` object, no message, and
 /// an `unparsed_detail` naming its process and that it maps no libssl.
@@ -1173,7 +1174,8 @@ fn tls_without_libssl_stays_unparsed() -> Result<()> {
             && !exited.contains(&alive_c.pid()),
         "exited {exited:?}: the alive pair must outlive the observation, the other not"
     );
-    for pid in [alive_s.pid(), alive_c.pid()] {
+    // every process, also those gone before the report (their sockets are in it)
+    for pid in pids {
         let p = report
             .tls_processes
             .iter()
