@@ -20,6 +20,7 @@
 //! sample_ms = 100
 //! scan_ms = 500
 //! bpf_stats = true
+//! tls_hooks = true
 //! [discovery]
 //! qemu = true
 //! xspice = true
@@ -77,6 +78,14 @@ pub struct Config {
     /// program links, so that a restarted daemon continues the counts exactly (README,
     /// "Restarts and pinned state"). Default [`DEFAULT_PIN_DIR`]; must be absolute.
     pub pin_dir: PathBuf,
+    /// `tls_hooks`: attach the libssl uprobes ([`crate::kernel::tls`]) to every watched
+    /// process that maps a libssl, so that SPICE inside TLS is framed from the plaintext.
+    /// Attaching a uprobe needs `CAP_SYS_ADMIN` (`perf_event_open(2)` of the uprobe PMU), so
+    /// with this on the daemon keeps that capability after attach when it has it; without
+    /// it every process with a libssl is reported `failed` with that reason. `false`
+    /// (`--no-tls-hooks`): nothing is attached, TLS channels stay `unparsed: tls`. Needs a
+    /// restart to change. Default true.
+    pub tls_hooks: bool,
     /// `[discovery]`: what to look for.
     pub discovery: DiscoveryConfig,
 }
@@ -132,6 +141,7 @@ impl Default for Config {
             scan_ms: 500,
             bpf_stats: true,
             pin_dir: PathBuf::from(DEFAULT_PIN_DIR),
+            tls_hooks: true,
             discovery: DiscoveryConfig::default(),
         }
     }
@@ -269,6 +279,9 @@ mod tests {
         assert_eq!(c.sample_ms, 50);
         assert_eq!(c.scan_ms, 500, "missing key keeps its default");
         assert!(!c.bpf_stats);
+        assert!(c.tls_hooks, "missing key keeps its default");
+        assert!(!Config::parse("tls_hooks = false\n").unwrap().tls_hooks);
+        assert!(err("tls_hooks = \"no\"\n").contains("line 1"));
         assert!(!c.discovery.qemu);
         assert!(c.discovery.xspice);
         assert_eq!(

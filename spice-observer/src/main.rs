@@ -66,6 +66,13 @@ enum Command {
         #[arg(long, value_name = "DIR",
               default_value = spice_observer::config::DEFAULT_PIN_DIR)]
         pin_dir: PathBuf,
+        /// Do not attach the libssl uprobes. By default each watched process that maps a
+        /// libssl (libssl.so.3, …) gets uprobes on SSL_write, SSL_read and friends for that
+        /// process only, so that SPICE inside TLS is framed from the plaintext; with this
+        /// flag TLS channels stay `unparsed: tls` and every process's TLS state is
+        /// `disabled`.
+        #[arg(long)]
+        no_tls_hooks: bool,
     },
     /// Run as a host daemon: find SPICE servers (QEMU, Xspice) and configured relays as they
     /// come and go, watch them, and serve Prometheus metrics on 127.0.0.1:19590. Run as root.
@@ -100,6 +107,7 @@ fn main() -> Result<()> {
             plot,
             samples,
             pin_dir,
+            no_tls_hooks,
         } => {
             if !(duration >= 0.0 && duration.is_finite()) {
                 anyhow::bail!("--duration must be a number of seconds ≥ 0");
@@ -114,6 +122,7 @@ fn main() -> Result<()> {
                 plot,
                 samples,
                 pin_dir: Some(pin_dir),
+                tls_hooks: !no_tls_hooks,
             };
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

@@ -22,12 +22,21 @@
 //!
 //! Logging (env_logger; default `warn,spice_observer=info`, `RUST_LOG` overrides): one line
 //! at start (listen address, hook set, config file), one with the capabilities kept after
-//! attach, one per target found or lost, warnings when information is lost (kernel loss
-//! counters or undecodable records went up) or a target cannot be watched.
+//! attach, one per target found (naming the libssl its uprobes were attached on) or lost,
+//! warnings when information is lost (kernel loss counters or undecodable records went up),
+//! a target cannot be watched, or a process's libssl hooks cannot be attached (one line per
+//! process; once at start when the daemon lacks the capability for any).
+//!
+//! libssl hooks ([`crate::kernel::tls`], unless `tls_hooks = false` / `--no-tls-hooks`):
+//! attached to each target before it is watched, and at every scan to the watched processes
+//! not hooked yet (children forked since), re-checked every 5 s for those without a libssl;
+//! detached when they go. After a restart they are attached again (the previous daemon's
+//! links ended with it; the kernel resyncs a TLS direction whose bytes moved meanwhile).
 //!
 //! As a service ([`crate::cmd::service`], [`crate::host::privilege`]): after the programs
 //! are attached it drops every capability but the two that reading other users' `/proc`
-//! needs, tells systemd it is ready, and re-reads its config on SIGHUP.
+//! needs (and `CAP_SYS_ADMIN`, which attaching uprobes needs, when the libssl hooks are on
+//! and it holds it), tells systemd it is ready, and re-reads its config on SIGHUP.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -51,6 +60,8 @@ use crate::cmd::service;
 use crate::config::{Config, RelayRule};
 use crate::host::discovery::{self, Discovery, ServerKind, Target, TargetKind};
 use crate::host::privilege;
+use crate::kernel::tls::{self, TlsHooks};
+use crate::model::tls::TlsAttach;
 use crate::output::metrics::{self, ProgramCost, ScrapeInput};
 use crate::pipeline::{Engine, EngineOptions, Restart, monotonic_ns};
 
@@ -126,6 +137,12 @@ pub struct DaemonArgs {
     /// meanwhile).
     #[arg(long, requires = "unpin")]
     pub force: bool,
+    /// Do not attach the libssl uprobes (`tls_hooks = false`): TLS channels stay
+    /// `unparsed: tls`, every watched process's TLS state is `disabled`, and CAP_SYS_ADMIN is
+    /// not kept after attach. By default each watched process that maps a libssl gets
+    /// uprobes on SSL_write, SSL_read and friends for that process only.
+    #[arg(long)]
+    pub no_tls_hooks: bool,
 }
 
 /// The effective settings: the config file (`--config`, else [`DEFAULT_CONFIG`] if it
@@ -166,6 +183,9 @@ pub fn resolve(args: &DaemonArgs) -> Result<(Config, Option<PathBuf>)> {
     }
     if args.no_bpf_stats {
         cfg.bpf_stats = false;
+    }
+    if args.no_tls_hooks {
+        cfg.tls_hooks = false;
     }
     if let Some(d) = &args.pin_dir {
         if !d.is_absolute() {
@@ -506,8 +526,33 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     for d in engine.degraded() {
         warn!("degraded: {d}");
     }
-    // Attached: keep only what discovery needs from now on.
-    let dropped = privilege::drop_after_attach().context("dropping capabilities after attach")?;
+    // The libssl hooks are attached per process as processes are found: that needs
+    // CAP_SYS_ADMIN for as long as the daemon runs (privilege::TLS_HOOKS_CAP).
+    let mut tls_hooks = TlsHooks::new(cfg.tls_hooks);
+    let keep_tls_cap = cfg.tls_hooks && privilege::holds(privilege::TLS_HOOKS_CAP.cap);
+    // A reason every process fails with, logged once here rather than per process.
+    let mut tls_said: Option<String> = None;
+    if cfg.tls_hooks {
+        tls::raise_fd_limit();
+        if !keep_tls_cap {
+            let why = format!(
+                "{}, which this daemon does not hold (grant it, or set tls_hooks = false / \
+                 --no-tls-hooks)",
+                tls::CAPABILITY_HINT
+            );
+            warn!("libssl hooks cannot be attached: {why}; TLS channels stay `unparsed: tls`");
+            tls_hooks.set_unavailable(why.clone());
+            tls_said = Some(why);
+        }
+    }
+    // Attached: keep only what discovery (and the libssl hooks) need from now on.
+    let extra: &[privilege::Need] = if keep_tls_cap {
+        &[privilege::TLS_HOOKS_CAP]
+    } else {
+        &[]
+    };
+    let dropped = privilege::drop_after_attach_keeping(extra)
+        .context("dropping capabilities after attach")?;
     info!("{dropped}");
     let page = |cfg: &Config, engine: &Engine| {
         landing_page(
@@ -607,10 +652,29 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                     if !first && !s.targets.iter().any(|x| x.pid == t.pid && x.start_time == t.start_time) {
                         continue;
                     }
+                    // The libssl hooks first, so that the process's sockets are decided
+                    // with them in place. (A retry of a watch that failed does not attach
+                    // again each scan: the `follow` below hooks it once it is watched.)
+                    let mut tls_state = None;
+                    if first {
+                        let (cap, model) = engine.capture_and_model();
+                        let (root, children) = tls_hooks.attach_first(cap, model, t.pid, false);
+                        for (p, s) in root.iter().map(|s| (t.pid, s)).chain(children.iter().map(|(c, s)| (*c, s))) {
+                            let comm = crate::sockdiag::comm(p).unwrap_or_default();
+                            if let Some(line) = tls::failure_line(p, &comm, s, tls_said.as_deref()) {
+                                warn!("{line}");
+                            }
+                        }
+                        tls_state = root;
+                    }
                     match engine.watch(t.pid) {
                         Ok(w) => info!(
-                            "found {} {} (pid {}, {}): {} listening port(s), {} connection(s) already open",
-                            kind_name(t), t.name, t.pid, w.comm, w.ports_enrolled, w.existing_connections
+                            "found {} {} (pid {}, {}): {} listening port(s), {} connection(s) already open{}",
+                            kind_name(t), t.name, t.pid, w.comm, w.ports_enrolled, w.existing_connections,
+                            match &tls_state {
+                                Some(TlsAttach::Attached { library }) => format!(", libssl hooks on {library}"),
+                                _ => String::new(),
+                            }
                         ),
                         Err(e) => {
                             if first {
@@ -621,6 +685,19 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                     }
                 }
                 targets = s.targets;
+                // Children forked since, processes gone, late dlopen of a libssl.
+                let (cap, model) = engine.capture_and_model();
+                match tls_hooks.follow(cap, model, false) {
+                    Ok(changes) => {
+                        for c in changes {
+                            let comm = crate::sockdiag::comm(c.tgid).unwrap_or_default();
+                            if let Some(line) = c.status.as_ref().and_then(|s| tls::failure_line(c.tgid, &comm, s, tls_said.as_deref())) {
+                                warn!("{line}");
+                            }
+                        }
+                    }
+                    Err(e) => debug!("libssl hooks: reading WATCHED_TGIDS: {e:#}"),
+                }
                 if let Some((listener, app)) = http.take() {
                     server = Some(tokio::spawn(async move { axum::serve(listener, app).await }));
                 }
@@ -728,6 +805,7 @@ mod tests {
             pin_dir: None,
             unpin: false,
             force: false,
+            no_tls_hooks: false,
         }
     }
 
@@ -755,7 +833,9 @@ mod tests {
         a.no_bpf_stats = true;
         a.relay_names = vec!["socat".into()];
         a.relay_ports = vec![6900];
+        a.no_tls_hooks = true;
         let (c, _) = resolve(&a).unwrap();
+        assert!(!c.tls_hooks);
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(c.listen.to_string(), "[::1]:19600");
         assert_eq!((c.sample_ms, c.scan_ms, c.bpf_stats), (20, 250, false));

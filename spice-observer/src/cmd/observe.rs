@@ -13,6 +13,7 @@ use anyhow::{Context, Result, bail};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
+    kernel::tls::{self, TlsHooks},
     pipeline::{Beside, Engine, EngineOptions, Progress, monotonic_ns},
     report::{self, Report},
     samples::SampleLine,
@@ -43,6 +44,9 @@ pub struct ObserveOptions {
     /// and of this layout ([`Engine::start_beside`]), else loads its own programs. `None`:
     /// always loads its own.
     pub pin_dir: Option<PathBuf>,
+    /// Attach the libssl uprobes to the watched processes ([`crate::kernel::tls`]); false
+    /// (`--no-tls-hooks`): none, every process's status is `disabled`.
+    pub tls_hooks: bool,
 }
 
 // Re-exported for callers of the former `observe` module.
@@ -159,6 +163,14 @@ fn progress_line(p: &Progress, secs: f64) -> String {
     )
 }
 
+/// Prints the one line of a process whose libssl hooks failed ([`tls::failure_line`]).
+fn tls_failure(tgid: u32, status: &crate::model::tls::TlsAttach) {
+    let comm = sockdiag::comm(tgid).unwrap_or_default();
+    if let Some(line) = tls::failure_line(tgid, &comm, status, None) {
+        eprintln!("spice-observer: {line}");
+    }
+}
+
 /// Runs one observation and prints its report.
 pub async fn run(opts: ObserveOptions) -> Result<()> {
     if opts.pids.is_empty() {
@@ -234,8 +246,21 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     if let Some(p) = &opts.dump_events {
         engine.dump_events(p)?;
     }
+    // The libssl hooks of each process are attached before it is watched, so that its
+    // sockets' first calls already run inside hooked functions; then at each tick for the
+    // processes watched since (forked children), and again for those without a libssl.
+    let beside = engine.source().tap;
+    let mut tls_hooks = TlsHooks::new(opts.tls_hooks);
+    if opts.tls_hooks {
+        tls::raise_fd_limit();
+    }
     let mut watched = Vec::new();
     for &pid in &roots {
+        let (cap, model) = engine.capture_and_model();
+        let (root, children) = tls_hooks.attach_first(cap, model, pid, beside);
+        for (t, s) in root.map(|s| (pid, s)).into_iter().chain(children) {
+            tls_failure(t, &s);
+        }
         watched.push(engine.watch(pid)?);
     }
     let started_ns = engine.started().monotonic_ns;
@@ -280,6 +305,17 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
             }
             _ = tick.tick() => {
                 ticks += 1;
+                let (cap, model) = engine.capture_and_model();
+                match tls_hooks.follow(cap, model, beside) {
+                    Ok(changes) => {
+                        for c in changes {
+                            if let Some(s) = &c.status {
+                                tls_failure(c.tgid, s);
+                            }
+                        }
+                    }
+                    Err(e) => log::debug!("libssl hooks: reading WATCHED_TGIDS: {e:#}"),
+                }
                 if let Some(w) = samples_out.as_mut() {
                     w.flush();
                 }

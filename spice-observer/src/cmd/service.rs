@@ -16,8 +16,9 @@
 //! once, watches the new targets and stops watching the processes no rule matches any
 //! more). Need a restart, and are logged as not applied: `listen` (the socket is bound
 //! before the capabilities are dropped), `bpf_stats` (the statistics descriptor is taken at
-//! start, with a capability the daemon no longer has), and any other key (the kernel state's
-//! settings). A file that does not parse leaves everything as it was (warning with the
+//! start, with a capability the daemon no longer has), `tls_hooks` (whether the daemon keeps
+//! the capability uprobes need is decided when it drops the others), and any other key (the
+//! kernel state's settings). A file that does not parse leaves everything as it was (warning with the
 //! error). The log level is `RUST_LOG`, read at start only.
 
 use std::time::Duration;
@@ -125,6 +126,12 @@ impl Reload {
                 old.bpf_stats, new.bpf_stats
             ));
         }
+        if new.tls_hooks != old.tls_hooks {
+            r.need_restart.push(format!(
+                "tls_hooks ({} -> {})",
+                old.tls_hooks, new.tls_hooks
+            ));
+        }
         if new.pin_dir != old.pin_dir {
             r.need_restart.push(format!(
                 "pin_dir ({} -> {})",
@@ -140,6 +147,7 @@ impl Reload {
         rest.discovery = old.discovery.clone();
         rest.listen = old.listen;
         rest.bpf_stats = old.bpf_stats;
+        rest.tls_hooks = old.tls_hooks;
         if rest != *old {
             r.need_restart
                 .push("other keys (the kernel state's settings)".to_string());
@@ -213,6 +221,11 @@ mod tests {
         assert_eq!((c.sample_ms, c.scan_ms), (250, 200));
         assert_eq!(c.discovery, new.discovery);
         assert_eq!((c.listen, c.bpf_stats), (old.listen, old.bpf_stats));
+        let tls_off = Config::parse("tls_hooks = false\n").unwrap();
+        let r = Reload::plan(&old, &tls_off);
+        assert_eq!(r.need_restart, ["tls_hooks (true -> false)"], "{r:?}");
+        assert!(r.applied.is_empty(), "{r:?}");
+        assert!(r.apply(&old, &tls_off).tls_hooks);
         assert!(settings_line(&c).contains("sample_ms 250"));
         assert!(settings_line(&c).contains("relays [socat]"));
     }

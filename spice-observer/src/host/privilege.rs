@@ -13,6 +13,7 @@
 //! | list another user's `/proc/PID/fd` (mode 0500, owned by the process's user) | `CAP_DAC_READ_SEARCH` | `opendir`: EACCES |
 //! | `readlink` of `/proc/PID/fd/N`, read `/proc/PID/maps` of another user's process | `CAP_SYS_PTRACE` | EACCES (`ptrace_may_access`, `PTRACE_MODE_READ_FSCREDS`) |
 //! | `BPF_ENABLE_STATS` (`bpf_stats = true`) | `CAP_SYS_ADMIN` | EPERM; the daemon runs without the statistics ([`BPF_STATS_REFUSED`]) |
+//! | attach the libssl uprobes to each process found (`tls_hooks = true`): `perf_event_open` of the uprobe PMU | `CAP_SYS_ADMIN` (`CAP_PERFMON` is not enough) | EACCES; the daemon warns once and reports the processes' hooks `failed` |
 //!
 //! Both `/proc` capabilities are needed: with `CAP_SYS_PTRACE` alone the `fd` directory cannot
 //! be opened (its permission check is the plain DAC one), with `CAP_DAC_READ_SEARCH` alone the
@@ -28,7 +29,9 @@
 //! After attaching, [`drop_after_attach`] keeps only [`STEADY`] (`CAP_DAC_READ_SEARCH`,
 //! `CAP_SYS_PTRACE`: discovery of new QEMU and Xspice processes and their sockets) in the
 //! permitted and effective sets, clears the inheritable and ambient sets and, when it holds
-//! `CAP_SETPCAP` (a root daemon), shrinks the bounding set to the same two. Capabilities are
+//! `CAP_SETPCAP` (a root daemon), shrinks the bounding set to the same two (plus
+//! [`TLS_HOOKS_CAP`] when the libssl hooks are on and the daemon holds it: it attaches them
+//! as processes are found, [`drop_after_attach_keeping`]). Capabilities are
 //! per thread: the drop is made on the daemon's only thread (the runtime is single-threaded)
 //! and [`ThreadCaps`] reads every thread back to check it.
 
@@ -308,6 +311,20 @@ impl fmt::Display for Dropped {
     }
 }
 
+/// Kept after attach too when the libssl hooks are on (`tls_hooks`) and the daemon holds it:
+/// attaching the uprobes to each process found later is a `perf_event_open(2)` of the uprobe
+/// PMU, which the kernel refuses (EACCES) without `CAP_SYS_ADMIN`; `CAP_PERFMON` is not
+/// enough (measured on Linux 6.18, see [`crate::kernel::tls::CAPABILITY_HINT`]).
+pub const TLS_HOOKS_CAP: Need = Need {
+    cap: Capability::CAP_SYS_ADMIN,
+    why: "attaching the libssl uprobes to each process found (perf_event_open of the uprobe PMU)",
+};
+
+/// Whether the current thread's effective set holds `cap`.
+pub fn holds(cap: Capability) -> bool {
+    effective().contains(&cap)
+}
+
 /// Drops every capability but [`STEADY`] from the current thread: bounding set (only with
 /// `CAP_SETPCAP`, which is dropped last), ambient, inheritable, effective, permitted, in
 /// that order (the kernel wants ambient ⊆ permitted ∩ inheritable and effective ⊆
@@ -317,10 +334,17 @@ impl fmt::Display for Dropped {
 /// Errors: a `capset(2)` or `prctl(2)` call failed (lowering never needs a capability, so
 /// this means the kernel refused for another reason).
 pub fn drop_after_attach() -> Result<Dropped> {
+    drop_after_attach_keeping(&[])
+}
+
+/// [`drop_after_attach`], keeping `extra` too (those of them the process has), e.g.
+/// [`TLS_HOOKS_CAP`].
+pub fn drop_after_attach_keeping(extra: &[Need]) -> Result<Dropped> {
     let before =
         caps::read(None, CapSet::Permitted).context("reading the permitted capabilities")?;
     let keep: caps::CapsHashSet = STEADY
         .iter()
+        .chain(extra)
         .map(|n| n.cap)
         .filter(|c| before.contains(c))
         .collect();

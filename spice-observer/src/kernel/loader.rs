@@ -4,7 +4,11 @@
 //! the kernels this was built on): `raw_tracepoint/sys_enter`, `tp_btf/sock_send_length`,
 //! `tp_btf/sock_recv_length`, `tp_btf/sched_process_fork`, `tp_btf/sched_process_exit`,
 //! `tp_btf/inet_sock_set_state`, `tp_btf/tcp_destroy_sock`, plus `sock_ops` on the cgroup-v2 root when a cgroup2 mount
-//! exists (then the hook set is reported as `tracepoints+sockops`).
+//! exists (then the hook set is reported as `tracepoints+sockops`), plus the libssl uprobes
+//! ([`crate::kernel::tls::PROGRAMS`], `+libssl`): loaded here with the others, but attached
+//! per watched process only, by the front ends ([`crate::kernel::tls::TlsHooks`], through
+//! this module's [`tls::Host`] implementation of [`Capture`]). A kernel without the `kprobe`
+//! program type or the `uprobe` PMU only loses them (listed in [`Capture::degraded`]).
 //!
 //! Before loading each program the kernel is probed for what it needs, independently of the
 //! load: the program type (`aya::sys::is_program_supported`) and, for tracepoints, the
@@ -16,6 +20,7 @@
 use std::{
     collections::HashMap as StdHashMap,
     fs::File,
+    num::NonZeroU32,
     path::{Path, PathBuf},
 };
 
@@ -24,8 +29,9 @@ use aya::{
     Btf, Ebpf, EbpfLoader,
     maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf},
     programs::{
-        BtfTracePoint, ProgramError, ProgramType, RawTracePoint, SockOps,
+        BtfTracePoint, ProbeKind, ProgramError, ProgramType, RawTracePoint, SockOps, UProbe,
         links::{CgroupAttachMode, FdLink, PinnedLink},
+        uprobe::{UProbeLink, UProbeScope},
     },
     sys::is_program_supported,
 };
@@ -36,6 +42,7 @@ use spice_ebpf_common::{
 };
 
 use crate::btf::{KernelBtf, VMLINUX_BTF};
+use crate::kernel::tls;
 
 /// The compiled kernel programs (built by `build.rs` with bpf-linker).
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/spice-ebpf"));
@@ -80,8 +87,10 @@ pub const MAP_NAMES: [&str; 11] = [
 const SOCKOPS: &str = "spice_sockops";
 
 /// Every program of the object that may be attached and pinned (`link_<name>`,
-/// `prog_<name>`): `raw_tracepoint/sys_enter`, the [`BTF_TRACEPOINTS`] and sock_ops.
-const PROGRAMS: [&str; 8] = [
+/// `prog_<name>`): `raw_tracepoint/sys_enter`, the [`BTF_TRACEPOINTS`], sock_ops and the
+/// libssl uprobes ([`tls::PROGRAMS`]; pinned as `prog_<name>` only: their links are per
+/// process and die with the agent that made them).
+const PROGRAMS: [&str; 14] = [
     "spice_sys_enter",
     BTF_TRACEPOINTS[0].0,
     BTF_TRACEPOINTS[1].0,
@@ -90,6 +99,12 @@ const PROGRAMS: [&str; 8] = [
     BTF_TRACEPOINTS[4].0,
     BTF_TRACEPOINTS[5].0,
     SOCKOPS,
+    tls::PROGRAMS[0].name,
+    tls::PROGRAMS[1].name,
+    tls::PROGRAMS[2].name,
+    tls::PROGRAMS[3].name,
+    tls::PROGRAMS[4].name,
+    tls::PROGRAMS[5].name,
 ];
 
 /// Whether `name` is a pin this agent makes in a pin directory: a map of [`MAP_NAMES`], or
@@ -440,10 +455,123 @@ pub struct Capture {
     /// statistics are read through those pins, which needs no capability (the daemon drops
     /// CAP_SYS_ADMIN after attach, and `BPF_PROG_GET_NEXT_ID` needs it).
     pin_dir: Option<PathBuf>,
+    /// The libssl uprobe programs, to attach per process ([`tls::Host`]).
+    tls: TlsPrograms,
     /// Name of the active hook set, for reports (`hook_set` in JSON).
     pub hook_set: String,
     /// Kernel features that were missing and what that costs (empty when all present).
     pub degraded: Vec<String>,
+}
+
+/// Where a [`Capture`]'s libssl uprobe programs ([`tls::PROGRAMS`]) are.
+enum TlsPrograms {
+    /// Loaded in the capture's own object (`Capture::_ebpf`).
+    Object,
+    /// Opened from the pins of an earlier agent's set (`prog_<name>`), by program name.
+    Pinned(StdHashMap<&'static str, UProbe>),
+    /// Not loaded: why (every process with a libssl is then `Failed` with this text).
+    Unavailable(String),
+}
+
+/// The uprobe PMU's type file: uprobes are created through it (`perf_event_open(2)` with
+/// this type, Linux ≥ 4.17, `kernel/events/core.c` `perf_uprobe`), which aya uses.
+const UPROBE_PMU: &str = "/sys/bus/event_source/devices/uprobe/type";
+
+/// The degraded entry when the libssl hooks cannot be loaded (`why` says what is missing).
+fn tls_degraded(why: &str) -> String {
+    format!(
+        "libssl hooks unavailable ({why}): TLS channels stay `unparsed: tls`, their plaintext \
+         is not framed"
+    )
+}
+
+/// Probes for what the libssl hooks need: the `kprobe` program type (uprobes are kprobe
+/// programs, `BPF_PROG_TYPE_KPROBE`) and the uprobe PMU ([`UPROBE_PMU`]). `Ok(Err(why))`:
+/// missing (the hooks are left out); `Err`: the probe could not decide (a hard error, as for
+/// the other program types).
+fn tls_supported() -> Result<std::result::Result<(), String>> {
+    if !is_program_supported(ProgramType::KProbe)
+        .context("probing the kernel for BPF program type `kprobe` failed")?
+    {
+        return Ok(Err(format!("BPF program type `kprobe` {UNAVAILABLE}")));
+    }
+    if !Path::new(UPROBE_PMU).exists() {
+        return Ok(Err(format!(
+            "the kernel has no uprobe PMU: {UPROBE_PMU} is missing (CONFIG_UPROBE_EVENTS)"
+        )));
+    }
+    Ok(Ok(()))
+}
+
+/// Turns aya's attach error into a [`tls::AttachError`]: a symbol the library does not have
+/// (aya's `SymbolError` for an unknown symbol, or a debug link it followed for the symbol
+/// and could not use) is [`tls::AttachError::MissingSymbol`]; anything else (the file
+/// cannot be read, `perf_event_open` or `bpf_link_create` refused) is
+/// [`tls::AttachError::Failed`]. Both carry aya's message with its causes.
+fn attach_error(e: ProgramError) -> tls::AttachError {
+    let text = format!("{:#}", anyhow::Error::from(e));
+    let missing = ["unknown symbol", "debuglink file", "mismatched build IDs"];
+    if text.starts_with("error resolving symbol") && missing.iter().any(|m| text.contains(m)) {
+        tls::AttachError::MissingSymbol(text)
+    } else if text.contains("perf_event_open") && text.contains("Permission denied") {
+        tls::AttachError::Failed(format!("{text} ({})", tls::CAPABILITY_HINT))
+    } else if text.contains("perf_event_open") && text.contains("Operation not permitted") {
+        tls::AttachError::Failed(format!(
+            "{text} (a seccomp filter may refuse perf_event_open(2): systemd's \
+             SystemCallFilter=@system-service does not allow it)"
+        ))
+    } else {
+        tls::AttachError::Failed(text)
+    }
+}
+
+impl tls::Host for Capture {
+    type Link = UProbeLink;
+
+    fn start_time(&self, pid: u32) -> Option<u64> {
+        tls::start_time(pid)
+    }
+
+    fn libssl(&self, pid: u32) -> std::result::Result<Vec<tls::MappedLibrary>, tls::ProcError> {
+        tls::mapped_libssl(pid)
+    }
+
+    /// `UProbe::attach(symbol, target, UProbeScope::OneProcess(pid))`, and the link taken
+    /// out of the program (dropping it detaches).
+    fn attach(
+        &mut self,
+        program: &str,
+        symbol: &str,
+        target: &Path,
+        pid: u32,
+    ) -> std::result::Result<UProbeLink, tls::AttachError> {
+        let Some(pid) = NonZeroU32::new(pid) else {
+            return Err(tls::AttachError::Failed("pid 0".into()));
+        };
+        let prog: Option<&mut UProbe> = match &mut self.tls {
+            TlsPrograms::Object => self
+                ._ebpf
+                .as_mut()
+                .and_then(|e| e.program_mut(program))
+                .and_then(|p| p.try_into().ok()),
+            TlsPrograms::Pinned(m) => m.get_mut(program),
+            TlsPrograms::Unavailable(why) => return Err(tls::AttachError::Failed(why.clone())),
+        };
+        let prog = prog
+            .ok_or_else(|| tls::AttachError::Failed(format!("program {program} is not loaded")))?;
+        let id = prog
+            .attach(symbol, target, UProbeScope::OneProcess(pid))
+            .map_err(attach_error)?;
+        prog.take_link(id)
+            .map_err(|e| tls::AttachError::Failed(format!("{:#}", anyhow::Error::from(e))))
+    }
+
+    fn unavailable(&self) -> Option<String> {
+        match &self.tls {
+            TlsPrograms::Unavailable(why) => Some(why.clone()),
+            _ => None,
+        }
+    }
 }
 
 /// The phrase of every error that means "this kernel lacks a program type or hook the
@@ -679,6 +807,29 @@ impl Capture {
             )),
         }
 
+        // The libssl uprobes: loaded (not attached) here; a kernel without them only loses
+        // them. A verifier rejection is a hard error, as for every other program.
+        let tls = match tls_supported()? {
+            Ok(()) => {
+                for p in tls::PROGRAMS {
+                    let hook = if p.ret { "uretprobe" } else { "uprobe" };
+                    let prog: &mut UProbe = ebpf
+                        .program_mut(p.name)
+                        .ok_or_else(|| anyhow!("program {} missing from the object", p.name))?
+                        .try_into()?;
+                    prog.load().map_err(|e| load_error(p.name, hook, e))?;
+                    programs.push((p.name.into(), prog.info()?.id()));
+                }
+                hook_set.push_str("+libssl");
+                TlsPrograms::Object
+            }
+            Err(why) => {
+                warn!("libssl hooks not loaded: {why}");
+                degraded.push(tls_degraded(&why));
+                TlsPrograms::Unavailable(why)
+            }
+        };
+
         let zero: &mut Array<&mut MapData, SockState> = &mut Array::try_from(
             ebpf.map_mut("ZERO_SOCK")
                 .ok_or_else(|| anyhow!("map ZERO_SOCK"))?,
@@ -692,7 +843,7 @@ impl Capture {
             for (i, v) in expected_layout()?.into_iter().enumerate() {
                 lay.set(i as u32, v, 0)?;
             }
-            let hooks = if hook_set.ends_with("+sockops") {
+            let hooks = if hook_set.contains("+sockops") {
                 layout::HOOK_SOCKOPS
             } else {
                 0
@@ -733,6 +884,7 @@ impl Capture {
             maps,
             programs,
             pin_dir: pin.map(Path::to_path_buf),
+            tls,
             hook_set,
             degraded,
         })
@@ -744,7 +896,10 @@ impl Capture {
     /// [`Pinned::Reusable`] needs the `LAYOUT` map to record this agent's
     /// [`layout_version`] and the sizes of `SockState`, `TcpSnapshot` and `MessageEvent`, and
     /// every map of [`MAP_NAMES`] and every program link the set recorded (sock_ops only if
-    /// it was attached) to be pinned. Errors when the directory cannot be read, when it holds
+    /// it was attached) to be pinned, and the libssl programs' `prog_` pins all or none (none:
+    /// a set loaded where the kernel lacked uprobes; the hooks are then unavailable). The
+    /// libssl programs are opened from their pins, to be attached per process by this agent:
+    /// the earlier agent's uprobe links ended with it. Errors when the directory cannot be read, when it holds
     /// anything but this agent's pins ([`refuse_foreign`]: the caller must not remove such a
     /// directory's contents), and when [`layout_version`] does.
     pub fn open_pinned(dir: &Path) -> Result<Pinned> {
@@ -779,11 +934,19 @@ impl Capture {
         if sockops {
             links.push(SOCKOPS);
         }
+        // The libssl uprobes have program pins only (their links are per process): all or
+        // none (a set loaded on a kernel without uprobes).
+        let tls_pins: Vec<String> = tls::PROGRAMS
+            .iter()
+            .map(|p| format!("prog_{}", p.name))
+            .collect();
+        let with_tls = tls_pins.iter().any(|n| present.contains(n));
         let missing: Vec<String> = MAP_NAMES
             .iter()
             .map(|m| m.to_string())
             .chain(links.iter().map(|l| format!("link_{l}")))
             .chain(links.iter().map(|l| format!("prog_{l}")))
+            .chain(tls_pins.iter().filter(|_| with_tls).cloned())
             .filter(|n| !present.contains(n))
             .collect();
         if !missing.is_empty() {
@@ -827,7 +990,7 @@ impl Capture {
             }
         }
         let mut degraded = Vec::new();
-        let hook_set = if sockops {
+        let mut hook_set = if sockops {
             "tracepoints+sockops".to_string()
         } else {
             degraded.push(
@@ -837,11 +1000,44 @@ impl Capture {
             );
             "tracepoints".to_string()
         };
+        let tls = if with_tls {
+            let mut progs = StdHashMap::new();
+            for p in tls::PROGRAMS {
+                let path = dir.join(format!("prog_{}", p.name));
+                let kind = if p.ret {
+                    ProbeKind::Return
+                } else {
+                    ProbeKind::Entry
+                };
+                let opened = UProbe::from_pin(&path, kind)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|u| Ok((u.info()?.id(), u)));
+                match opened {
+                    Ok((id, u)) => {
+                        programs.push((p.name.to_string(), id));
+                        progs.insert(p.name, u);
+                    }
+                    Err(e) => {
+                        return Ok(Pinned::Stale(format!(
+                            "program {} cannot be opened ({e:#})",
+                            path.display()
+                        )));
+                    }
+                }
+            }
+            hook_set.push_str("+libssl");
+            TlsPrograms::Pinned(progs)
+        } else {
+            let why = "the pinned set has no libssl programs".to_string();
+            degraded.push(tls_degraded(&why));
+            TlsPrograms::Unavailable(why)
+        };
         Ok(Pinned::Reusable(Box::new(Self {
             _ebpf: None,
             maps,
             programs,
             pin_dir: Some(dir.to_path_buf()),
+            tls,
             hook_set,
             degraded,
         })))
@@ -1260,7 +1456,14 @@ mod tests {
     /// Only the agent's own names are its pins: its maps, link_/prog_ of its programs.
     #[test]
     fn owned_pin_names() {
-        for n in ["LAYOUT", "SOCKETS", "link_spice_exit", "prog_spice_sockops"] {
+        for n in [
+            "LAYOUT",
+            "SOCKETS",
+            "link_spice_exit",
+            "prog_spice_sockops",
+            "prog_spice_ssl_ret",
+            "prog_spice_ssl_context",
+        ] {
             assert!(is_owned_pin(n), "{n}");
         }
         for n in [
@@ -1270,6 +1473,7 @@ mod tests {
             "tc",
             "layout",
             "link_LAYOUT",
+            "prog_spice_ssl_other",
         ] {
             assert!(!is_owned_pin(n), "{n}");
         }

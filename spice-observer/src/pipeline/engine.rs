@@ -1182,6 +1182,13 @@ impl Engine {
         }
     }
 
+    /// The capture and the model, for the front ends' per-process libssl hooks
+    /// ([`crate::kernel::tls::TlsHooks`]: they attach through the capture and report each
+    /// process's status to the model).
+    pub fn capture_and_model(&mut self) -> (&mut Capture, &mut Model) {
+        (&mut self.cap, &mut self.model)
+    }
+
     /// Name of the active hook set (`hook_set` in the report).
     pub fn hook_set(&self) -> &str {
         &self.cap.hook_set
