@@ -18,6 +18,11 @@ main loop so that the client stops reading its sockets (backpressure).
                      # every channel talks: mouse motion (inputs; the cursor moves),
                      # a Shift press every 10th tick (inputs), a mouse-mode request
                      # every 10th tick (main)
+  rig/client.py 'spice://127.0.0.1?tls-port=5905' --ca-file /tmp/t1/x509/ca-cert.pem
+                     # TLS (rig/tls-certs.sh, rig/start-xspice.sh --tls): every channel over TLS,
+                     # the server certificate checked against the CA and the host name
+  rig/client.py spice://127.0.0.1:5905 --tls-port 5905 --ca-file ca-cert.pem --cert-subject CN=localhost
+                     # (--tls-port alone: the URI's port is replaced by the TLS port)
   kill -USR1 <pid>   # stop reading (main loop blocked) until ...
   kill -USR2 <pid>   # ... resume
   ip netns exec rigc /path/to/rig/client.py spice://198.18.0.1:6905 --seconds 10
@@ -26,6 +31,14 @@ main loop so that the client stops reading its sockets (backpressure).
 Options: URI [--seconds N=30] [--report S=5] [--pause-at T=10 --pause-for D=0]
          [--stall-ms S=0 --period-ms P=100] [--compression N]
          [--inputs-every-ms N=0]
+         [--tls-port N] [--ca-file FILE] [--cert-subject S] [--verify hostname|subject|pubkey]
+TLS: with a tls-port (in the URI, `spice://HOST?tls-port=N`, or --tls-port, which
+drops the URI's plain port) and no plain port, spice-gtk opens every channel with
+TLS (OpenSSL).  --ca-file is SpiceSession `ca-file` (PEM); the default check is the
+host name against the server certificate's subjectAltName (`verify` HOSTNAME);
+--cert-subject sets `cert-subject` and switches `verify` to SUBJECT (spice-gtk's
+format: "CN=localhost", comma-separated RDNs).  A failed check is the channel event
+'error-tls' (the session ends, exit 1).  The SUMMARY says `tls: true|false`.
 It is a foreground program: the caller owns its PID (no pid file, no state
 dir); SIGTERM/SIGINT end it early and still print the SUMMARY.
 
@@ -71,6 +84,20 @@ class Client:
         self.ticks = 0
         s = self.session = Spice.Session()
         s.props.uri = a.uri
+        if a.tls_port:
+            s.props.port = None          # TLS only: no plain port to fall back to
+            s.props.tls_port = str(a.tls_port)
+        if a.ca_file:
+            s.props.ca_file = a.ca_file
+        if a.cert_subject:
+            s.props.cert_subject = a.cert_subject
+            if not a.verify:
+                a.verify = 'subject'
+        if a.verify:
+            s.props.verify = {'hostname': Spice.SessionVerify.HOSTNAME,
+                              'subject': Spice.SessionVerify.SUBJECT,
+                              'pubkey': Spice.SessionVerify.PUBKEY}[a.verify]
+        self.tls = bool(s.props.tls_port) and not s.props.port
         # keep the session to the channels an observer cares about
         s.props.enable_audio = False
         s.props.enable_usbredir = False
@@ -117,7 +144,8 @@ class Client:
         else:
             print('channel %s event %s' % (k, nick), flush=True)
             if k.startswith('main') and nick in ('closed', 'error-io', 'error-link',
-                                                 'error-connect', 'error-auth'):
+                                                 'error-connect', 'error-auth',
+                                                 'error-tls'):
                 self.ok = False
                 self.loop.quit()
 
@@ -226,7 +254,7 @@ class Client:
         GLib.timeout_add(int(a.seconds * 1000), self.finish)
         self.loop.run()
         el = time.monotonic() - self.t0
-        summary = dict(uri=a.uri, seconds=round(el, 2), ok=self.ok,
+        summary = dict(uri=a.uri, tls=self.tls, seconds=round(el, 2), ok=self.ok,
                        stalled_s=round(self.stalled_s, 2), channels={})
         for k, st in sorted(self.chans.items()):
             b = st['ch'].props.total_read_bytes
@@ -253,6 +281,12 @@ def main():
                     help='mouse motion every N ms, key and mouse-mode request every 10th')
     ap.add_argument('--compression', type=int, default=0,
                     help='SpiceImageCompression to ask for (0 = server default)')
+    ap.add_argument('--tls-port', type=int, default=0,
+                    help='connect every channel with TLS to this port (no plain port)')
+    ap.add_argument('--ca-file', help='CA certificate (PEM) to verify the server with')
+    ap.add_argument('--cert-subject', help='expected server certificate subject, e.g. CN=localhost')
+    ap.add_argument('--verify', choices=('hostname', 'subject', 'pubkey'),
+                    help='what to check of the server certificate (default hostname)')
     a = ap.parse_args()
     sys.exit(Client(a).run())
 

@@ -1,7 +1,8 @@
 #!/bin/bash
 # End-to-end smoke test of the rig (needs root and scripts/setup.sh done):
 #
-#   rig/smoke.sh [xspice] [veth] [tun] [qemu] [relaybuf] [auto]   # default: xspice veth tun
+#   rig/smoke.sh [xspice] [veth] [tun] [qemu] [relaybuf] [auto] [tls] [stunnel2]
+#                                                    # default: xspice veth tun
 #
 #   xspice : Xspice (noise) + socat relay on 127.0.0.1 + client.py 6 s with a
 #            SIGUSR1/SIGUSR2 pause; checks display traffic in the SUMMARY
@@ -16,7 +17,18 @@
 #            the relay->client sockets of a live session (`ss -tm`)
 #   auto   : shape.sh up auto 20 20 (netem if the kernel has it, else the TUN
 #            delay line); checks ping RTT 38-60 ms; down
-# Ports 15905 (server), 16905 (relay), 15906 (qemu), display :15, state under
+#   tls    : rig/tls-certs.sh + Xspice with only a TLS port; client.py with the CA
+#            straight to it (every channel over TLS), then through rig/stunnel.sh
+#            client (plain to stunnel, TLS to Xspice); checks main, display, inputs
+#            and cursor opened, display traffic, 4 TLS connections to the port, and
+#            that a client without the CA is refused (error-tls)
+#   stunnel2 : spice-peer client -> stunnel client -> stunnel server -> spice-peer
+#            server (needs $SPICE_PEER or target/release/spice-peer: cargo build
+#            --release -p spice-observer --bin spice-peer); checks the peers' own
+#            counts agree end to end and stunnel's "Connection closed" byte counts
+#            equal them
+# Ports 15905 (server), 16905 (relay), 15906 (qemu), 15907-15909 (stunnel2),
+# display :15, state under
 # $RIG_SMOKE_DIR (default /tmp/rig-smoke).  Everything it starts is stopped on
 # exit, also on failure.  Prints "N passed, N failed".
 set -euo pipefail
@@ -32,6 +44,8 @@ mkdir -p "$D"
 
 cleanup() {
     "$HERE/relay.sh" stop "$D/relay.pid" >/dev/null 2>&1 || true
+    "$HERE/stunnel.sh" stop "$D/stunnel-a.pid" >/dev/null 2>&1 || true
+    "$HERE/stunnel.sh" stop "$D/stunnel-b.pid" >/dev/null 2>&1 || true
     RIG_RUN=$D/xspice "$HERE/start-xspice.sh" stop $SP >/dev/null 2>&1 || true
     RIG_RUN=$D/qemu "$HERE/start-qemu.sh" stop $QP >/dev/null 2>&1 || true
     "$HERE/shape.sh" down >/dev/null 2>&1 || true
@@ -126,6 +140,74 @@ t_auto() {
     echo "ping rtt avg $avg ms"
     "$HERE/shape.sh" down
     ! ip netns list | grep -qw "$RIG_NS" && awk -v a="$avg" 'BEGIN {exit !(a >= 38 && a <= 60)}'
+}
+
+# "channel main-0 opened ..." lines of a client log, sorted: the channels that opened
+opened() { grep -o '^channel [a-z]*-[0-9]* opened' "$1" | awk '{print $2}' | sort | tr '\n' ' '; }
+summary_tls() { grep '^SUMMARY ' "$1" | sed 's/^SUMMARY //' | "$RIG_PY" -c 'import json,sys; print(json.load(sys.stdin)["tls"])'; }
+
+t_tls() {
+    "$HERE/tls-certs.sh" "$D/x509"
+    RIG_RUN=$D/xspice "$HERE/start-xspice.sh" start $SP $DN --tls "$D/x509" -- --mode noise --fps 20 --size 128x96
+    local ok=0 c n b want="cursor-0 display-0 inputs-0 main-0 "
+    # straight to the TLS port
+    "$HERE/client.py" "spice://127.0.0.1?tls-port=$SP" --ca-file "$D/x509/ca-cert.pem" \
+        --seconds 3 --report 3 >"$D/client.log" 2>&1 &
+    c=$!; sleep 1.5
+    n=$(ss -Htn state established "sport = :$SP" | wc -l)
+    wait $c || ok=1
+    b=$(disp_bytes "$D/client.log")
+    echo "direct TLS: opened $(opened "$D/client.log")| tls $(summary_tls "$D/client.log") | $n connections on :$SP | display bytes $b"
+    [[ $(opened "$D/client.log") == "$want" && $(summary_tls "$D/client.log") == True && $n == 4 && $b -gt 500000 ]] || ok=1
+    # without the CA: the server certificate does not verify
+    if "$HERE/client.py" "spice://127.0.0.1?tls-port=$SP" --seconds 2 --report 3 >"$D/client-noca.log" 2>&1; then
+        echo "a client without the CA connected"; ok=1
+    else
+        echo "without the CA: $(grep -o 'event error-tls' "$D/client-noca.log" | head -1)"
+        grep -q 'event error-tls' "$D/client-noca.log" || ok=1
+    fi
+    # through stunnel: plain to stunnel, TLS from stunnel to Xspice
+    "$HERE/stunnel.sh" client 127.0.0.1 $RP 127.0.0.1 $SP "$D/x509/ca-cert.pem" "$D/stunnel-a.pid"
+    "$HERE/client.py" spice://127.0.0.1:$RP --seconds 3 --report 3 >"$D/client.log" 2>&1 &
+    c=$!; sleep 1.5
+    n=$(ss -Htnp state established "dport = :$SP" | grep -c stunnel4 || true)
+    wait $c || ok=1
+    b=$(disp_bytes "$D/client.log")
+    echo "via stunnel: opened $(opened "$D/client.log")| tls $(summary_tls "$D/client.log") | stunnel->:$SP $n TLS connections | display bytes $b"
+    [[ $(opened "$D/client.log") == "$want" && $(summary_tls "$D/client.log") == False && $n == 4 && $b -gt 500000 ]] || ok=1
+    "$HERE/stunnel.sh" stop "$D/stunnel-a.pid"
+    RIG_RUN=$D/xspice "$HERE/start-xspice.sh" stop $SP
+    return $ok
+}
+
+t_stunnel2() {
+    local peer=${SPICE_PEER:-$HERE/../target/release/spice-peer}
+    [[ -x $peer ]] || { echo "no spice-peer at $peer (set SPICE_PEER)"; return 1; }
+    "$HERE/tls-certs.sh" "$D/x509"
+    "$peer" server --listen 127.0.0.1:15907 --set-ack --window 20 --messages 300 --body-size 20000 \
+        --timeout-ms 10000 >"$D/peer-server.log" &
+    local s=$!
+    "$HERE/stunnel.sh" server 127.0.0.1 15908 127.0.0.1 15907 "$D/x509" "$D/stunnel-b.pid"
+    "$HERE/stunnel.sh" client 127.0.0.1 15909 127.0.0.1 15908 "$D/x509/ca-cert.pem" "$D/stunnel-a.pid"
+    "$peer" client --connect 127.0.0.1:15909 --messages 40 --timeout-ms 10000 >"$D/peer-client.log"
+    wait $s
+    "$HERE/stunnel.sh" stop "$D/stunnel-a.pid"; "$HERE/stunnel.sh" stop "$D/stunnel-b.pid"
+    # sent/received bytes and messages of both peers, stunnel's byte counts
+    local counts
+    counts=$(cat "$D/peer-server.log" "$D/peer-client.log" | grep '^SUMMARY ' | sed 's/^SUMMARY //' |
+        "$RIG_PY" -c 'import json,sys
+s, c = [json.loads(l) for l in sys.stdin]
+print(s["sent"]["messages"], c["received"]["messages"], c["sent"]["messages"], s["received"]["messages"],
+      s["sent"]["bytes"], c["received"]["bytes"], c["sent"]["bytes"], s["received"]["bytes"])')
+    echo "peers: s2c messages sent/received, c2s sent/received, then the same in bytes: $counts"
+    local a b
+    a=$(grep -o 'Connection closed: .*' "$D/stunnel-a.log" | tail -1)
+    b=$(grep -o 'Connection closed: .*' "$D/stunnel-b.log" | tail -1)
+    echo "stunnel client: $a"; echo "stunnel server: $b"
+    read -r ms mr cs cr bs br bcs bcr <<<"$counts"
+    [[ $ms == "$mr" && $cs == "$cr" && $bs == "$br" && $bcs == "$bcr" && $ms == 301 ]] &&
+        [[ $a == "Connection closed: $bcs byte(s) sent to TLS, $bs byte(s) sent to socket" ]] &&
+        [[ $b == "Connection closed: $bs byte(s) sent to TLS, $bcs byte(s) sent to socket" ]]
 }
 
 for t in "${tests[@]}"; do

@@ -3,18 +3,27 @@
 # 0.1.5+git20200331, libspice-server1 0.15.1) serving SPICE on a loopback port,
 # plus an animating X client (rig/xanim.py) that keeps display traffic flowing.
 #
-#   rig/start-xspice.sh start  [PORT] [DISPLAY_NUM] [-- XANIM_OPTIONS...]
+#   rig/start-xspice.sh start  [PORT] [DISPLAY_NUM] [--tls X509_DIR] [-- XANIM_OPTIONS...]
 #   rig/start-xspice.sh stop   [PORT]
 #   rig/start-xspice.sh status [PORT]
 # e.g.
 #   rig/start-xspice.sh start 5905 5 -- --mode noise --fps 20 --size 256x192
 #   rig/start-xspice.sh start 5905 5 -- --mode rects --fps 50 --count 20 --seconds 10
 #   rig/start-xspice.sh stop 5905
+#   rig/tls-certs.sh /tmp/t1/x509 && rig/start-xspice.sh start 5905 5 --tls /tmp/t1/x509
+#                # TLS only: 5905 is spice-server's TLS port, there is no plain port
 # Defaults: PORT 5905, DISPLAY_NUM 5, xanim `--mode noise --fps 20 --size 256x192`.
 # `xanim.py --seconds N` (or --frames N) stops the animation by itself, Xspice keeps
 # running (idle session).
 #
 # Listens on $XSPICE_ADDR:PORT (default 127.0.0.1), no ticketing, no TLS.
+# With --tls X509_DIR, PORT is a TLS port instead and there is no plain port
+# (XSPICE_PORT=0 XSPICE_TLS_PORT=PORT XSPICE_X509_DIR=X509_DIR): every channel,
+# link phase included, is inside TLS (OpenSSL 3, libssl.so.3 mapped by Xorg).
+# X509_DIR holds ca-cert.pem, server-cert.pem, server-key.pem (rig/tls-certs.sh
+# makes them); spice-server aborts when one is missing, so this script checks
+# first.  Clients: spice://127.0.0.1?tls-port=PORT with the CA
+# (rig/client.py --ca-file X509_DIR/ca-cert.pem).
 # `start` returns once the port listens and the first frame is drawn (~0.5 s).
 # State (pid files, logs, generated xorg.conf) in $RIG_RUN, default
 # /tmp/rig-xspice-PORT: Xorg.pid, xanim.pid, display, xorg.log, xspice.log, xanim.log.
@@ -45,6 +54,8 @@ cmd=${1:-}; shift || true
 port=5905; dnum=5
 [[ $# -gt 0 && $1 != -- ]] && { port=$1; shift; }
 [[ $# -gt 0 && $1 != -- ]] && { dnum=$1; shift; }
+tls_dir=""
+if [[ $# -gt 1 && $1 == --tls ]]; then tls_dir=$(readlink -f "$2"); shift 2; fi
 [[ $# -gt 0 && $1 == -- ]] && shift
 [[ $port =~ ^[0-9]+$ && $dnum =~ ^[0-9]+$ ]] || rig_die "bad PORT/DISPLAY_NUM '$port' '$dnum'"
 RUN=${RIG_RUN:-/tmp/rig-xspice-$port}
@@ -133,7 +144,13 @@ Section "ServerFlags"
     Option "AutoAddDevices" "False"
 EndSection
 EOF
-    local envs=(XSPICE_PORT="$port" XSPICE_DISABLE_TICKETING=1 XSPICE_TLS_PORT=0)
+    local envs=(XSPICE_PORT="$port" XSPICE_DISABLE_TICKETING=1 XSPICE_TLS_PORT=0) f
+    if [[ -n $tls_dir ]]; then
+        for f in ca-cert.pem server-cert.pem server-key.pem; do
+            [[ -r $tls_dir/$f ]] || rig_die "--tls $tls_dir: $f missing (rig/tls-certs.sh $tls_dir)"
+        done
+        envs=(XSPICE_PORT=0 XSPICE_TLS_PORT="$port" XSPICE_X509_DIR="$tls_dir" XSPICE_DISABLE_TICKETING=1)
+    fi
     [[ ${SPICE_DEBUG_LOG:-0} == 1 ]] && envs+=(G_MESSAGES_DEBUG=all)
     echo "$dnum" >"$RUN/display"
     # -noreset is mandatory (the driver cannot survive a server reset)
@@ -164,7 +181,7 @@ EOF
         echo "xanim did not start drawing:" >&2; cat "$RUN/xanim.log" >&2 || true
         stop >/dev/null; exit 1
     fi
-    echo "Xspice :$dnum on $ADDR:$port (Xorg pid $xpid, xanim pid $(cat "$RUN/xanim.pid"), state $RUN)"
+    echo "Xspice :$dnum on $ADDR:$port${tls_dir:+ (TLS only, $tls_dir)} (Xorg pid $xpid, xanim pid $(cat "$RUN/xanim.pid"), state $RUN)"
 }
 
 status() {

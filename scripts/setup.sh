@@ -14,7 +14,7 @@
 #      bookworm-security), zlib1g-dev libzstd-dev, bpftool, iproute2, ethtool,
 #      iputils-ping, and the rig's packages (Xspice, python3-xlib, spice-gtk GI
 #      bindings, Xvfb, socat, haproxy, tshark, iperf3, busybox-static, cpio,
-#      sysstat, bc, ...)
+#      sysstat, bc, stunnel4, openssl, ...)
 #   2. rustup (if missing) and the pinned toolchain nightly-2026-05-19
 #      (LLVM 22.1.4) with rust-src
 #   3. bpf-linker built against the system LLVM 22 (~/.cargo/bin/bpf-linker)
@@ -43,6 +43,9 @@ APT_PKGS=(
     xvfb x11-utils
     # rig: relay, oracle, link tests, QEMU guest initramfs, measurements
     socat haproxy tshark iperf3 busybox-static cpio sysstat bc
+    # rig/stunnel.sh, rig/tls-certs.sh, tests/tls.rs: a TLS-terminating relay (stunnel 5.68,
+    # dynamically linked libssl.so.3) and throwaway certificates
+    stunnel4 openssl
     # tests/daemon.rs: `promtool check metrics` on live scrapes (promtool ships in prometheus)
     prometheus
     # tests/service.rs: `systemd-analyze verify` of packaging/spice-observer.service

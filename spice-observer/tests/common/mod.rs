@@ -152,15 +152,85 @@ impl Rig {
     /// Xspice on 127.0.0.1:`port`, display `:display`, animated by `xanim.py anim`. Returns the
     /// pid of Xorg, the process that runs spice-server.
     pub fn xspice(&mut self, port: u16, display: u32, anim: &[&str]) -> Result<u32> {
+        self.xspice_opts(port, display, &[], anim)
+    }
+
+    /// [`Rig::xspice`] with only a TLS port: `port` is spice-server's TLS port (no plain
+    /// port), certificates from `x509` (spice-server's layout, [`Rig::tls_certs`]).
+    pub fn xspice_tls(
+        &mut self,
+        port: u16,
+        display: u32,
+        x509: &Path,
+        anim: &[&str],
+    ) -> Result<u32> {
+        let dir = x509.to_str().context("x509 dir path")?;
+        self.xspice_opts(port, display, &["--tls", dir], anim)
+    }
+
+    fn xspice_opts(
+        &mut self,
+        port: u16,
+        display: u32,
+        opts: &[&str],
+        anim: &[&str],
+    ) -> Result<u32> {
         let run = self.state.join(format!("xspice-{port}"));
         let mut stop = Command::new(rig().join("start-xspice.sh"));
         stop.env("RIG_RUN", &run).args(["stop", &port.to_string()]);
         self.on_drop(stop);
         sh(Command::new(rig().join("start-xspice.sh"))
             .env("RIG_RUN", &run)
-            .args(["start", &port.to_string(), &display.to_string(), "--"])
+            .args(["start", &port.to_string(), &display.to_string()])
+            .args(opts)
+            .arg("--")
             .args(anim))?;
         read_pid(&run.join("Xorg.pid"))
+    }
+
+    /// Throwaway certificates (rig/tls-certs.sh: a CA and a server certificate for
+    /// 127.0.0.1 / localhost) in `STATE/x509`, spice-server's layout: `ca-cert.pem`,
+    /// `server-cert.pem`, `server-key.pem` (and `server.pem` for stunnel). Returns the dir.
+    pub fn tls_certs(&mut self) -> Result<PathBuf> {
+        let dir = self.state.join("x509");
+        sh(Command::new(rig().join("tls-certs.sh")).arg(&dir))?;
+        Ok(dir)
+    }
+
+    /// A TLS-terminating relay (rig/stunnel.sh) from `laddr`:`lport` to 127.0.0.1:`sport`:
+    /// `mode` `client` (plaintext in, TLS out, the server verified against
+    /// `x509/ca-cert.pem`) or `server` (TLS in with `x509/server.pem`, plaintext out).
+    pub fn stunnel(
+        &mut self,
+        mode: &str,
+        laddr: &str,
+        lport: u16,
+        sport: u16,
+        x509: &Path,
+    ) -> Result<Stunnel> {
+        let pidfile = self.state.join(format!("stunnel-{lport}.pid"));
+        let mut stop = Command::new(rig().join("stunnel.sh"));
+        stop.arg("stop").arg(&pidfile);
+        self.on_drop(stop);
+        let tls = match mode {
+            "client" => x509.join("ca-cert.pem"),
+            "server" => x509.to_path_buf(),
+            other => bail!("stunnel mode {other:?}"),
+        };
+        sh(Command::new(rig().join("stunnel.sh"))
+            .args([
+                mode,
+                laddr,
+                &lport.to_string(),
+                "127.0.0.1",
+                &sport.to_string(),
+            ])
+            .arg(&tls)
+            .arg(&pidfile))?;
+        Ok(Stunnel {
+            pid: read_pid(&pidfile)?,
+            log: pidfile.with_extension("log"),
+        })
     }
 
     /// [`Rig::xspice`] drawing many small rectangles: 20 a frame at 50 frames/s for `seconds`
@@ -302,6 +372,53 @@ impl Rig {
     }
 }
 
+/// A stunnel started by [`Rig::stunnel`].
+pub struct Stunnel {
+    pub pid: u32,
+    /// Its log (`debug = notice`): per connection `LOG5[N]: Service [spice] accepted
+    /// connection from ADDR:PORT` and, when it ends, `LOG5[N]: Connection closed: A byte(s)
+    /// sent to TLS, B byte(s) sent to socket` (N: stunnel's connection number).
+    pub log: PathBuf,
+}
+
+impl Stunnel {
+    /// stunnel's own plaintext byte counts of its finished connections: client address
+    /// (`ADDR:PORT` of the accepted connection) → (bytes it sent to TLS, bytes it sent to the
+    /// plain socket), from its log's `accepted connection from` and `Connection closed`
+    /// lines of the same connection number. Fails on a line it cannot read.
+    pub fn closed_connections(&self) -> Result<std::collections::BTreeMap<String, (u64, u64)>> {
+        let text = std::fs::read_to_string(&self.log)
+            .with_context(|| format!("reading {}", self.log.display()))?;
+        let mut from = std::collections::BTreeMap::new();
+        let mut out = std::collections::BTreeMap::new();
+        for line in text.lines() {
+            let Some((_, rest)) = line.split_once("LOG5[") else {
+                continue;
+            };
+            let Some((n, msg)) = rest.split_once("]: ") else {
+                continue;
+            };
+            if let Some(a) = msg.strip_prefix("Service [spice] accepted connection from ") {
+                from.insert(n.to_string(), a.trim().to_string());
+            } else if let Some(c) = msg.strip_prefix("Connection closed: ") {
+                // "A byte(s) sent to TLS, B byte(s) sent to socket"
+                let nums: Vec<u64> = c
+                    .split(|ch: char| !ch.is_ascii_digit())
+                    .filter(|w| !w.is_empty())
+                    .map(|w| w.parse())
+                    .collect::<Result<_, _>>()
+                    .with_context(|| format!("stunnel log line {line:?}"))?;
+                ensure!(nums.len() == 2, "stunnel log line {line:?}");
+                let a = from.get(n).with_context(|| {
+                    format!("connection {n} closed but never accepted: {line:?}")
+                })?;
+                out.insert(a.clone(), (nums[0], nums[1]));
+            }
+        }
+        Ok(out)
+    }
+}
+
 impl Drop for Rig {
     fn drop(&mut self) {
         while let Some(mut c) = self.stops.pop() {
@@ -368,6 +485,10 @@ pub struct Observer {
     json: PathBuf,
     stderr: mpsc::Receiver<String>,
     pub log: Vec<String>,
+    /// Every stdout line so far (also echoed as `observer| …`).
+    pub stdout: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// The thread reading stdout; it ends when the observer exits.
+    stdout_reader: Option<thread::JoinHandle<()>>,
 }
 
 /// What [`Observer::start`] found.
@@ -391,7 +512,20 @@ impl Observer {
         json: PathBuf,
         extra: &[&str],
     ) -> Result<Started> {
+        Self::start_env(pids, seconds, json, extra, &[])
+    }
+
+    /// Like [`Observer::start_with`], with variables added to the observer's environment
+    /// (e.g. `RUST_LOG`).
+    pub fn start_env(
+        pids: &[u32],
+        seconds: f64,
+        json: PathBuf,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Started> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_spice-observer"));
+        cmd.envs(env.iter().copied());
         cmd.arg("observe").args(extra);
         for p in pids {
             cmd.args(["--pid", &p.to_string()]);
@@ -416,11 +550,14 @@ impl Observer {
             }
         });
         let out = child.stdout.take().unwrap();
-        thread::spawn(move || {
+        let stdout = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let keep = stdout.clone();
+        let stdout_reader = Some(thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
                 println!("observer| {line}");
+                keep.lock().unwrap().push(line);
             }
-        });
+        }));
         let mut log = Vec::new();
         let t0 = Instant::now();
         loop {
@@ -435,6 +572,8 @@ impl Observer {
                             json,
                             stderr: rx,
                             log,
+                            stdout,
+                            stdout_reader,
                         }));
                     }
                 }
@@ -465,13 +604,33 @@ impl Observer {
         parse_report(&raw)
     }
 
+    /// [`Observer::finish`], also returning everything the observer printed: its stdout
+    /// lines, then its stderr lines.
+    pub fn finish_with_output(self) -> Result<(Value, Vec<String>)> {
+        let stdout = self.stdout.clone();
+        let mut log = Vec::new();
+        let raw = self.finish_logged(&mut log)?;
+        let mut all = stdout.lock().unwrap().clone();
+        all.extend(log);
+        Ok((raw, all))
+    }
+
     /// Waits for the end of the observation and returns the JSON report.
-    pub fn finish(mut self) -> Result<Value> {
+    pub fn finish(self) -> Result<Value> {
+        self.finish_logged(&mut Vec::new())
+    }
+
+    /// [`Observer::finish`], leaving the stderr lines in `log`.
+    fn finish_logged(mut self, log: &mut Vec<String>) -> Result<Value> {
         let status = self.child.wait()?;
+        if let Some(t) = self.stdout_reader.take() {
+            let _ = t.join();
+        }
         while let Ok(line) = self.stderr.recv_timeout(Duration::from_millis(200)) {
             eprintln!("observer! {line}");
             self.log.push(line);
         }
+        *log = self.log.clone();
         if !status.success() {
             bail!("spice-observer failed ({status}):\n{}", self.log.join("\n"));
         }
@@ -583,10 +742,12 @@ fn missing_keys(typed: &Value, raw: &Value, path: &str, what: &str) -> Result<()
     Ok(())
 }
 
-/// The hook set every privileged test expects: `tracepoints+sockops` (this project's machines),
+/// The hook set every privileged test expects: `tracepoints+sockops+libssl` (this project's
+/// machines: the libssl uprobe programs load whether or not a watched process maps libssl),
 /// or `$SPICE_OBSERVER_EXPECT_HOOK_SET`.
 pub fn expected_hook_set() -> String {
-    std::env::var("SPICE_OBSERVER_EXPECT_HOOK_SET").unwrap_or_else(|_| "tracepoints+sockops".into())
+    std::env::var("SPICE_OBSERVER_EXPECT_HOOK_SET")
+        .unwrap_or_else(|_| "tracepoints+sockops+libssl".into())
 }
 
 /// Checks every privileged test makes of a run: the expected hook set, nothing degraded, and

@@ -630,6 +630,12 @@ fn parse_spice(conn: Connection) -> Result<SpiceConn> {
     })
 }
 
+/// Every TCP connection in capture `cap`, reassembled, without parsing its bytes (e.g. a TLS
+/// leg, whose SPICE is encrypted).
+pub fn parse_tcp(cap: &Path) -> Result<Vec<Connection>> {
+    reassemble(cap, &read_segments(cap)?)
+}
+
 /// Every SPICE connection in capture `cap` (connections without a complete link phase are
 /// listed in the error).
 pub fn parse_capture(cap: &Path) -> Result<Vec<SpiceConn>> {

@@ -138,6 +138,11 @@ pub(crate) struct Common {
     /// in 4-byte big-endian length-prefixed blobs (§1.6).
     #[arg(long)]
     pub(crate) sasl: bool,
+    /// Fill every streamed message body with this ASCII string, repeated and cut at the
+    /// body size (server: instead of --body-fill; client: instead of 0x5A), so that a test can
+    /// grep an observer's outputs for plaintext it must never contain.
+    #[arg(long)]
+    pub(crate) body_marker: Option<String>,
     /// PRNG seed for --garbage and --tls-bytes.
     #[arg(long, default_value_t = 1)]
     pub(crate) seed: u64,
@@ -321,7 +326,23 @@ impl Common {
         {
             return Err("--garbage, --tls-bytes and --sasl are exclusive".into());
         }
+        if self
+            .body_marker
+            .as_deref()
+            .is_some_and(|m| m.is_empty() || !m.is_ascii())
+        {
+            return Err("--body-marker must be a non-empty ASCII string".into());
+        }
         Ok(())
+    }
+
+    /// A message body of `size` bytes: the --body-marker string repeated and cut at `size`,
+    /// or `fill` repeated without one.
+    pub(crate) fn body(&self, size: usize, fill: u8) -> Vec<u8> {
+        match &self.body_marker {
+            Some(m) => m.bytes().cycle().take(size).collect(),
+            None => vec![fill; size],
+        }
     }
 
     pub(crate) fn pattern_json(&self) -> Value {

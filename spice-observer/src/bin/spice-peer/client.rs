@@ -93,9 +93,9 @@ pub(crate) fn client_script(
     // The client's own messages go out from a second thread while this one reads.
     let writer = (a.messages > 0).then(|| {
         let tx = tx.clone();
-        let (n, t, size, batch) = (a.messages, a.msg_type, a.body_size as usize, c.batch);
+        let (n, t, batch) = (a.messages, a.msg_type, c.batch);
+        let body = c.body(a.body_size as usize, 0x5A);
         thread::spawn(move || -> io::Result<()> {
-            let body = vec![0x5Au8; size];
             let mut sent = 0u64;
             while sent < n {
                 let k = (batch as u64).min(n - sent);

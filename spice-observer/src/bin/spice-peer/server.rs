@@ -393,7 +393,7 @@ pub(crate) fn server_writer(
             s.flow = !a.ignore_acks;
         }
     }
-    let body = vec![a.body_fill as u8; a.body_size as usize];
+    let body = c.body(a.body_size as usize, a.body_fill as u8);
     let mut list: Vec<(u16, Vec<u8>)> = Vec::new();
     if a.set_ack {
         list.push((

@@ -686,3 +686,52 @@ fn junk_mid_stream_is_skipped_by_a_client_told_so() {
     // The framing code met the junk where a header was due and went back to hunting.
     assert_eq!(c["framing"]["s2c"]["hunts"], 1, "{:#}", c["framing"]);
 }
+
+#[test]
+fn body_marker_fills_bodies_and_keeps_counts() {
+    let cli = parse(&[
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--body-marker",
+        "MARK-",
+    ]);
+    let Cmd::Server(a) = cli.cmd else {
+        unreachable!()
+    };
+    assert_eq!(a.common.body(12, 0xA5), b"MARK-MARK-MA");
+    assert_eq!(a.common.body(3, 0xA5), b"MAR");
+    assert!(a.common.body(0, 0xA5).is_empty());
+    let plain = parse(&["server", "--listen", "127.0.0.1:0"]);
+    let Cmd::Server(p) = plain.cmd else {
+        unreachable!()
+    };
+    assert_eq!(p.common.body(3, 0xA5), [0xA5; 3]);
+    assert!(
+        Cli::try_parse_from([
+            "spice-peer",
+            "client",
+            "--connect",
+            "x:1",
+            "--body-marker",
+            ""
+        ])
+        .map_err(|e| e.to_string())
+        .and_then(|c| validate(&c))
+        .is_err()
+    );
+    let (s, c) = pair(
+        &[
+            "--set-ack",
+            "--messages",
+            "30",
+            "--body-size",
+            "700",
+            "--body-marker",
+            "MARK-",
+        ],
+        &["--messages", "5", "--body-marker", "MARK-"],
+    );
+    check_consistent(&s, &c);
+    assert_eq!(s["sent"]["by_type"]["304"], 30);
+}
