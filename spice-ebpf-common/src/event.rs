@@ -85,6 +85,14 @@ pub mod lock_how {
     }
 }
 
+/// [`EventHeader::flags`] bits.
+pub mod hdr_flags {
+    /// Written by the libssl hooks for a TLS socket: stream offsets (`at`) are plaintext
+    /// offsets, and [`super::MessageEvent::seq`] is no TCP sequence number (the
+    /// [`super::TlsMarkEvent`]s place the plaintext).
+    pub const TLS: u8 = 1;
+}
+
 /// Common prefix of every record. 24 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -93,6 +101,7 @@ pub struct EventHeader {
     pub kind: u8,
     /// One of [`dir`] (0 where it does not apply).
     pub dir: u8,
+    /// [`hdr_flags`] bits.
     pub flags: u8,
     pub _pad: u8,
     /// Process (thread group) that made the call, host pid namespace.
@@ -290,7 +299,10 @@ pub struct TlsCall {
     pub func: u8,
     /// [`crate::config::watch::route`] of the process.
     pub watch: u8,
-    pub _pad: [u8; 6],
+    /// 1 if a socket send inside this call failed with EAGAIN (so a failed SSL_write is
+    /// the WANT_WRITE that spice-server retries, not a dead connection).
+    pub eagain: u8,
+    pub _pad: [u8; 5],
     /// The `SSL *` (user address in the calling process).
     pub ssl: u64,
     /// Plaintext buffer (user address).

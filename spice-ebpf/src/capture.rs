@@ -27,7 +27,7 @@ use spice_ebpf_common::{
     event::{
         EventHeader, HuntEvent, LinkEvent, LockEvent, MessageEvent, PendingCall, SockState,
         SocketEvent, TcpSnapshot, TlsCall, TlsEvent, TlsMarkEvent, UnparsedEvent, call_kind,
-        carrier, dir as dirs, kind, lock_how, msg_flags, tcp_source, tls_func,
+        carrier, dir as dirs, hdr_flags, kind, lock_how, msg_flags, tcp_source, tls_func,
     },
     framing::{
         BUF_LEN, DirState, LinkInfo, MAX_WANT, MessageInfo, Output, PeerView, Phase, Role,
@@ -473,8 +473,14 @@ pub fn on_call(call: &Call) {
         }
     };
     let sock = unsafe { &mut *sp };
-    if sock.carrier != carrier::PLAIN && tls_socket_call(sock, call, pid_tgid, tgid, now) {
-        return;
+    if sock.carrier != carrier::PLAIN {
+        if tls_socket_call(sock, call, pid_tgid, tgid, now) {
+            return;
+        }
+    } else if sock.dir[0].reason == UnparsedReason::Tls as u8
+        || sock.dir[1].reason == UnparsedReason::Tls as u8
+    {
+        plain_tls_call(call, pid_tgid);
     }
 
     let seq_now = store_tcp(call.sk, call.cookie, now, call.dir == dirs::SEND);
@@ -516,7 +522,12 @@ fn tls_socket_call(sock: &mut SockState, call: &Call, pid_tgid: u64, tgid: u32, 
     }
     let d = (call.dir & 1) as usize;
     match tc {
-        Some(t) => unsafe { (*t).cookie = call.cookie },
+        Some(t) => unsafe {
+            (*t).cookie = call.cookie;
+            if call.ret == -EAGAIN {
+                (*t).eagain = 1;
+            }
+        },
         None => {
             if call.ret > 0 {
                 count(counter::TLS_UNSEEN);
@@ -536,6 +547,17 @@ fn tls_socket_call(sock: &mut SockState, call: &Call, pid_tgid: u64, tgid: u32, 
         sock.wire_pos[d] += call.ret as u64;
     }
     true
+}
+
+/// A call on a socket judged `unparsed: tls` on its own bytes (its first call ran outside the
+/// libssl hooks): if it runs inside a hooked libssl call, that call's `SSL *` is this socket,
+/// whose plaintext is not framed. Recording the cookie keeps the return from counting the
+/// call's plaintext as unmapped (a loss): the socket is reported `unparsed: tls` instead.
+#[inline(never)]
+fn plain_tls_call(call: &Call, pid_tgid: u64) {
+    if let Some(t) = TLS_CALLS.get_ptr_mut(&pid_tgid) {
+        unsafe { (*t).cookie = call.cookie };
+    }
 }
 
 /// Frames the plaintext one hooked libssl call moved on TLS socket `cookie`: `moved` bytes
@@ -560,9 +582,10 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, tgid: u32) {
         i32::MAX
     } else if moved > 0 {
         moved as i32
-    } else if send {
-        // Nothing taken: treated like a send that failed with EAGAIN (spice-server counts
-        // the message it tried to start, `docs/spice-protocol.md` §3.2).
+    } else if send && tc.eagain != 0 {
+        // Nothing taken because the socket was full (WANT_WRITE): treated like a send that
+        // failed with EAGAIN (spice-server counts the message it tried to start,
+        // `docs/spice-protocol.md` §3.2). Any other failure (a dead connection) moved nothing.
         -EAGAIN
     } else {
         return;
@@ -601,7 +624,8 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, tgid: u32) {
         }
     };
     let plain_end = sock.dir[(call.dir & 1) as usize].pos;
-    let hdr = header(kind::TLS_MARK, call.dir, cookie, tgid, now);
+    let mut hdr = header(kind::TLS_MARK, call.dir, cookie, tgid, now);
+    hdr.flags = hdr_flags::TLS;
     write_record::<TlsMarkEvent>(tc.watch, |p| unsafe {
         (*p).hdr = hdr;
         (*p).plain_end = plain_end;
@@ -620,7 +644,10 @@ fn run_call(sock: &mut SockState, call: &Call, tgid: u32, now: u64, seq_now: Opt
     let window = &mut sock.window as *mut WindowState;
     let bytes = &mut sock.msg_bytes[d] as *mut u64;
     let st = &mut sock.dir[d];
-    let hdr = header(kind::MESSAGE, call.dir, call.cookie, tgid, now);
+    let mut hdr = header(kind::MESSAGE, call.dir, call.cookie, tgid, now);
+    if seq_now.is_none() {
+        hdr.flags = hdr_flags::TLS;
+    }
 
     if call.ret <= 0 {
         if call.args.kind != call_kind::UNSUPPORTED {

@@ -56,7 +56,8 @@ pub fn on_entry(ctx: &ProbeContext, func: u8) {
     let call = TlsCall {
         func,
         watch: route,
-        _pad: [0; 6],
+        eagain: 0,
+        _pad: [0; 5],
         ssl,
         buf,
         num,

@@ -21,7 +21,8 @@ use std::{
 
 use spice_ebpf_common::{
     event::{
-        EventHeader, LinkEvent, MessageEvent, SockState, TcpSnapshot, carrier, dir, kind, msg_flags,
+        EventHeader, LinkEvent, MessageEvent, SockState, TcpSnapshot, carrier, dir, hdr_flags,
+        kind, msg_flags,
     },
     framing::{Role, UnparsedReason},
     protocol::{channel, msg_server},
@@ -453,6 +454,10 @@ impl SocketModel {
     }
 
     fn message(&mut self, m: &MessageEvent) {
+        if m.hdr.flags & hdr_flags::TLS != 0 && !self.is_tls() {
+            // Its TLS record was lost (counted): the libssl hooks wrote this one.
+            self.set_tls(0, m.hdr.ts_ns);
+        }
         let d = (m.hdr.dir & 1) as usize;
         let ds = &mut self.dirs[d];
         if m.index <= ds.restored_upto {
@@ -1326,6 +1331,21 @@ mod tests {
             seq,
             len,
         })
+    }
+
+    /// A TLS socket whose TLS record was lost: its first message record (flag
+    /// `hdr_flags::TLS`) makes it TLS before any sequence base is taken from its `seq`.
+    #[test]
+    fn a_tls_message_without_its_tls_record_makes_no_sequence_base() {
+        let mut f = Feed::new(channel::DISPLAY);
+        let Event::Message(mut m) = f.kernel(dir::SEND, 10, msg_server::SET_ACK, [1, 2]) else {
+            unreachable!()
+        };
+        (m.at, m.seq, m.hdr.flags) = (46, 46, hdr_flags::TLS);
+        f.m.apply(&Event::Message(m));
+        let sock = f.socket();
+        assert_eq!(sock.transport(), "tls");
+        assert!(sock.dirs.iter().all(|d| d.seq_base.is_none()));
     }
 
     /// A TLS socket: its records' `seq` never makes a sequence base, its marks are kept per
