@@ -161,8 +161,9 @@ pub mod counter {
     /// A libssl call's arguments could not be saved in `TLS_CALLS` (map full).
     pub const TLS_PENDING_FULL: u32 = 17;
     /// A TLS socket moved bytes outside every hooked libssl function (the hooks were
-    /// detached, e.g. across an agent restart): the plaintext of that direction may have
-    /// moved unseen, so it goes back to hunting (a resync).
+    /// detached, e.g. between two agents without pinned links): the plaintext of that
+    /// direction may have moved unseen, so it goes back to hunting (a resync). A loss, like
+    /// [`UNTRACED_BYTES`] on a plain socket.
     pub const TLS_UNSEEN: u32 = 18;
     /// Number of counters.
     pub const COUNT: u32 = 19;
@@ -192,7 +193,10 @@ pub mod counter {
 
     /// True for counters that mean information was lost (they add up to `events_lost`).
     pub const fn is_loss(index: u32) -> bool {
-        index <= WATCH_MAP_FULL || index == TLS_UNMAPPED || index == TLS_PENDING_FULL
+        index <= WATCH_MAP_FULL
+            || index == TLS_UNMAPPED
+            || index == TLS_PENDING_FULL
+            || index == TLS_UNSEEN
     }
 
     /// True for counters that mean information was lost for a reader of `TAP_EVENTS`: the

@@ -1416,7 +1416,7 @@ mod tests {
             ("tls_unmapped", true),
             ("tls_pending_full", true),
             ("tls_calls", false),
-            ("tls_unseen", false),
+            ("tls_unseen", true),
         ] {
             let family = if lost {
                 "spice_observer_information_lost_total{reason="
