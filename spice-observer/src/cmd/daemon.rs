@@ -30,8 +30,11 @@
 //! libssl hooks ([`crate::kernel::tls`], unless `tls_hooks = false` / `--no-tls-hooks`):
 //! attached to each target before it is watched, and at every scan to the watched processes
 //! not hooked yet (children forked since), re-checked every 5 s for those without a libssl;
-//! detached when they go. After a restart they are attached again (the previous daemon's
-//! links ended with it; the kernel resyncs a TLS direction whose bytes moved meanwhile).
+//! detached when they go, on a background thread (the kernel takes ~0.1 s per uprobe). The
+//! links are pinned under `pin_dir` (`tls_<pid>_…`, [`tls::PinName`]): the daemon's exit
+//! (SIGTERM, SIGUSR2, a crash) releases none of them and the hooks keep working while no
+//! daemon runs; the next daemon adopts the pins of the processes it still watches (same pid
+//! and start time, same libraries) without attaching again, and releases the others.
 //!
 //! As a service ([`crate::cmd::service`], [`crate::host::privilege`]): after the programs
 //! are attached it drops every capability but the two that reading other users' `/proc`
@@ -528,7 +531,21 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     }
     // The libssl hooks are attached per process as processes are found: that needs
     // CAP_SYS_ADMIN for as long as the daemon runs (privilege::TLS_HOOKS_CAP).
-    let mut tls_hooks = TlsHooks::new(cfg.tls_hooks);
+    let mut tls_hooks = TlsHooks::new(cfg.tls_hooks).with_detacher();
+    // The pins an earlier daemon left: adopted as their processes are found again (the first
+    // scan), the rest released after it.
+    let pinned = tls_hooks.adopt_pins(engine.capture_and_model().0);
+    if pinned > 0 {
+        info!(
+            "{pinned} pinned libssl hook link(s) at {}: {}",
+            cfg.pin_dir.display(),
+            if cfg.tls_hooks {
+                "kept for the processes still watched, released for the others"
+            } else {
+                "released (tls_hooks off)"
+            }
+        );
+    }
     let keep_tls_cap = cfg.tls_hooks && privilege::holds(privilege::TLS_HOOKS_CAP.cap);
     // A reason every process fails with, logged once here rather than per process.
     let mut tls_said: Option<String> = None;

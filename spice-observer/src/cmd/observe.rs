@@ -250,7 +250,9 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     // sockets' first calls already run inside hooked functions; then at each tick for the
     // processes watched since (forked children), and again for those without a libssl.
     let beside = engine.source().tap;
-    let mut tls_hooks = TlsHooks::new(opts.tls_hooks);
+    // Links of processes that went are released on a background thread (~0.1 s per uprobe
+    // in the kernel), all of them at the end.
+    let mut tls_hooks = TlsHooks::new(opts.tls_hooks).with_detacher();
     if opts.tls_hooks {
         tls::raise_fd_limit();
     }
@@ -381,6 +383,17 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
             crate::plot::write_svg(path, &series)?;
         }
     }
+    // The hooks end after the outputs are written: entry programs before uretprobes, here
+    // rather than in the process's exit (which closes descriptors in ascending order, the
+    // uretprobes first). Said only when it is slow (more than one process hooked).
+    let links = tls_hooks.links();
+    if links > 16 {
+        eprintln!(
+            "spice-observer: detaching {links} libssl uprobe link(s) (the kernel takes ~0.1 s each)"
+        );
+    }
+    let (_, took) = tls_hooks.release_all();
+    log::debug!("libssl hooks released in {:.1} s", took.as_secs_f64());
     samples_result.transpose()?;
     Ok(())
 }
