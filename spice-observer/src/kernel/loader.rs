@@ -688,7 +688,10 @@ impl tls::Host for Capture {
                 drop(pinned);
                 Ok(TlsLink::Pinned(path))
             }
-            Err(e) => Err((None, format!("pinning {}: {e}", path.display()))),
+            Err(e) => Err((
+                None,
+                format!("pinning {}: {:#}", path.display(), anyhow::Error::from(e)),
+            )),
         }
     }
 
@@ -1594,8 +1597,8 @@ mod tests {
             "prog_spice_sockops",
             "prog_spice_ssl_ret",
             "prog_spice_ssl_context",
-            "tls_4242_981234_254.1.1836263_16_spice_ssl_ret_SSL_write",
-            "tls_7_1_0.27.12_10_spice_ssl_context_SSL_peek",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write",
+            "tls_7_1_0-27-12_10_spice_ssl_context_SSL_peek",
         ] {
             assert!(is_owned_pin(n), "{n}");
         }
@@ -1607,8 +1610,8 @@ mod tests {
             "layout",
             "link_LAYOUT",
             "prog_spice_ssl_other",
-            "tls_4242_981234_254.1.1836263_16_spice_ssl_ret",
-            "tls_4242_981234_254.1.1836263_16_spice_ssl_write_SSL_read",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_ret",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_write_SSL_read",
         ] {
             assert!(!is_owned_pin(n), "{n}");
         }

@@ -351,8 +351,9 @@ impl<L: HookLink> Drop for ProcLinks<L> {
 }
 
 /// The name of a libssl link pin in the daemon's pin directory:
-/// `tls_<pid>_<start time>_<major>.<minor>.<inode>_<links>_<program>_<function>`, e.g.
-/// `tls_4242_981234_254.1.1836263_16_spice_ssl_ret_SSL_write`. The process is named by pid
+/// `tls_<pid>_<start time>_<major>-<minor>-<inode>_<links>_<program>_<function>`, e.g.
+/// `tls_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write` (no dots: the BPF filesystem
+/// refuses names with one, EPERM, `kernel/bpf/inode.c` `bpf_lookup`). The process is named by pid
 /// and start time (`/proc/PID/stat` field 22: a reused pid is another process), the library
 /// by device and inode, and `links` is how many links that library got for that process, so
 /// that a set cut short (an agent killed while attaching) is told from a library that lacks
@@ -396,8 +397,9 @@ impl PinName {
         let mut it = rest.splitn(5, '_');
         let pid = it.next()?.parse().ok()?;
         let start_time = it.next()?.parse().ok()?;
-        let mut lib = it.next()?.split('.');
-        let dev = (lib.next()?.parse().ok()?, lib.next()?.parse().ok()?);
+        let mut lib = it.next()?.split('-');
+        let dev: (u32, u32) = (lib.next()?.parse().ok()?, lib.next()?.parse().ok()?);
+        let dev = (dev.0 as i32, dev.1 as i32);
         let inode = lib.next()?.parse().ok()?;
         if lib.next().is_some() {
             return None;
@@ -425,11 +427,11 @@ impl std::fmt::Display for PinName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{PIN_PREFIX}{}_{}_{}.{}.{}_{}_{}_{}",
+            "{PIN_PREFIX}{}_{}_{}-{}-{}_{}_{}_{}",
             self.pid,
             self.start_time,
-            self.dev.0,
-            self.dev.1,
+            self.dev.0 as u32,
+            self.dev.1 as u32,
             self.inode,
             self.links,
             self.program,
@@ -1781,29 +1783,30 @@ mod tests {
                     function: f,
                 };
                 let s = n.to_string();
+                assert!(!s.contains('.') && !s.contains('/'), "bpffs refuses {s}");
                 assert_eq!(PinName::parse(&s), Some(n.clone()), "{s}");
                 assert_eq!(n.ret(), p.ret);
                 assert_eq!(n.lib(), (254, 1, 1836263));
             }
         }
-        let ok = "tls_4242_981234_254.1.1836263_16_spice_ssl_ret_SSL_write";
+        let ok = "tls_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write";
         let n = PinName::parse(ok).unwrap();
         assert_eq!((n.pid, n.start_time, n.links), (4242, 981234, 16));
         assert_eq!((n.program, n.function), (RET_PROGRAM, "SSL_write"));
         for bad in [
             "link_spice_ssl_ret",
             "tls_",
-            "tls_4242_981234_254.1.1836263_16_spice_ssl_ret",
-            "tls_04242_981234_254.1.1836263_16_spice_ssl_ret_SSL_write",
-            "tls_+4242_981234_254.1.1836263_16_spice_ssl_ret_SSL_write",
-            "tls_4242_981234_254.1_16_spice_ssl_ret_SSL_write",
-            "tls_4242_981234_254.1.1836263.7_16_spice_ssl_ret_SSL_write",
-            "tls_4242_981234_254.1.1836263_x_spice_ssl_ret_SSL_write",
-            "tls_4242_981234_254.1.1836263_16_spice_ssl_write_SSL_read",
-            "tls_4242_981234_254.1.1836263_16_spice_ssl_ret_SSL_other",
-            "tls_4242_981234_254.1.1836263_16_spice_ssl_ret_SSL_write_",
-            "tls_4242_981234_254.1.1836263_16_other_SSL_write",
-            "TLS_4242_981234_254.1.1836263_16_spice_ssl_ret_SSL_write",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_ret",
+            "tls_04242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write",
+            "tls_+4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write",
+            "tls_4242_981234_254-1_16_spice_ssl_ret_SSL_write",
+            "tls_4242_981234_254-1-1836263-7_16_spice_ssl_ret_SSL_write",
+            "tls_4242_981234_254-1-1836263_x_spice_ssl_ret_SSL_write",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_write_SSL_read",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_other",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write_",
+            "tls_4242_981234_254-1-1836263_16_other_SSL_write",
+            "TLS_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write",
         ] {
             assert_eq!(PinName::parse(bad), None, "{bad}");
         }
