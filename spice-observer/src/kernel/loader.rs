@@ -1419,6 +1419,52 @@ impl Capture {
         )?)?)
     }
 
+    /// The file descriptors of this process that are links of the libssl programs
+    /// ([`tls::PROGRAMS`]), read from `/proc/self/fdinfo` (`prog_id`, fs/proc/fd.c and
+    /// `bpf_link_show_fdinfo`): (entry programs' links, the uretprobe's links), each sorted.
+    pub fn tls_link_fds(&self) -> (Vec<i32>, Vec<i32>) {
+        let id_of = |name: &str| {
+            self.programs
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, id)| *id)
+        };
+        let ret = id_of(tls::RET_PROGRAM);
+        let entries: Vec<u32> = tls::PROGRAMS
+            .iter()
+            .filter(|p| !p.ret)
+            .filter_map(|p| id_of(p.name))
+            .collect();
+        let (mut e, mut r) = (Vec::new(), Vec::new());
+        for d in std::fs::read_dir("/proc/self/fdinfo")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let Some(fd) = d.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+                continue;
+            };
+            let Ok(text) = std::fs::read_to_string(d.path()) else {
+                continue;
+            };
+            if !text.lines().any(|l| l.starts_with("link_type:")) {
+                continue;
+            }
+            let prog = text.lines().find_map(|l| {
+                l.strip_prefix("prog_id:")
+                    .and_then(|v| v.trim().parse::<u32>().ok())
+            });
+            match prog {
+                Some(id) if Some(id) == ret => r.push(fd),
+                Some(id) if entries.contains(&id) => e.push(fd),
+                _ => {}
+            }
+        }
+        e.sort();
+        r.sort();
+        (e, r)
+    }
+
     /// Every `PENDING_CALLS` entry: (pid_tgid, call).
     pub fn pending_calls(&mut self) -> Result<Vec<(u64, PendingCall)>> {
         Ok(self
