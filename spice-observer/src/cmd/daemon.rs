@@ -531,21 +531,7 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     }
     // The libssl hooks are attached per process as processes are found: that needs
     // CAP_SYS_ADMIN for as long as the daemon runs (privilege::TLS_HOOKS_CAP).
-    let mut tls_hooks = TlsHooks::new(cfg.tls_hooks).with_detacher();
-    // The pins an earlier daemon left: adopted as their processes are found again (the first
-    // scan), the rest released after it.
-    let pinned = tls_hooks.adopt_pins(engine.capture_and_model().0);
-    if pinned > 0 {
-        info!(
-            "{pinned} pinned libssl hook link(s) at {}: {}",
-            cfg.pin_dir.display(),
-            if cfg.tls_hooks {
-                "kept for the processes still watched, released for the others"
-            } else {
-                "released (tls_hooks off)"
-            }
-        );
-    }
+    let mut tls_hooks = TlsHooks::new(cfg.tls_hooks);
     let keep_tls_cap = cfg.tls_hooks && privilege::holds(privilege::TLS_HOOKS_CAP.cap);
     // A reason every process fails with, logged once here rather than per process.
     let mut tls_said: Option<String> = None;
@@ -571,6 +557,23 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     let dropped = privilege::drop_after_attach_keeping(extra)
         .context("dropping capabilities after attach")?;
     info!("{dropped}");
+    // The detacher thread after the drop: capabilities are per thread, and a thread started
+    // before it would keep them all.
+    let mut tls_hooks = tls_hooks.with_detacher();
+    // The pins an earlier daemon left: adopted as their processes are found again (the first
+    // scan), the rest released after it.
+    let pinned = tls_hooks.adopt_pins(engine.capture_and_model().0);
+    if pinned > 0 {
+        info!(
+            "{pinned} pinned libssl hook link(s) at {}: {}",
+            cfg.pin_dir.display(),
+            if cfg.tls_hooks {
+                "kept for the processes still watched, released for the others"
+            } else {
+                "released (tls_hooks off)"
+            }
+        );
+    }
     let page = |cfg: &Config, engine: &Engine| {
         landing_page(
             cfg.listen,
