@@ -127,8 +127,10 @@ pub struct DaemonArgs {
     /// /sys/fs/bpf/spice-observer): a restarted daemon continues from it.
     #[arg(long, value_name = "DIR")]
     pub pin_dir: Option<PathBuf>,
-    /// Remove the daemon's pins from the pin directory (program links first, which detaches
-    /// the programs, then the maps), then the directory, and exit. Idempotent. Refused while
+    /// Remove the daemon's pins from the pin directory (the libssl uprobe links first, each
+    /// process's entries before its uretprobes, ~0.1 s each in the kernel; then the other
+    /// program links, which detaches the programs, then the maps), then the directory, and
+    /// exit. Idempotent. Refused while
     /// a daemon runs on the directory (it holds its lock): stop it first (SIGTERM), or add
     /// --force. Refused, removing nothing, if the directory holds anything but the daemon's
     /// own pins. The directory is --pin-dir if given, else the config file's `pin_dir` if the
@@ -303,13 +305,22 @@ fn unpin(dir: &Path, force: bool) -> Result<()> {
         println!("nothing pinned at {}", dir.display());
     } else {
         let links = gone.iter().filter(|n| n.starts_with("link_")).count();
+        let tls = gone
+            .iter()
+            .filter(|n| tls::PinName::parse(n).is_some())
+            .count();
         println!(
             "removed {} from {}: {} program link(s) (programs detached unless a running daemon \
-             still holds them) and {} other pin(s)",
+             still holds them){} and {} other pin(s)",
             gone.len(),
             dir.display(),
             links,
-            gone.len() - links
+            if tls > 0 {
+                format!(", {tls} libssl uprobe link(s)")
+            } else {
+                String::new()
+            },
+            gone.len() - links - tls
         );
     }
     if left == crate::loader::DirLeft::MountPoint {

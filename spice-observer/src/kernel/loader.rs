@@ -185,8 +185,8 @@ pub fn refuse_foreign(dir: &Path) -> Result<()> {
     let more = foreign.len().saturating_sub(shown.len());
     bail!(
         "pin directory {} holds {} entr{} that {} not spice-observer's: {}{}; spice-observer \
-         only ever removes its own pins (its maps and the link_/prog_ files of its programs) \
-         and leaves these alone: pick a dedicated directory for --pin-dir / `pin_dir` (default \
+         only ever removes its own pins (its maps, the link_/prog_ files of its programs and \
+         the tls_ links of its libssl uprobes) and leaves these alone: pick a dedicated directory for --pin-dir / `pin_dir` (default \
          {}), or move these entries away",
         dir.display(),
         foreign.len(),
