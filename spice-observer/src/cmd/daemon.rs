@@ -30,8 +30,11 @@
 //! libssl hooks ([`crate::kernel::tls`], unless `tls_hooks = false` / `--no-tls-hooks`):
 //! attached to each target before it is watched, and at every scan to the watched processes
 //! not hooked yet (children forked since), re-checked every 5 s for those without a libssl;
-//! detached when they go. After a restart they are attached again (the previous daemon's
-//! links ended with it; the kernel resyncs a TLS direction whose bytes moved meanwhile).
+//! detached when they go, on a background thread (the kernel takes ~0.1 s per uprobe). The
+//! links are pinned under `pin_dir` (`tls_<pid>_…`, [`tls::PinName`]): the daemon's exit
+//! (SIGTERM, SIGUSR2, a crash) releases none of them and the hooks keep working while no
+//! daemon runs; the next daemon adopts the pins of the processes it still watches (same pid
+//! and start time, same libraries) without attaching again, and releases the others.
 //!
 //! As a service ([`crate::cmd::service`], [`crate::host::privilege`]): after the programs
 //! are attached it drops every capability but the two that reading other users' `/proc`
@@ -124,8 +127,10 @@ pub struct DaemonArgs {
     /// /sys/fs/bpf/spice-observer): a restarted daemon continues from it.
     #[arg(long, value_name = "DIR")]
     pub pin_dir: Option<PathBuf>,
-    /// Remove the daemon's pins from the pin directory (program links first, which detaches
-    /// the programs, then the maps), then the directory, and exit. Idempotent. Refused while
+    /// Remove the daemon's pins from the pin directory (the libssl uprobe links first, each
+    /// process's entries before its uretprobes, ~0.1 s each in the kernel; then the other
+    /// program links, which detaches the programs, then the maps), then the directory, and
+    /// exit. Idempotent. Refused while
     /// a daemon runs on the directory (it holds its lock): stop it first (SIGTERM), or add
     /// --force. Refused, removing nothing, if the directory holds anything but the daemon's
     /// own pins. The directory is --pin-dir if given, else the config file's `pin_dir` if the
@@ -300,13 +305,22 @@ fn unpin(dir: &Path, force: bool) -> Result<()> {
         println!("nothing pinned at {}", dir.display());
     } else {
         let links = gone.iter().filter(|n| n.starts_with("link_")).count();
+        let tls = gone
+            .iter()
+            .filter(|n| tls::PinName::parse(n).is_some())
+            .count();
         println!(
             "removed {} from {}: {} program link(s) (programs detached unless a running daemon \
-             still holds them) and {} other pin(s)",
+             still holds them){} and {} other pin(s)",
             gone.len(),
             dir.display(),
             links,
-            gone.len() - links
+            if tls > 0 {
+                format!(", {tls} libssl uprobe link(s)")
+            } else {
+                String::new()
+            },
+            gone.len() - links - tls
         );
     }
     if left == crate::loader::DirLeft::MountPoint {
@@ -554,6 +568,23 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     let dropped = privilege::drop_after_attach_keeping(extra)
         .context("dropping capabilities after attach")?;
     info!("{dropped}");
+    // The detacher thread after the drop: capabilities are per thread, and a thread started
+    // before it would keep them all.
+    let mut tls_hooks = tls_hooks.with_detacher();
+    // The pins an earlier daemon left: adopted as their processes are found again (the first
+    // scan), the rest released after it.
+    let pinned = tls_hooks.adopt_pins(engine.capture_and_model().0);
+    if pinned > 0 {
+        info!(
+            "{pinned} pinned libssl hook link(s) at {}: {}",
+            cfg.pin_dir.display(),
+            if cfg.tls_hooks {
+                "kept for the processes still watched, released for the others"
+            } else {
+                "released (tls_hooks off)"
+            }
+        );
+    }
     let page = |cfg: &Config, engine: &Engine| {
         landing_page(
             cfg.listen,

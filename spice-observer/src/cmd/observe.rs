@@ -171,6 +171,45 @@ fn tls_failure(tgid: u32, status: &crate::model::tls::TlsAttach) {
     }
 }
 
+/// Hands the release of this process's libssl uprobe links (file descriptors `entries` and
+/// `rets`, [`crate::loader::Capture::tls_link_fds`]) to a child process: it closes every
+/// other descriptor it inherited (its copies of the maps, the programs, the TAP lock, the
+/// output pipes), then the entry programs' links, then the uretprobes' (each last close
+/// detaches one uprobe, ~0.1 s in the kernel), and exits. This process's own closes are
+/// then not the last and cost nothing. Returns false when no child could be started (the
+/// caller then releases them itself).
+fn hand_off_release(entries: &[i32], rets: &[i32]) -> bool {
+    let keep: std::collections::BTreeSet<i32> = entries.iter().chain(rets).copied().collect();
+    let others: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|d| d.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .filter(|fd| !keep.contains(fd))
+        .collect();
+    // SAFETY: after fork the child (a copy of one thread of a threaded process) makes only
+    // async-signal-safe calls (setsid, close, _exit) over slices allocated before the fork.
+    unsafe {
+        match libc::fork() {
+            -1 => false,
+            0 => {
+                libc::setsid();
+                for &fd in &others {
+                    libc::close(fd);
+                }
+                for &fd in entries {
+                    libc::close(fd);
+                }
+                for &fd in rets {
+                    libc::close(fd);
+                }
+                libc::_exit(0)
+            }
+            _ => true,
+        }
+    }
+}
+
 /// Runs one observation and prints its report.
 pub async fn run(opts: ObserveOptions) -> Result<()> {
     if opts.pids.is_empty() {
@@ -250,7 +289,9 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     // sockets' first calls already run inside hooked functions; then at each tick for the
     // processes watched since (forked children), and again for those without a libssl.
     let beside = engine.source().tap;
-    let mut tls_hooks = TlsHooks::new(opts.tls_hooks);
+    // Links of processes that went are released on a background thread (~0.1 s per uprobe
+    // in the kernel), all of them at the end.
+    let mut tls_hooks = TlsHooks::new(opts.tls_hooks).with_detacher();
     if opts.tls_hooks {
         tls::raise_fd_limit();
     }
@@ -379,6 +420,22 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
             );
         } else {
             crate::plot::write_svg(path, &series)?;
+        }
+    }
+    // The hooks end after the outputs are written, entry programs before uretprobes. Ending
+    // them takes the kernel ~0.1 s per uprobe (1.7 s per process): a child process takes it
+    // over and this one exits at once (its exit would otherwise close the descriptors in
+    // ascending order, the uretprobes first, and take as long).
+    let (entries, rets) = engine.capture_and_model().0.tls_link_fds();
+    if !entries.is_empty() || !rets.is_empty() {
+        if hand_off_release(&entries, &rets) {
+            log::debug!(
+                "{} libssl hook link(s) handed to a child process to release",
+                entries.len() + rets.len()
+            );
+        } else {
+            let (_, took) = tls_hooks.release_all();
+            log::debug!("libssl hooks released in {:.1} s", took.as_secs_f64());
         }
     }
     samples_result.transpose()?;

@@ -88,8 +88,8 @@ const SOCKOPS: &str = "spice_sockops";
 
 /// Every program of the object that may be attached and pinned (`link_<name>`,
 /// `prog_<name>`): `raw_tracepoint/sys_enter`, the [`BTF_TRACEPOINTS`], sock_ops and the
-/// libssl uprobes ([`tls::PROGRAMS`]; pinned as `prog_<name>` only: their links are per
-/// process and die with the agent that made them).
+/// libssl uprobes ([`tls::PROGRAMS`]; pinned as `prog_<name>`; their links are per process,
+/// pinned by the daemon as `tls_…` ([`tls::PinName`])).
 const PROGRAMS: [&str; 14] = [
     "spice_sys_enter",
     BTF_TRACEPOINTS[0].0,
@@ -107,15 +107,46 @@ const PROGRAMS: [&str; 14] = [
     tls::PROGRAMS[5].name,
 ];
 
-/// Whether `name` is a pin this agent makes in a pin directory: a map of [`MAP_NAMES`], or
-/// `link_<program>` / `prog_<program>` of one of its programs. Only such names are ever
-/// removed from a pin directory.
+/// Whether `name` is a pin this agent makes in a pin directory: a map of [`MAP_NAMES`],
+/// `link_<program>` / `prog_<program>` of one of its programs, or the link of a libssl
+/// uprobe for one process ([`tls::PinName`]). Only such names are ever removed from a pin
+/// directory.
 pub fn is_owned_pin(name: &str) -> bool {
     MAP_NAMES.contains(&name)
         || name
             .strip_prefix("link_")
             .or_else(|| name.strip_prefix("prog_"))
             .is_some_and(|p| PROGRAMS.contains(&p))
+        || tls::PinName::parse(name).is_some()
+}
+
+/// The libssl uprobe link pins in `dir` ([`tls::PinName`]), by name, sorted; none when it
+/// cannot be read.
+pub fn tls_pins(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| tls::PinName::parse(n).is_some())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Releases the libssl uprobe link pins of `dir` one by one, in the calling thread, each
+/// process's entry programs before its uretprobes ([`tls::ProcLinks`]): each is opened,
+/// its pin removed and the descriptor closed, which detaches it there and then (~110 ms
+/// per uprobe on Linux 6.18). Returns the names released and how long it took.
+pub fn release_tls_pins(dir: &Path) -> (Vec<String>, std::time::Duration) {
+    let t0 = std::time::Instant::now();
+    let mut names = tls_pins(dir);
+    // Entries first, over all processes: no uretprobe goes while its entry runs.
+    names.sort_by_key(|n| tls::PinName::parse(n).is_some_and(|p| p.ret()));
+    for n in &names {
+        TlsLink::Pinned(dir.join(n)).release_now();
+    }
+    (names, t0.elapsed())
 }
 
 /// The entries of `dir` that are not this agent's pins ([`is_owned_pin`]), sorted; a
@@ -154,8 +185,8 @@ pub fn refuse_foreign(dir: &Path) -> Result<()> {
     let more = foreign.len().saturating_sub(shown.len());
     bail!(
         "pin directory {} holds {} entr{} that {} not spice-observer's: {}{}; spice-observer \
-         only ever removes its own pins (its maps and the link_/prog_ files of its programs) \
-         and leaves these alone: pick a dedicated directory for --pin-dir / `pin_dir` (default \
+         only ever removes its own pins (its maps, the link_/prog_ files of its programs and \
+         the tls_ links of its libssl uprobes) and leaves these alone: pick a dedicated directory for --pin-dir / `pin_dir` (default \
          {}), or move these entries away",
         dir.display(),
         foreign.len(),
@@ -362,7 +393,10 @@ impl PinLock {
 }
 
 /// Removes this agent's pins from `dir` (program links first, then programs and maps) but
-/// keeps the directory (and so a [`PinLock`] on it). Returns the names removed.
+/// keeps the directory (and so a [`PinLock`] on it). Returns the names removed. The libssl
+/// uprobe links ([`tls::PinName`]) are only unpinned: the kernel releases them on its own
+/// workqueue afterwards (a whole set goes, so their order does not matter; [`unpin`]
+/// releases them here, in order, first).
 ///
 /// Errors, removing nothing, when `dir` holds anything that is not this agent's pin
 /// ([`refuse_foreign`]: other tools' pins, subdirectories): those are never unlinked.
@@ -410,7 +444,17 @@ pub enum DirLeft {
 /// Errors, removing nothing, when `dir` holds anything but this agent's pins
 /// ([`unpin_contents`]).
 pub fn unpin(dir: &Path) -> Result<(Vec<String>, DirLeft)> {
-    let names = unpin_contents(dir)?;
+    refuse_foreign(dir)?;
+    let (mut names, took) = release_tls_pins(dir);
+    if took > std::time::Duration::from_secs(1) {
+        log::info!(
+            "released {} libssl uprobe link(s) in {:.1} s (the kernel takes ~0.1 s per uprobe)",
+            names.len(),
+            took.as_secs_f64()
+        );
+    }
+    let mut rest = unpin_contents(dir)?;
+    names.append(&mut rest);
     match std::fs::remove_dir(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -420,6 +464,41 @@ pub fn unpin(dir: &Path) -> Result<(Vec<String>, DirLeft)> {
         Err(e) => return Err(e).with_context(|| format!("removing {}", dir.display())),
     }
     Ok((names, DirLeft::Removed))
+}
+
+/// A libssl uprobe link of one process ([`tls::Host::Link`] of [`Capture`]).
+pub enum TlsLink {
+    /// Held by this process only: dropping it detaches the uprobe.
+    Own(UProbeLink),
+    /// Pinned at this path (by this daemon or an earlier one): dropping it keeps it
+    /// attached; [`tls::HookLink::release`] removes the pin and detaches it.
+    Pinned(PathBuf),
+}
+
+impl TlsLink {
+    fn release_now(self) {
+        match self {
+            TlsLink::Own(l) => drop(l),
+            TlsLink::Pinned(p) => {
+                // Hold a reference while the pin goes, so that the last one is dropped here
+                // (then the release runs in this thread, in the order called) rather than
+                // on the kernel's workqueue.
+                let held = PinnedLink::from_pin(&p);
+                match std::fs::remove_file(&p) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => debug!("removing {}: {e}", p.display()),
+                }
+                drop(held);
+            }
+        }
+    }
+}
+
+impl tls::HookLink for TlsLink {
+    fn release(self) {
+        self.release_now()
+    }
 }
 
 /// The processes (`WATCHED_TGIDS` keys) of the set pinned under `dir`, read without trusting
@@ -526,7 +605,7 @@ fn attach_error(e: ProgramError) -> tls::AttachError {
 }
 
 impl tls::Host for Capture {
-    type Link = UProbeLink;
+    type Link = TlsLink;
 
     fn start_time(&self, pid: u32) -> Option<u64> {
         tls::start_time(pid)
@@ -544,7 +623,7 @@ impl tls::Host for Capture {
         symbol: &str,
         target: &Path,
         pid: u32,
-    ) -> std::result::Result<UProbeLink, tls::AttachError> {
+    ) -> std::result::Result<TlsLink, tls::AttachError> {
         let Some(pid) = NonZeroU32::new(pid) else {
             return Err(tls::AttachError::Failed("pid 0".into()));
         };
@@ -563,6 +642,7 @@ impl tls::Host for Capture {
             .attach(symbol, target, UProbeScope::OneProcess(pid))
             .map_err(attach_error)?;
         prog.take_link(id)
+            .map(TlsLink::Own)
             .map_err(|e| tls::AttachError::Failed(format!("{:#}", anyhow::Error::from(e))))
     }
 
@@ -571,6 +651,60 @@ impl tls::Host for Capture {
             TlsPrograms::Unavailable(why) => Some(why.clone()),
             _ => None,
         }
+    }
+
+    /// `FdLink::try_from(link)` (a `bpf_link` of type perf_event, Linux ≥ 5.15 for kprobe
+    /// programs; aya falls back to `PERF_EVENT_IOC_SET_BPF` before, which cannot be pinned)
+    /// and `FdLink::pin` under the capture's pin directory. The descriptor is closed after:
+    /// the pin holds the link.
+    fn pin(
+        &mut self,
+        link: TlsLink,
+        name: &str,
+    ) -> std::result::Result<TlsLink, (Option<TlsLink>, String)> {
+        let Some(dir) = self.pin_dir.clone() else {
+            return Err((Some(link), "no pin directory".into()));
+        };
+        let TlsLink::Own(l) = link else {
+            return Ok(link);
+        };
+        if !aya::features().bpf_perf_link() {
+            return Err((
+                Some(TlsLink::Own(l)),
+                "the kernel attaches uprobes without a bpf_link (before Linux 5.15): they \
+                 cannot be pinned"
+                    .into(),
+            ));
+        }
+        let path = dir.join(name);
+        let fd: FdLink = match FdLink::try_from(l) {
+            Ok(fd) => fd,
+            Err(e) => return Err((None, format!("not a bpf_link: {e}"))),
+        };
+        // A failed BPF_OBJ_PIN drops the link (aya's `pin` consumes it): it is gone then.
+        match fd.pin(&path) {
+            Ok(pinned) => {
+                // The pin holds the link: the descriptor is not needed.
+                drop(pinned);
+                Ok(TlsLink::Pinned(path))
+            }
+            Err(e) => Err((
+                None,
+                format!("pinning {}: {:#}", path.display(), anyhow::Error::from(e)),
+            )),
+        }
+    }
+
+    fn pinned_links(&self) -> Vec<String> {
+        match &self.pin_dir {
+            Some(dir) => tls_pins(dir),
+            None => Vec::new(),
+        }
+    }
+
+    fn open_pin(&mut self, name: &str) -> TlsLink {
+        let dir = self.pin_dir.clone().unwrap_or_default();
+        TlsLink::Pinned(dir.join(name))
     }
 }
 
@@ -1285,6 +1419,52 @@ impl Capture {
         )?)?)
     }
 
+    /// The file descriptors of this process that are links of the libssl programs
+    /// ([`tls::PROGRAMS`]), read from `/proc/self/fdinfo` (`prog_id`, fs/proc/fd.c and
+    /// `bpf_link_show_fdinfo`): (entry programs' links, the uretprobe's links), each sorted.
+    pub fn tls_link_fds(&self) -> (Vec<i32>, Vec<i32>) {
+        let id_of = |name: &str| {
+            self.programs
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, id)| *id)
+        };
+        let ret = id_of(tls::RET_PROGRAM);
+        let entries: Vec<u32> = tls::PROGRAMS
+            .iter()
+            .filter(|p| !p.ret)
+            .filter_map(|p| id_of(p.name))
+            .collect();
+        let (mut e, mut r) = (Vec::new(), Vec::new());
+        for d in std::fs::read_dir("/proc/self/fdinfo")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let Some(fd) = d.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+                continue;
+            };
+            let Ok(text) = std::fs::read_to_string(d.path()) else {
+                continue;
+            };
+            if !text.lines().any(|l| l.starts_with("link_type:")) {
+                continue;
+            }
+            let prog = text.lines().find_map(|l| {
+                l.strip_prefix("prog_id:")
+                    .and_then(|v| v.trim().parse::<u32>().ok())
+            });
+            match prog {
+                Some(id) if Some(id) == ret => r.push(fd),
+                Some(id) if entries.contains(&id) => e.push(fd),
+                _ => {}
+            }
+        }
+        e.sort();
+        r.sort();
+        (e, r)
+    }
+
     /// Every `PENDING_CALLS` entry: (pid_tgid, call).
     pub fn pending_calls(&mut self) -> Result<Vec<(u64, PendingCall)>> {
         Ok(self
@@ -1463,6 +1643,8 @@ mod tests {
             "prog_spice_sockops",
             "prog_spice_ssl_ret",
             "prog_spice_ssl_context",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write",
+            "tls_7_1_0-27-12_10_spice_ssl_context_SSL_peek",
         ] {
             assert!(is_owned_pin(n), "{n}");
         }
@@ -1474,6 +1656,8 @@ mod tests {
             "layout",
             "link_LAYOUT",
             "prog_spice_ssl_other",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_ret",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_write_SSL_read",
         ] {
             assert!(!is_owned_pin(n), "{n}");
         }

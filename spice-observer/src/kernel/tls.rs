@@ -21,23 +21,31 @@
 //! `/proc/PID/map_files/START-END`, the inode the process maps.
 //!
 //! Costs: one file descriptor per attached (program, function) pair, 16 per process with
-//! OpenSSL 3; [`raise_fd_limit`] lifts the soft `RLIMIT_NOFILE` to the hard limit.
+//! OpenSSL 3 (the daemon's pinned links hold none once pinned); [`raise_fd_limit`] lifts
+//! the soft `RLIMIT_NOFILE` to the hard limit. Attaching 16 takes ~25 ms; releasing them
+//! ~1.7 s (~110 ms per uprobe on Linux 6.18, serialized in the kernel, see [`HookLink`]),
+//! so links are released on a background thread ([`TlsHooks::with_detacher`]), entry
+//! programs before uretprobes ([`ProcLinks`]).
+//!
+//! The daemon pins its links under its pin directory ([`TlsHooks::adopt_pins`],
+//! [`PinName`]): its exit releases nothing, the hooks keep working while no daemon runs,
+//! and the next daemon adopts those of processes still alive.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     ffi::OsStr,
     os::unix::ffi::OsStrExt as _,
     path::{Path, PathBuf},
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
-use aya::programs::uprobe::UProbeLink;
 use log::debug;
 use procfs::process::{MMPermissions, MMapPath, MemoryMaps};
 use spice_ebpf_common::config::watch;
 
 use crate::{
-    loader::Capture,
+    loader::{Capture, TlsLink},
     model::{Model, tls::TlsAttach},
 };
 
@@ -257,6 +265,201 @@ impl ProcError {
     }
 }
 
+/// A live attachment of one program to one function for one process ([`Host::Link`]).
+/// Dropping it ends an attachment only this process holds (its file descriptor closes) and
+/// leaves a pinned one in place (the pin holds it: the daemon's exit releases nothing);
+/// [`HookLink::release`] ends either.
+pub trait HookLink: Send + 'static {
+    /// Ends the attachment now, in the calling thread; a pinned one loses its pin first.
+    /// Slow: about 110 ms per uprobe measured on Linux 6.18 (releasing a perf-event uprobe
+    /// runs `uprobe_unregister_sync`, an RCU-tasks-trace grace period, under the global
+    /// `event_mutex`, so releases serialize), hence [`TlsHooks::with_detacher`].
+    fn release(self);
+}
+
+/// The links of one process, entry programs and uretprobes apart, so that they always end
+/// in the same order: every entry program first, then the uretprobes. (The other order
+/// leaves, while the uretprobes are gone and the entries not yet, a `TlsCall` in the
+/// kernel's `TLS_CALLS` map at each SSL call that no return takes: the thread's later
+/// socket calls then look as if inside libssl, and a new socket's carrier is misdecided.)
+/// Dropping it drops the links in that order, and so does [`ProcLinks::release`].
+pub struct ProcLinks<L: HookLink> {
+    entries: Vec<L>,
+    rets: Vec<L>,
+}
+
+impl<L: HookLink> Default for ProcLinks<L> {
+    fn default() -> Self {
+        ProcLinks {
+            entries: Vec::new(),
+            rets: Vec::new(),
+        }
+    }
+}
+
+impl<L: HookLink> ProcLinks<L> {
+    /// Adds one link: a uretprobe's (`ret`) or an entry program's.
+    pub fn push(&mut self, ret: bool, link: L) {
+        if ret {
+            self.rets.push(link);
+        } else {
+            self.entries.push(link);
+        }
+    }
+
+    /// Moves every link of `other` here.
+    pub fn append(&mut self, mut other: ProcLinks<L>) {
+        self.entries.append(&mut other.entries);
+        self.rets.append(&mut other.rets);
+    }
+
+    /// Links held.
+    pub fn len(&self) -> usize {
+        self.entries.len() + self.rets.len()
+    }
+
+    /// No link held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Ends every link ([`HookLink::release`]) in the calling thread: the entries, then the
+    /// uretprobes. Returns how many.
+    pub fn release(mut self) -> usize {
+        let n = self.len();
+        for l in std::mem::take(&mut self.entries) {
+            l.release();
+        }
+        for l in std::mem::take(&mut self.rets) {
+            l.release();
+        }
+        n
+    }
+}
+
+impl<L: HookLink> Drop for ProcLinks<L> {
+    fn drop(&mut self) {
+        // Explicit: a Vec drops front to back, and the fields in declaration order, but the
+        // order here is the point.
+        for l in std::mem::take(&mut self.entries) {
+            drop(l);
+        }
+        for l in std::mem::take(&mut self.rets) {
+            drop(l);
+        }
+    }
+}
+
+/// The name of a libssl link pin in the daemon's pin directory:
+/// `tls_<pid>_<start time>_<major>-<minor>-<inode>_<links>_<program>_<function>`, e.g.
+/// `tls_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write` (no dots: the BPF filesystem
+/// refuses names with one, EPERM, `kernel/bpf/inode.c` `bpf_lookup`). The process is named by pid
+/// and start time (`/proc/PID/stat` field 22: a reused pid is another process), the library
+/// by device and inode, and `links` is how many links that library got for that process, so
+/// that a set cut short (an agent killed while attaching) is told from a library that lacks
+/// optional functions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PinName {
+    pub pid: u32,
+    pub start_time: u64,
+    /// [`MappedLibrary::dev`] and [`MappedLibrary::inode`] of the library.
+    pub dev: (i32, i32),
+    pub inode: u64,
+    /// Links of this (process, library) pair.
+    pub links: usize,
+    /// One of [`PROGRAMS`] and one of its symbols.
+    pub program: &'static str,
+    pub function: &'static str,
+}
+
+/// What every libssl link pin's name starts with ([`PinName`]).
+pub const PIN_PREFIX: &str = "tls_";
+
+/// A library's identity in [`PinName`]: (device major, minor, inode).
+pub type LibKey = (i32, i32, u64);
+
+impl PinName {
+    /// The library part of the name.
+    pub fn lib(&self) -> LibKey {
+        (self.dev.0, self.dev.1, self.inode)
+    }
+
+    /// Whether the program is the uretprobe.
+    pub fn ret(&self) -> bool {
+        self.program == RET_PROGRAM
+    }
+
+    /// Parses a pin name; `None` for anything that is not exactly what [`PinName`]'s
+    /// `Display` writes (other files, a program or function not of [`PROGRAMS`], numbers
+    /// with leading zeros or signs).
+    pub fn parse(name: &str) -> Option<PinName> {
+        let rest = name.strip_prefix(PIN_PREFIX)?;
+        let mut it = rest.splitn(5, '_');
+        let pid = it.next()?.parse().ok()?;
+        let start_time = it.next()?.parse().ok()?;
+        let mut lib = it.next()?.split('-');
+        let dev: (u32, u32) = (lib.next()?.parse().ok()?, lib.next()?.parse().ok()?);
+        let dev = (dev.0 as i32, dev.1 as i32);
+        let inode = lib.next()?.parse().ok()?;
+        if lib.next().is_some() {
+            return None;
+        }
+        let links = it.next()?.parse().ok()?;
+        let tail = it.next()?;
+        let (program, function) = PROGRAMS.iter().find_map(|p| {
+            let f = tail.strip_prefix(p.name)?.strip_prefix('_')?;
+            p.symbols.iter().find(|s| **s == f).map(|s| (p.name, *s))
+        })?;
+        let n = PinName {
+            pid,
+            start_time,
+            dev,
+            inode,
+            links,
+            program,
+            function,
+        };
+        (n.to_string() == name).then_some(n)
+    }
+}
+
+impl std::fmt::Display for PinName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{PIN_PREFIX}{}_{}_{}-{}-{}_{}_{}_{}",
+            self.pid,
+            self.start_time,
+            self.dev.0 as u32,
+            self.dev.1 as u32,
+            self.inode,
+            self.links,
+            self.program,
+            self.function
+        )
+    }
+}
+
+/// The pinned links of one library for one process, as found at start.
+struct PinnedLib<L: HookLink> {
+    /// [`PinName::links`] (the same in every name of a complete set).
+    want: usize,
+    links: ProcLinks<L>,
+}
+
+/// Whether the pinned links an earlier daemon left for a process can be adopted as they
+/// are: every libssl it maps now has exactly the links its pins recorded
+/// ([`PinName::links`]), and none is for a library it no longer maps. `pinned`: (library,
+/// links recorded, links found).
+pub fn can_adopt(pinned: &[(LibKey, usize, usize)], mapped: &[MappedLibrary]) -> bool {
+    let keys: BTreeSet<LibKey> = mapped.iter().map(|l| (l.dev.0, l.dev.1, l.inode)).collect();
+    !mapped.is_empty()
+        && pinned.len() == keys.len()
+        && pinned
+            .iter()
+            .all(|(k, want, found)| keys.contains(k) && want == found && *want > 0)
+}
+
 /// Why attaching one program to one function failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AttachError {
@@ -266,11 +469,11 @@ pub enum AttachError {
     Failed(String),
 }
 
-/// What [`TlsHooks`] needs from the system: reading processes and attaching programs. The
-/// real one is [`crate::loader::Capture`]; unit tests give their own.
+/// What [`TlsHooks`] needs from the system: reading processes, attaching programs and
+/// pinning links. The real one is [`crate::loader::Capture`]; unit tests give their own.
 pub trait Host {
-    /// A live attachment; dropping it detaches.
-    type Link;
+    /// A live attachment.
+    type Link: HookLink;
     /// [`start_time`] of `pid`.
     fn start_time(&self, pid: u32) -> Option<u64>;
     /// [`mapped_libssl`] of `pid`.
@@ -285,14 +488,28 @@ pub trait Host {
     ) -> Result<Self::Link, AttachError>;
     /// Why no hook can be attached at all (the programs could not be loaded), if so.
     fn unavailable(&self) -> Option<String>;
+    /// Pins `link` as `name` ([`PinName`]) in the pin directory, so that it outlives this
+    /// process: the returned link holds no file descriptor and is not ended by a drop.
+    /// Errors give the reason and the link unchanged, or `None` when it was lost (detached)
+    /// in the attempt.
+    fn pin(
+        &mut self,
+        link: Self::Link,
+        name: &str,
+    ) -> Result<Self::Link, (Option<Self::Link>, String)>;
+    /// The names of the entries of the pin directory that are libssl link pins
+    /// ([`PinName::parse`]); none without a pin directory.
+    fn pinned_links(&self) -> Vec<String>;
+    /// The link of the existing pin `name`, to adopt or to release.
+    fn open_pin(&mut self, name: &str) -> Self::Link;
 }
 
 /// One watched process as the hooks know it.
-struct Proc<L> {
+struct Proc<L: HookLink> {
     start_time: Option<u64>,
     status: TlsAttach,
-    /// Dropping them detaches the uprobes.
-    links: Vec<L>,
+    /// Their release ends the uprobes ([`ProcLinks`]).
+    links: ProcLinks<L>,
     /// [`TlsAttach::NoLibrary`]: when to look at the map again.
     recheck_at: Option<Instant>,
 }
@@ -307,26 +524,167 @@ pub struct Change {
     pub status: Option<TlsAttach>,
 }
 
+/// One thread that releases the links of processes that went ([`ProcLinks::release`]), so
+/// that the ~110 ms per uprobe never blocks a front end's loop. Jobs run in order; `pending`
+/// counts the queued jobs per tgid.
+struct Detacher<L: HookLink> {
+    tx: Option<std::sync::mpsc::Sender<(u32, ProcLinks<L>)>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    pending: Arc<Mutex<BTreeMap<u32, usize>>>,
+}
+
+impl<L: HookLink> Detacher<L> {
+    fn start() -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel::<(u32, ProcLinks<L>)>();
+        let pending: Arc<Mutex<BTreeMap<u32, usize>>> = Arc::default();
+        let p = pending.clone();
+        let thread = std::thread::Builder::new()
+            .name("libssl-detach".into())
+            .spawn(move || {
+                for (tgid, links) in rx {
+                    let t0 = Instant::now();
+                    let n = links.release();
+                    debug!(
+                        "pid {tgid}: {n} libssl hook link(s) released in {:.0} ms",
+                        t0.elapsed().as_secs_f64() * 1e3
+                    );
+                    let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(c) = p.get_mut(&tgid) {
+                        *c -= 1;
+                        if *c == 0 {
+                            p.remove(&tgid);
+                        }
+                    }
+                }
+            })?;
+        Ok(Detacher {
+            tx: Some(tx),
+            thread: Some(thread),
+            pending,
+        })
+    }
+
+    /// Queues `links` of `tgid`; gives them back when the thread is gone.
+    fn send(&self, tgid: u32, links: ProcLinks<L>) -> Result<(), ProcLinks<L>> {
+        let Some(tx) = &self.tx else {
+            return Err(links);
+        };
+        *self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(tgid)
+            .or_default() += 1;
+        tx.send((tgid, links)).map_err(|e| {
+            let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            p.remove(&tgid);
+            (e.0).1
+        })
+    }
+
+    fn pending(&self, tgid: u32) -> bool {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&tgid)
+    }
+
+    /// Waits until every queued job has run; the thread ends.
+    fn finish(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// The libssl hooks of every watched process: status and uprobe links per tgid. Holds
 /// entries only for the processes [`TlsHooks::sync`] was last given (plus those handled by
 /// [`TlsHooks::handle`] since), so it never grows with the processes seen.
-pub struct TlsHooks<L> {
+pub struct TlsHooks<L: HookLink> {
     enabled: bool,
     /// Why nothing can be attached although the programs are loaded (the front end lacks a
     /// capability, [`TlsHooks::set_unavailable`]).
     unavailable: Option<String>,
     procs: BTreeMap<u32, Proc<L>>,
+    /// [`TlsHooks::with_detacher`]: links of processes that went are released there.
+    detacher: Option<Detacher<L>>,
+    /// [`TlsHooks::adopt_pins`]: new links are pinned ([`Host::pin`]).
+    pin: bool,
+    /// Pinned links of an earlier daemon not adopted yet, by (pid, start time) and library.
+    adoptable: BTreeMap<(u32, u64), BTreeMap<LibKey, PinnedLib<L>>>,
+    /// The next [`TlsHooks::sync`] releases what is left in `adoptable`.
+    release_unadopted: bool,
 }
 
-impl<L> TlsHooks<L> {
+impl<L: HookLink> TlsHooks<L> {
     /// No process yet. `enabled: false` (`--no-tls-hooks`): nothing is ever attached and
-    /// every process is [`TlsAttach::Disabled`].
+    /// every process is [`TlsAttach::Disabled`]. Links are released in the calling thread
+    /// until [`TlsHooks::with_detacher`].
     pub fn new(enabled: bool) -> Self {
         TlsHooks {
             enabled,
             unavailable: None,
             procs: BTreeMap::new(),
+            detacher: None,
+            pin: false,
+            adoptable: BTreeMap::new(),
+            release_unadopted: false,
         }
+    }
+
+    /// Releases the links of processes that went or are no longer watched on one
+    /// background thread, in order (a process's entries, then its uretprobes), instead of
+    /// in the calling thread. A thread that cannot be started leaves the release inline.
+    pub fn with_detacher(mut self) -> Self {
+        match Detacher::start() {
+            Ok(d) => self.detacher = Some(d),
+            Err(e) => log::warn!("libssl hooks: no detacher thread ({e}): releasing inline"),
+        }
+        self
+    }
+
+    /// The daemon's mode: every link attached from now on is pinned ([`Host::pin`],
+    /// [`PinName`]), and the pinned links an earlier daemon left are taken in: the next
+    /// [`TlsHooks::handle`] of each of their processes, still alive with the same start
+    /// time and mapping the same libraries, adopts them (no re-attachment, no gap); the
+    /// first [`TlsHooks::sync`] after this releases the rest (processes gone or not watched
+    /// any more). With the hooks disabled, every pinned link is released. Returns how many
+    /// pinned links were found.
+    pub fn adopt_pins<H: Host<Link = L>>(&mut self, host: &mut H) -> usize {
+        self.pin = true;
+        let mut n = 0;
+        for name in host.pinned_links() {
+            let Some(p) = PinName::parse(&name) else {
+                continue;
+            };
+            n += 1;
+            let link = host.open_pin(&name);
+            let lib = self
+                .adoptable
+                .entry((p.pid, p.start_time))
+                .or_default()
+                .entry(p.lib())
+                .or_insert_with(|| PinnedLib {
+                    want: p.links,
+                    links: ProcLinks::default(),
+                });
+            if lib.want != p.links {
+                // Two sets of names for one library: never complete.
+                lib.want = 0;
+            }
+            lib.links.push(p.ret(), link);
+        }
+        if !self.enabled {
+            let all = std::mem::take(&mut self.adoptable);
+            for ((pid, _), libs) in all {
+                for (_, l) in libs {
+                    self.discard(pid, l.links, false);
+                }
+            }
+        }
+        self.release_unadopted = true;
+        n
     }
 
     /// Nothing can be attached, for reason `why` (e.g. the daemon does not hold the
@@ -361,44 +719,160 @@ impl<L> TlsHooks<L> {
         self.procs.get(&tgid).map(|p| &p.status)
     }
 
+    /// Ends `links` of `tgid`: on the detacher thread, or here when `now` (the process is
+    /// about to be hooked again: its old hooks must be gone first, or every call would run
+    /// the programs twice) or without one.
+    fn discard(&mut self, tgid: u32, links: ProcLinks<L>, now: bool) {
+        if links.is_empty() {
+            return;
+        }
+        let links = match (&self.detacher, now) {
+            (Some(d), false) => match d.send(tgid, links) {
+                Ok(()) => return,
+                Err(l) => l,
+            },
+            _ => links,
+        };
+        links.release();
+    }
+
+    /// Ends every link now, in order (each process's entries, then its uretprobes): queued
+    /// ones first (the detacher finishes), then the rest here; pinned links lose their pins.
+    /// For a front end's exit when its links must not outlive it (`observe`; the daemon's
+    /// pinned links stay). Returns how many links were released here and how long the whole
+    /// took.
+    pub fn release_all(&mut self) -> (usize, Duration) {
+        let t0 = Instant::now();
+        if let Some(d) = self.detacher.as_mut() {
+            d.finish();
+        }
+        self.detacher = None;
+        let mut n = 0;
+        for (_, p) in std::mem::take(&mut self.procs) {
+            n += p.links.release();
+        }
+        (n, t0.elapsed())
+    }
+
+    /// Waits for the detacher thread to finish what it was given (tests; a front end's
+    /// exit), which ends it: later releases run in the calling thread.
+    pub fn flush(&mut self) {
+        if let Some(d) = self.detacher.as_mut() {
+            d.finish();
+        }
+        self.detacher = None;
+    }
+
     /// Looks at process `tgid` now and attaches the hooks to the libssl it maps (call it
     /// before the process is added to `WATCHED_TGIDS`, so that its sockets' first calls
-    /// already run inside hooked functions). An existing entry of `tgid` is replaced (its
-    /// links dropped first). Returns the new status, `None` when the process is gone.
+    /// already run inside hooked functions), or adopts the pinned links an earlier daemon
+    /// left for it ([`TlsHooks::adopt_pins`]). An existing entry of `tgid` is replaced: its
+    /// links are released first (here when it is the same process, on the detacher thread
+    /// when the pid now belongs to another). Returns the new status, `None` when the process
+    /// is gone.
     pub fn handle<H: Host<Link = L>>(
         &mut self,
         host: &mut H,
         tgid: u32,
         now: Instant,
     ) -> Option<TlsAttach> {
-        // Detach first: a re-attachment must never run the programs twice per call.
-        self.procs.remove(&tgid);
         let start = host.start_time(tgid);
+        if let Some(old) = self.procs.remove(&tgid) {
+            // Detach first: a re-attachment must never run the programs twice per call.
+            let same = start.is_some() && start == old.start_time;
+            self.discard(tgid, old.links, same);
+        }
+        // Pins of an earlier daemon for this pid: those of another start time were another
+        // process's.
+        let keys: Vec<(u32, u64)> = self
+            .adoptable
+            .range((tgid, 0)..=(tgid, u64::MAX))
+            .map(|(k, _)| *k)
+            .collect();
+        let mut pinned = None;
+        for k in keys {
+            let libs = self.adoptable.remove(&k).unwrap_or_default();
+            if Some(k.1) == start {
+                pinned = Some(libs);
+            } else {
+                for (_, l) in libs {
+                    self.discard(tgid, l.links, false);
+                }
+            }
+        }
         let (status, links) = if !self.enabled {
-            (TlsAttach::Disabled, Vec::new())
+            (TlsAttach::Disabled, ProcLinks::default())
         } else {
             match host.libssl(tgid) {
-                Err(ProcError::Gone) => return None,
+                Err(ProcError::Gone) => {
+                    for (_, l) in pinned.unwrap_or_default() {
+                        self.discard(tgid, l.links, false);
+                    }
+                    return None;
+                }
                 Err(ProcError::Unreadable(e)) => (
                     TlsAttach::Failed {
                         library: format!("/proc/{tgid}/maps"),
                         error: e,
                     },
-                    Vec::new(),
+                    ProcLinks::default(),
                 ),
-                Ok(libs) if libs.is_empty() => (TlsAttach::NoLibrary, Vec::new()),
-                Ok(libs) => match host.unavailable().or_else(|| self.unavailable.clone()) {
-                    Some(why) => (
-                        TlsAttach::Failed {
-                            library: libs[0].label(),
-                            error: why,
+                Ok(libs) => {
+                    let adopted = pinned.take().and_then(|p| {
+                        let shape: Vec<(LibKey, usize, usize)> =
+                            p.iter().map(|(k, l)| (*k, l.want, l.links.len())).collect();
+                        if can_adopt(&shape, &libs) {
+                            let mut all = ProcLinks::default();
+                            for (_, l) in p {
+                                all.append(l.links);
+                            }
+                            debug!(
+                                "pid {tgid}: adopted {} pinned libssl hook link(s)",
+                                all.len()
+                            );
+                            Some(all)
+                        } else {
+                            // Cut short, or the libraries changed: released before anything
+                            // is attached again (never twice per call).
+                            debug!("pid {tgid}: pinned libssl hooks {shape:?} not adoptable");
+                            for (_, l) in p {
+                                self.discard(tgid, l.links, true);
+                            }
+                            None
+                        }
+                    });
+                    match adopted {
+                        Some(links) => (
+                            TlsAttach::Attached {
+                                library: libs
+                                    .iter()
+                                    .map(MappedLibrary::label)
+                                    .collect::<Vec<_>>()
+                                    .join(", "),
+                            },
+                            links,
+                        ),
+                        None if libs.is_empty() => (TlsAttach::NoLibrary, ProcLinks::default()),
+                        None => match host.unavailable().or_else(|| self.unavailable.clone()) {
+                            Some(why) => (
+                                TlsAttach::Failed {
+                                    library: libs[0].label(),
+                                    error: why,
+                                },
+                                ProcLinks::default(),
+                            ),
+                            None => {
+                                let pin = if self.pin { start } else { None };
+                                attach_all(host, tgid, pin, &libs)
+                            }
                         },
-                        Vec::new(),
-                    ),
-                    None => attach_all(host, tgid, &libs),
-                },
+                    }
+                }
             }
         };
+        for (_, l) in pinned.unwrap_or_default() {
+            self.discard(tgid, l.links, false);
+        }
         let recheck_at = (status == TlsAttach::NoLibrary).then(|| now + RECHECK);
         self.procs.insert(
             tgid,
@@ -414,9 +888,12 @@ impl<L> TlsHooks<L> {
 
     /// Brings the entries in line with `watched` (the tgids whose hooks this front end
     /// owns, from `WATCHED_TGIDS`): processes no longer there, gone or whose pid now
-    /// belongs to another process (start time changed) are detached and dropped; watched
-    /// ones without an entry are handled ([`TlsHooks::handle`]); those without a libssl
-    /// are looked at again every [`RECHECK`]. Returns what changed.
+    /// belongs to another process (start time changed) are detached (on the detacher
+    /// thread) and dropped; watched ones without an entry are handled ([`TlsHooks::handle`];
+    /// one whose old links are still being released waits for the next sync); those
+    /// without a libssl are looked at again every [`RECHECK`]. The first sync after
+    /// [`TlsHooks::adopt_pins`] releases the pinned links no process adopted. Returns what
+    /// changed.
     pub fn sync<H: Host<Link = L>>(
         &mut self,
         host: &mut H,
@@ -432,12 +909,14 @@ impl<L> TlsHooks<L> {
             .filter(|t| !want.contains(t))
             .collect();
         for tgid in gone {
-            self.procs.remove(&tgid);
+            if let Some(p) = self.procs.remove(&tgid) {
+                self.discard(tgid, p.links, false);
+            }
             changes.push(Change { tgid, status: None });
         }
         for &tgid in &want {
             let redo = match self.procs.get(&tgid) {
-                None => true,
+                None => !self.detacher.as_ref().is_some_and(|d| d.pending(tgid)),
                 Some(p) => {
                     let start = host.start_time(tgid);
                     start.is_none()
@@ -452,6 +931,25 @@ impl<L> TlsHooks<L> {
             let status = self.handle(host, tgid, now);
             if status != before {
                 changes.push(Change { tgid, status });
+            }
+        }
+        if std::mem::take(&mut self.release_unadopted) {
+            let left = std::mem::take(&mut self.adoptable);
+            let n: usize = left
+                .values()
+                .flat_map(|libs| libs.values())
+                .map(|l| l.links.len())
+                .sum();
+            if n > 0 {
+                debug!(
+                    "releasing {n} pinned libssl hook link(s) of {} process(es) gone or not watched",
+                    left.len()
+                );
+            }
+            for ((pid, _), libs) in left {
+                for (_, l) in libs {
+                    self.discard(pid, l.links, false);
+                }
             }
         }
         changes
@@ -471,7 +969,7 @@ pub fn hooks_entry(value: u32, beside: bool) -> bool {
     }
 }
 
-impl TlsHooks<UProbeLink> {
+impl TlsHooks<TlsLink> {
     /// [`TlsHooks::handle`] of `tgid` and of the children it already has (those
     /// `Engine::watch` watches with it, `sockdiag::descendants`) through the capture, before
     /// the front end adds them to `WATCHED_TGIDS` (`Engine::watch`), and their statuses to
@@ -532,19 +1030,32 @@ impl TlsHooks<UProbeLink> {
 
 /// Attaches every hook to every library of `libs` for `pid`: [`TlsAttach::Attached`] (the
 /// libraries that took them, comma-separated) if any did, else the first library's
-/// failure.
+/// failure. With `pin` (the process's start time), each link is pinned ([`Host::pin`],
+/// [`PinName`]); one that cannot be pinned stays this process's own.
 fn attach_all<H: Host>(
     host: &mut H,
     pid: u32,
+    pin: Option<u64>,
     libs: &[MappedLibrary],
-) -> (TlsAttach, Vec<H::Link>) {
-    let mut links = Vec::new();
+) -> (TlsAttach, ProcLinks<H::Link>) {
+    let mut links = ProcLinks::default();
     let mut attached: Vec<String> = Vec::new();
     let mut failed: Option<TlsAttach> = None;
+    let mut pin_failed = false;
     for lib in libs {
-        match attach_library(host, pid, lib) {
-            Ok(mut l) => {
-                links.append(&mut l);
+        let result = attach_library(host, pid, lib).and_then(|l| match pin {
+            None => {
+                let mut own = ProcLinks::default();
+                for (program, _, link) in l {
+                    own.push(program == RET_PROGRAM, link);
+                }
+                Ok(own)
+            }
+            Some(start_time) => pin_library(host, pid, start_time, lib, l, &mut pin_failed),
+        });
+        match result {
+            Ok(l) => {
+                links.append(l);
                 attached.push(lib.label());
             }
             Err(error) => {
@@ -558,7 +1069,7 @@ fn attach_all<H: Host>(
     }
     if attached.is_empty() {
         let f = failed.unwrap_or(TlsAttach::NoLibrary);
-        return (f, Vec::new());
+        return (f, links);
     }
     (
         TlsAttach::Attached {
@@ -568,20 +1079,83 @@ fn attach_all<H: Host>(
     )
 }
 
+/// Pins the links `l` of one library ([`PinName`]). A link the host cannot pin but gives
+/// back stays this process's own (warned once per process, `warned`); one lost in the
+/// attempt fails the library (its other links are released, entries first).
+fn pin_library<H: Host>(
+    host: &mut H,
+    pid: u32,
+    start_time: u64,
+    lib: &MappedLibrary,
+    l: Vec<Attached<H::Link>>,
+    warned: &mut bool,
+) -> Result<ProcLinks<H::Link>, String> {
+    let n = l.len();
+    let mut out = ProcLinks::default();
+    let mut lost = None;
+    for (program, function, link) in l {
+        let ret = program == RET_PROGRAM;
+        if lost.is_some() {
+            out.push(ret, link);
+            continue;
+        }
+        let name = PinName {
+            pid,
+            start_time,
+            dev: lib.dev,
+            inode: lib.inode,
+            links: n,
+            program,
+            function,
+        };
+        match host.pin(link, &name.to_string()) {
+            Ok(link) => out.push(ret, link),
+            Err((Some(link), e)) => {
+                if !std::mem::replace(warned, true) {
+                    log::warn!(
+                        "pid {pid}: libssl hook link {name} not pinned ({e}): this process's \
+                         hooks end with this daemon"
+                    );
+                }
+                out.push(ret, link);
+            }
+            Err((None, e)) => lost = Some(format!("{name}: {e}")),
+        }
+    }
+    match lost {
+        None => Ok(out),
+        Some(e) => {
+            out.release();
+            Err(e)
+        }
+    }
+}
+
+/// One attached (program, function) pair.
+type Attached<L> = (&'static str, &'static str, L);
+
 /// Attaches the hooks of every function of [`FUNCTIONS`] the library has: for each, the
 /// uretprobe first and then the entry program, so that every entry that saves a call has
 /// a return that takes it. A function the library lacks is skipped, unless it is
 /// [`REQUIRED`]; any other failure fails the library. On failure every link made is
-/// dropped (detached) and the error says which function and program failed.
+/// released (entries first) and the error says which function and program failed.
 fn attach_library<H: Host>(
     host: &mut H,
     pid: u32,
     lib: &MappedLibrary,
-) -> Result<Vec<H::Link>, String> {
+) -> Result<Vec<Attached<H::Link>>, String> {
     let target = lib.attach_path(pid);
     let t0 = Instant::now();
-    let mut links = Vec::new();
+    let mut links: Vec<Attached<H::Link>> = Vec::new();
     let mut missing = Vec::new();
+    let fail = |links: Vec<Attached<H::Link>>, e: String| {
+        let mut l = ProcLinks::default();
+        for (p, _, link) in links {
+            l.push(p == RET_PROGRAM, link);
+        }
+        l.release();
+        Err(e)
+    };
     for f in FUNCTIONS {
         let entry = entry_program(f).expect("every function has an entry program");
         let ret = match host.attach(RET_PROGRAM, f, &target, pid) {
@@ -592,20 +1166,23 @@ fn attach_library<H: Host>(
                 continue;
             }
             Err(AttachError::MissingSymbol(e)) => {
-                return Err(format!("{f} not found in {} ({e})", target.display()));
+                return fail(
+                    links,
+                    format!("{f} not found in {} ({e})", target.display()),
+                );
             }
             Err(AttachError::Failed(e)) => {
-                return Err(format!("attaching {RET_PROGRAM} to {f}: {e}"));
+                return fail(links, format!("attaching {RET_PROGRAM} to {f}: {e}"));
             }
         };
+        links.push((RET_PROGRAM, f, ret));
         let e = match host.attach(entry, f, &target, pid) {
             Ok(l) => l,
             Err(AttachError::MissingSymbol(e) | AttachError::Failed(e)) => {
-                return Err(format!("attaching {entry} to {f}: {e}"));
+                return fail(links, format!("attaching {entry} to {f}: {e}"));
             }
         };
-        links.push(ret);
-        links.push(e);
+        links.push((entry, f, e));
     }
     debug!(
         "pid {pid}: libssl hooks on {} ({} links in {:.1} ms{})",
@@ -668,9 +1245,6 @@ pub fn failure_line(
 
 #[cfg(test)]
 mod tests {
-    use std::cell::RefCell;
-    use std::rc::Rc;
-
     use procfs::FromRead as _;
 
     use super::*;
@@ -796,8 +1370,20 @@ mod tests {
         assert_eq!(ret[0].name, RET_PROGRAM);
     }
 
+    type Key = (u32, String, String);
+
+    /// What the fake kernel holds: live attachments, the order they were detached in, and
+    /// the pin directory (name -> attachment).
+    #[derive(Default)]
+    struct Kernel {
+        live: Vec<Key>,
+        detached: Vec<Key>,
+        pins: BTreeMap<String, Key>,
+    }
+
     /// A fake system: processes (start time, libraries), symbols per library path, attach
-    /// results, and a log of live links (a link removes itself from it when dropped).
+    /// and pin results, and the fake kernel (a link detaches itself when dropped, unless
+    /// pinned; a pinned one only on release).
     #[derive(Default)]
     struct Fake {
         procs: BTreeMap<u32, (u64, Vec<MappedLibrary>)>,
@@ -805,21 +1391,47 @@ mod tests {
         lacks: Vec<&'static str>,
         /// (program, symbol) pairs whose attach fails.
         refuse: Vec<(&'static str, &'static str)>,
-        live: Rc<RefCell<Vec<(u32, String, String)>>>,
+        kernel: Arc<Mutex<Kernel>>,
         attaches: usize,
         unavailable: Option<String>,
+        /// Pinning gives the link back unpinned / loses it.
+        pin_refuse: bool,
+        pin_lose: bool,
     }
 
     struct FakeLink {
-        key: (u32, String, String),
-        live: Rc<RefCell<Vec<(u32, String, String)>>>,
+        key: Key,
+        pinned: Option<String>,
+        done: bool,
+        kernel: Arc<Mutex<Kernel>>,
+    }
+
+    impl FakeLink {
+        fn detach(&mut self) {
+            if std::mem::replace(&mut self.done, true) {
+                return;
+            }
+            let mut k = self.kernel.lock().unwrap();
+            let i = k.live.iter().position(|x| *x == self.key).unwrap();
+            let key = k.live.remove(i);
+            k.detached.push(key);
+        }
+    }
+
+    impl HookLink for FakeLink {
+        fn release(mut self) {
+            if let Some(n) = self.pinned.take() {
+                self.kernel.lock().unwrap().pins.remove(&n);
+            }
+            self.detach();
+        }
     }
 
     impl Drop for FakeLink {
         fn drop(&mut self) {
-            let mut l = self.live.borrow_mut();
-            let i = l.iter().position(|k| *k == self.key).unwrap();
-            l.remove(i);
+            if self.pinned.is_none() {
+                self.detach();
+            }
         }
     }
 
@@ -856,15 +1468,73 @@ mod tests {
                 ));
             }
             let key = (pid, program.to_string(), symbol.to_string());
-            self.live.borrow_mut().push(key.clone());
+            self.kernel.lock().unwrap().live.push(key.clone());
             Ok(FakeLink {
                 key,
-                live: self.live.clone(),
+                pinned: None,
+                done: false,
+                kernel: self.kernel.clone(),
             })
         }
         fn unavailable(&self) -> Option<String> {
             self.unavailable.clone()
         }
+        fn pin(
+            &mut self,
+            mut link: FakeLink,
+            name: &str,
+        ) -> Result<FakeLink, (Option<FakeLink>, String)> {
+            if self.pin_refuse {
+                return Err((Some(link), "no bpf_link".into()));
+            }
+            if self.pin_lose {
+                drop(link);
+                return Err((None, "EEXIST".into()));
+            }
+            let mut k = self.kernel.lock().unwrap();
+            assert!(!k.pins.contains_key(name), "{name} pinned twice");
+            k.pins.insert(name.to_string(), link.key.clone());
+            link.pinned = Some(name.to_string());
+            Ok(link)
+        }
+        fn pinned_links(&self) -> Vec<String> {
+            self.kernel.lock().unwrap().pins.keys().cloned().collect()
+        }
+        fn open_pin(&mut self, name: &str) -> FakeLink {
+            let key = self.kernel.lock().unwrap().pins[name].clone();
+            FakeLink {
+                key,
+                pinned: Some(name.to_string()),
+                done: false,
+                kernel: self.kernel.clone(),
+            }
+        }
+    }
+
+    impl Fake {
+        fn live(&self) -> usize {
+            self.kernel.lock().unwrap().live.len()
+        }
+        fn pins_of(&self, pid: u32) -> usize {
+            let k = self.kernel.lock().unwrap();
+            k.pins.values().filter(|x| x.0 == pid).count()
+        }
+        /// Detached links of `pid`, in order.
+        fn detached_of(&self, pid: u32) -> Vec<Key> {
+            let k = self.kernel.lock().unwrap();
+            k.detached.iter().filter(|x| x.0 == pid).cloned().collect()
+        }
+    }
+
+    /// Every entry program of `pid` was detached before any of its uretprobes.
+    fn entries_first(f: &Fake, pid: u32) {
+        let d = f.detached_of(pid);
+        assert!(!d.is_empty());
+        let first_ret = d.iter().position(|k| k.1 == RET_PROGRAM).unwrap();
+        assert!(
+            d[first_ret..].iter().all(|k| k.1 == RET_PROGRAM),
+            "detach order of pid {pid}: {d:?}"
+        );
     }
 
     fn lib3() -> MappedLibrary {
@@ -873,8 +1543,10 @@ mod tests {
 
     fn live_of(f: &Fake, pid: u32) -> Vec<(String, String)> {
         let mut v: Vec<(String, String)> = f
+            .kernel
+            .lock()
+            .unwrap()
             .live
-            .borrow()
             .iter()
             .filter(|k| k.0 == pid)
             .map(|k| (k.1.clone(), k.2.clone()))
@@ -1071,7 +1743,7 @@ mod tests {
         }
         h.sync(&mut f, &[], t0);
         assert!(h.is_empty());
-        assert!(f.live.borrow().is_empty());
+        assert_eq!(f.live(), 0);
     }
 
     /// Two libssl files: both hooked, both named; one failing leaves the other attached.
@@ -1091,5 +1763,233 @@ mod tests {
             }
         );
         assert_eq!(live_of(&f, 10).len(), 32);
+    }
+
+    /// Pin names: every (program, function) pair round-trips; anything else is refused
+    /// (other prefixes, leading zeros, signs, a function of another program, missing or
+    /// extra fields).
+    #[test]
+    fn pin_names() {
+        let lib = lib3();
+        for p in PROGRAMS {
+            for f in p.symbols {
+                let n = PinName {
+                    pid: 4242,
+                    start_time: 981234,
+                    dev: lib.dev,
+                    inode: lib.inode,
+                    links: 16,
+                    program: p.name,
+                    function: f,
+                };
+                let s = n.to_string();
+                assert!(!s.contains('.') && !s.contains('/'), "bpffs refuses {s}");
+                assert_eq!(PinName::parse(&s), Some(n.clone()), "{s}");
+                assert_eq!(n.ret(), p.ret);
+                assert_eq!(n.lib(), (254, 1, 1836263));
+            }
+        }
+        let ok = "tls_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write";
+        let n = PinName::parse(ok).unwrap();
+        assert_eq!((n.pid, n.start_time, n.links), (4242, 981234, 16));
+        assert_eq!((n.program, n.function), (RET_PROGRAM, "SSL_write"));
+        for bad in [
+            "link_spice_ssl_ret",
+            "tls_",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_ret",
+            "tls_04242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write",
+            "tls_+4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write",
+            "tls_4242_981234_254-1_16_spice_ssl_ret_SSL_write",
+            "tls_4242_981234_254-1-1836263-7_16_spice_ssl_ret_SSL_write",
+            "tls_4242_981234_254-1-1836263_x_spice_ssl_ret_SSL_write",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_write_SSL_read",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_other",
+            "tls_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write_",
+            "tls_4242_981234_254-1-1836263_16_other_SSL_write",
+            "TLS_4242_981234_254-1-1836263_16_spice_ssl_ret_SSL_write",
+        ] {
+            assert_eq!(PinName::parse(bad), None, "{bad}");
+        }
+    }
+
+    /// Adoption: exactly the libraries mapped now, each with the links its pins recorded.
+    #[test]
+    fn adoption_decisions() {
+        let libs = libssl_in(&maps(MAPS));
+        let k0 = (254, 1, 1836263);
+        let k1 = (254, 1, 2000001);
+        assert!(can_adopt(&[(k0, 16, 16)], &libs[..1]));
+        assert!(
+            can_adopt(&[(k0, 10, 10)], &libs[..1]),
+            "an OpenSSL without _ex"
+        );
+        assert!(can_adopt(&[(k0, 16, 16), (k1, 16, 16)], &libs));
+        // Cut short (an agent killed while attaching or pinning).
+        assert!(!can_adopt(&[(k0, 16, 15)], &libs[..1]));
+        assert!(!can_adopt(&[(k0, 0, 0)], &libs[..1]));
+        // A library mapped now without pins, or pins of one no longer mapped.
+        assert!(!can_adopt(&[(k0, 16, 16)], &libs));
+        assert!(!can_adopt(&[(k0, 16, 16), (k1, 16, 16)], &libs[..1]));
+        assert!(!can_adopt(&[(k1, 16, 16)], &libs[..1]));
+        assert!(!can_adopt(&[], &libs[..1]));
+        assert!(!can_adopt(&[(k0, 16, 16)], &[]));
+    }
+
+    /// A process's links end entries first, uretprobes last: when dropped, when released,
+    /// and when the detacher releases those of a process that went.
+    #[test]
+    fn entries_detach_before_returns() {
+        let mut f = Fake::default();
+        for pid in [10, 11, 12] {
+            f.procs.insert(pid, (1, vec![lib3()]));
+        }
+        let mut h = TlsHooks::new(true);
+        let t = Instant::now();
+        h.handle(&mut f, 10, t);
+        h.handle(&mut f, 11, t);
+        h.handle(&mut f, 12, t);
+        // Replaced while it is the same process: released here, before the new attach.
+        h.handle(&mut f, 10, t);
+        assert_eq!(f.detached_of(10).len(), 16);
+        entries_first(&f, 10);
+        drop(h);
+        entries_first(&f, 11);
+        entries_first(&f, 12);
+        assert_eq!(f.live(), 0);
+
+        let mut f = Fake::default();
+        f.procs.insert(20, (1, vec![lib3()]));
+        f.procs.insert(21, (1, vec![lib3()]));
+        let mut h = TlsHooks::new(true).with_detacher();
+        assert_eq!(h.sync(&mut f, &[20, 21], t).len(), 2);
+        assert_eq!(f.live(), 32);
+        f.procs.remove(&20);
+        let c = h.sync(&mut f, &[21], t);
+        assert_eq!(
+            c,
+            [Change {
+                tgid: 20,
+                status: None
+            }]
+        );
+        h.flush();
+        assert!(live_of(&f, 20).is_empty());
+        entries_first(&f, 20);
+        let (n, _) = h.release_all();
+        assert_eq!(n, 16);
+        entries_first(&f, 21);
+        assert_eq!(f.live(), 0);
+    }
+
+    /// The daemon's pins: its exit releases nothing; the next daemon adopts the links of a
+    /// process still watched (no attach), re-attaches a pid that is another process now,
+    /// attaches a new one, and releases the pins of a process gone or no longer watched.
+    #[test]
+    fn restart_adopts_pinned_links() {
+        let mut f = Fake::default();
+        for pid in [10, 11, 12] {
+            f.procs.insert(pid, (1, vec![lib3()]));
+        }
+        let t = Instant::now();
+        let mut h = TlsHooks::new(true).with_detacher();
+        assert_eq!(h.adopt_pins(&mut f), 0);
+        h.sync(&mut f, &[10, 11, 12], t);
+        assert_eq!((f.live(), f.pins_of(10), f.pins_of(11)), (48, 16, 16));
+        // SIGTERM: nothing released, the hooks keep running.
+        drop(h);
+        assert_eq!(f.live(), 48);
+        assert!(f.detached_of(10).is_empty());
+
+        // Meanwhile: 11 exits, pid 12 is another process, 13 starts.
+        f.procs.remove(&11);
+        f.procs.insert(12, (2, vec![lib3()]));
+        f.procs.insert(13, (1, vec![lib3()]));
+        let n0 = f.attaches;
+        let mut h = TlsHooks::new(true).with_detacher();
+        assert_eq!(h.adopt_pins(&mut f), 48);
+        let s = h.handle(&mut f, 10, t).unwrap();
+        assert!(matches!(s, TlsAttach::Attached { .. }), "{s:?}");
+        assert_eq!(f.attaches, n0, "adopted without attaching");
+        assert_eq!(h.links(), 16);
+        let c = h.sync(&mut f, &[10, 12, 13], t);
+        assert_eq!(c.len(), 2, "{c:?}");
+        h.flush();
+        assert!(f.detached_of(10).is_empty(), "adopted links kept");
+        assert_eq!(f.pins_of(10), 16);
+        assert!(live_of(&f, 11).is_empty());
+        assert_eq!(f.pins_of(11), 0);
+        entries_first(&f, 11);
+        // Pid 12: the old process's 16 released, the new one's 16 attached and pinned.
+        assert_eq!(f.detached_of(12).len(), 16);
+        assert_eq!((live_of(&f, 12).len(), f.pins_of(12)), (16, 16));
+        assert_eq!(f.pins_of(13), 16);
+        assert_eq!(f.attaches, n0 + 32);
+
+        // Another restart after 13 is unwatched: its pins go at the first sync.
+        drop(h);
+        let mut h = TlsHooks::new(true).with_detacher();
+        assert_eq!(h.adopt_pins(&mut f), 48);
+        h.sync(&mut f, &[10, 12], t);
+        h.flush();
+        assert_eq!((live_of(&f, 13).len(), f.pins_of(13)), (0, 0));
+        assert_eq!(f.live(), 32);
+        // release_all (an observe's exit; `daemon --unpin` does the same on the pins).
+        h.release_all();
+        assert_eq!((f.live(), f.kernel.lock().unwrap().pins.len()), (0, 0));
+        entries_first(&f, 10);
+    }
+
+    /// A pinned set cut short is released before the process is hooked again; with the
+    /// hooks disabled every pin is released; a link lost while pinning fails the library.
+    #[test]
+    fn partial_and_disabled_pins() {
+        let mut f = Fake::default();
+        f.procs.insert(10, (1, vec![lib3()]));
+        let t = Instant::now();
+        let mut h = TlsHooks::new(true);
+        h.adopt_pins(&mut f);
+        h.handle(&mut f, 10, t);
+        drop(h);
+        // Killed while pinning: one pin short.
+        let name = f.pinned_links().pop().unwrap();
+        f.open_pin(&name).release();
+        let n0 = f.attaches;
+        let mut h = TlsHooks::new(true);
+        assert_eq!(h.adopt_pins(&mut f), 15);
+        assert!(matches!(
+            h.handle(&mut f, 10, t),
+            Some(TlsAttach::Attached { .. })
+        ));
+        assert_eq!(f.attaches, n0 + 16);
+        assert_eq!((live_of(&f, 10).len(), f.pins_of(10)), (16, 16));
+        drop(h);
+
+        let mut h: TlsHooks<FakeLink> = TlsHooks::new(false);
+        assert_eq!(h.adopt_pins(&mut f), 16);
+        assert_eq!(h.handle(&mut f, 10, t), Some(TlsAttach::Disabled));
+        assert_eq!((f.live(), f.pins_of(10)), (0, 0));
+
+        // Pinning refused (link given back): attached, own links.
+        f.pin_refuse = true;
+        let mut h = TlsHooks::new(true);
+        h.adopt_pins(&mut f);
+        assert!(matches!(
+            h.handle(&mut f, 10, t),
+            Some(TlsAttach::Attached { .. })
+        ));
+        assert_eq!((f.live(), f.pins_of(10)), (16, 0));
+        drop(h);
+        assert_eq!(f.live(), 0);
+        // A link lost while pinning: the library fails, nothing stays.
+        f.pin_refuse = false;
+        f.pin_lose = true;
+        let mut h = TlsHooks::new(true);
+        h.adopt_pins(&mut f);
+        let s = h.handle(&mut f, 10, t).unwrap();
+        assert!(
+            matches!(&s, TlsAttach::Failed { error, .. } if error.contains("EEXIST")),
+            "{s:?}"
+        );
+        assert_eq!((f.live(), f.pins_of(10)), (0, 0));
     }
 }
