@@ -543,6 +543,10 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     // The libssl hooks are attached per process as processes are found: that needs
     // CAP_SYS_ADMIN for as long as the daemon runs (privilege::TLS_HOOKS_CAP).
     let mut tls_hooks = TlsHooks::new(cfg.tls_hooks);
+    if !cfg.tls_hooks {
+        // Loaded but never attached: not part of what is in use.
+        engine.capture_and_model().0.hook_set_without_libssl();
+    }
     let keep_tls_cap = cfg.tls_hooks && privilege::holds(privilege::TLS_HOOKS_CAP.cap);
     // A reason every process fails with, logged once here rather than per process.
     let mut tls_said: Option<String> = None;

@@ -217,6 +217,8 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     }
     let me = std::process::id();
     let mut roots: Vec<u32> = Vec::new();
+    // Said once, when the last watched process is gone.
+    let mut all_exited = false;
     for &pid in &opts.pids {
         let tgid = crate::pipeline::thread_group(pid)?;
         if tgid != pid {
@@ -294,6 +296,9 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     let mut tls_hooks = TlsHooks::new(opts.tls_hooks).with_detacher();
     if opts.tls_hooks {
         tls::raise_fd_limit();
+    } else {
+        // Loaded but never attached: not part of what is in use.
+        engine.capture_and_model().0.hook_set_without_libssl();
     }
     let mut watched = Vec::new();
     for &pid in &roots {
@@ -360,7 +365,8 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
                 if let Some(w) = samples_out.as_mut() {
                     w.flush();
                 }
-                if roots.iter().all(|&p| sockdiag::comm(p).is_none()) {
+                if !all_exited && roots.iter().all(|&p| sockdiag::comm(p).is_none()) {
+                    all_exited = true;
                     eprintln!("\nspice-observer: every watched process has exited");
                     if opts.duration.is_none() {
                         break;

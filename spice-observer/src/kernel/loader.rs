@@ -1190,6 +1190,12 @@ impl Capture {
         Ok(HashMap::try_from(self.map_mut(name)?)?)
     }
 
+    /// Drops `+libssl` from [`Capture::hook_set`]: for a front end that attaches none of the
+    /// libssl programs (`--no-tls-hooks`), which are then loaded but not in use.
+    pub fn hook_set_without_libssl(&mut self) {
+        self.hook_set = self.hook_set.replace("+libssl", "");
+    }
+
     /// Every entry of the kernel's `SOCKETS` map: (cookie, state). The programs update a
     /// value in place while this reads it (no lock), so each value is read until two reads in
     /// a row are equal (up to 8 times; a socket still changing then is read once more and
