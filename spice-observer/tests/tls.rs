@@ -341,18 +341,6 @@ const PLAIN_GROUPS: [(&str, &[&str], PlainPos); 3] = [
     ),
 ];
 
-/// Every stage of a byte-transparent relay chain with both legs (README "Stages").
-const ALL_STAGES: [&str; 8] = [
-    "server_writing",
-    "server_notsent",
-    "server_unacked",
-    "proxy_recv_queue",
-    "proxy_inside",
-    "proxy_notsent",
-    "client_unacked",
-    "client_owes_ack",
-];
-
 /// Resolution of a TSval send time (Linux's millisecond TCP clock), as in [`oracle`].
 const TSVAL_TICK: f64 = 0.001;
 
@@ -400,7 +388,8 @@ fn plain_leg_oracle(
     let mut sums = vec![(0u64, 0u64, 0u64); PLAIN_GROUPS.len()];
     let mut beyond = 0usize;
     let mut with_flight = 0usize;
-    let all: BTreeSet<&str> = ALL_STAGES.into_iter().collect();
+    // Every stage of a byte-transparent relay chain with both legs (README "Stages").
+    let all: BTreeSet<&str> = spice_observer::model::chain::STAGES.into_iter().collect();
     for s in samples.iter().filter(|s| s.socket == server_socket) {
         // The stages add up to the count, whatever else.
         let placed: u64 = s.stages.values().map(|&v| u64::from(v)).sum();

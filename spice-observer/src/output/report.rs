@@ -1470,12 +1470,20 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 /// Most processes the table's libssl line names one by one (beyond, it counts them per state).
 const TLS_LINE_PROCESSES: usize = 6;
 
-/// Renders the human table and verdicts.
 /// The report of `model` for unit tests: observation from 0 to `end_ns`, a standalone
 /// `observe` (source `loaded`), no counters, chains or final TCP state.
 #[cfg(test)]
 pub(crate) fn build_for_test(model: &Model, end_ns: u64) -> Report {
-    let counters = [0; counter::COUNT as usize];
+    build_for_test_with(model, end_ns, &[0; counter::COUNT as usize])
+}
+
+/// [`build_for_test`] with the kernel counters `counters`.
+#[cfg(test)]
+pub(crate) fn build_for_test_with(
+    model: &Model,
+    end_ns: u64,
+    counters: &[u64; counter::COUNT as usize],
+) -> Report {
     build(
         model,
         RunInfo {
@@ -1489,7 +1497,7 @@ pub(crate) fn build_for_test(model: &Model, end_ns: u64) -> Report {
                 exact_from_session_start: false,
                 tap: false,
             },
-            counters: &counters,
+            counters,
             degraded: &[],
             pids: Vec::new(),
             tcp_final: &BTreeMap::new(),
@@ -1499,6 +1507,7 @@ pub(crate) fn build_for_test(model: &Model, end_ns: u64) -> Report {
     )
 }
 
+/// Renders the human table and verdicts.
 pub fn render(r: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "spice-observer: {}", r.source.line());
@@ -2539,27 +2548,7 @@ mod tests {
         counters[counter::TLS_UNSEEN as usize] = 7;
         counters[counter::TLS_UNMAPPED as usize] = 2;
         counters[counter::TLS_PENDING_FULL as usize] = 3;
-        let r = build(
-            &Model::default(),
-            RunInfo {
-                started_ns: 0,
-                end_ns: 1,
-                clock: ClockReport::default(),
-                hook_set: "tracepoints+libssl",
-                source: &SourceReport {
-                    kind: "loaded".into(),
-                    pin_dir: None,
-                    exact_from_session_start: false,
-                    tap: false,
-                },
-                counters: &counters,
-                degraded: &[],
-                pids: Vec::new(),
-                tcp_final: &BTreeMap::new(),
-                chains: &[],
-                comms: &std::collections::HashMap::new(),
-            },
-        );
+        let r = build_for_test_with(&Model::default(), 1, &counters);
         assert_eq!(r.events_lost, 12);
         assert_eq!(r.kernel_counters["tls_calls"], 1000);
         assert_eq!(r.kernel_counters["tls_unseen"], 7);
