@@ -373,9 +373,14 @@ impl Scrape {
     /// set ([`super::expected_hook_set`]), `degraded` degraded features, and at least 9
     /// information-lost counters, every one 0.
     pub fn check_run(&self, degraded: f64) -> Result<()> {
-        let hook = super::expected_hook_set();
+        self.check_run_with_hooks(degraded, &super::expected_hook_set())
+    }
+
+    /// [`Scrape::check_run`] for a daemon whose hook set is `hook` (e.g. without `+libssl`
+    /// under `tls_hooks = false`).
+    pub fn check_run_with_hooks(&self, degraded: f64, hook: &str) -> Result<()> {
         ensure!(
-            self.one("spice_observer_hook_set_info", &[("hook_set", &hook)])? == 1.0,
+            self.one("spice_observer_hook_set_info", &[("hook_set", hook)])? == 1.0,
             "hook set is not {hook}"
         );
         let d = self.one("spice_observer_degraded_features", &[])?;
