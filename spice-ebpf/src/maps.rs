@@ -5,7 +5,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use spice_ebpf_common::{
-    config::counter,
+    config::{counter, watch},
     event::{PendingCall, SockState, SslKey, TcpSnapshot, TlsCall},
 };
 
@@ -99,6 +99,18 @@ pub fn write_record<T: 'static>(route: u8, fill: impl Fn(*mut T)) {
             None => count(counter::TAP_RING_FULL),
         }
     }
+}
+
+/// The rings the records of process `tgid` go to ([`watch::route`] of its `WATCHED_TGIDS`
+/// value), or `None` when no one reads them: not watched, no route, or the observer itself.
+/// The one lookup that decides whether an entry hook's call is ours.
+#[inline(always)]
+pub fn traced_route(tgid: u32) -> Option<u8> {
+    let route = watch::route(unsafe { *WATCHED_TGIDS.get_ptr(&tgid)? });
+    if route == 0 || tgid == crate::kernel::konf!(self_tgid) {
+        return None;
+    }
+    Some(route)
 }
 
 /// Adds 1 to counter `index`.

@@ -8,14 +8,11 @@ use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel, bpf_probe_read_user},
 };
 use spice_ebpf_common::{
-    config::{counter, watch},
+    config::counter,
     event::{PendingCall, call_kind},
 };
 
-use crate::{
-    kernel::konf,
-    maps::{PENDING_CALLS, WATCHED_TGIDS, count},
-};
+use crate::maps::{PENDING_CALLS, count, traced_route};
 
 const SYS_READ: u64 = 0;
 const SYS_WRITE: u64 = 1;
@@ -47,14 +44,9 @@ pub fn on_sys_enter(regs: *const pt_regs, id: u64) {
         _ => return,
     };
     let pid_tgid = bpf_get_current_pid_tgid();
-    let tgid = (pid_tgid >> 32) as u32;
-    let Some(w) = WATCHED_TGIDS.get_ptr(&tgid) else {
+    let Some(route) = traced_route((pid_tgid >> 32) as u32) else {
         return;
     };
-    let route = watch::route(unsafe { *w });
-    if route == 0 || tgid == konf!(self_tgid) {
-        return;
-    }
     let di: u64 = unsafe { bpf_probe_read_kernel(&raw const (*regs).rdi) }.unwrap_or(0);
     let si: u64 = unsafe { bpf_probe_read_kernel(&raw const (*regs).rsi) }.unwrap_or(0);
     let dx: u64 = unsafe { bpf_probe_read_kernel(&raw const (*regs).rdx) }.unwrap_or(0);

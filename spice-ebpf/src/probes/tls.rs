@@ -15,14 +15,13 @@ use aya_ebpf::{
     programs::{ProbeContext, RetProbeContext},
 };
 use spice_ebpf_common::{
-    config::{counter, watch},
+    config::counter,
     event::{SslKey, TlsCall, tls_func},
 };
 
 use crate::{
     capture,
-    kernel::konf,
-    maps::{SSL_SOCKETS, TLS_CALLS, WATCHED_TGIDS, count},
+    maps::{SSL_SOCKETS, TLS_CALLS, count, traced_route},
 };
 
 /// Entry of a hooked libssl function `func` ([`tls_func`]): saves its arguments for the
@@ -30,14 +29,9 @@ use crate::{
 #[inline(always)]
 pub fn on_entry(ctx: &ProbeContext, func: u8) {
     let pid_tgid = bpf_get_current_pid_tgid();
-    let tgid = (pid_tgid >> 32) as u32;
-    let Some(w) = WATCHED_TGIDS.get_ptr(&tgid) else {
+    let Some(route) = traced_route((pid_tgid >> 32) as u32) else {
         return;
     };
-    let route = watch::route(unsafe { *w });
-    if route == 0 || tgid == konf!(self_tgid) {
-        return;
-    }
     let ssl: u64 = ctx.arg(0).unwrap_or(0);
     let (buf, num, out) = if tls_func::moves_plaintext(func) {
         let buf: u64 = ctx.arg(1).unwrap_or(0);
