@@ -217,6 +217,11 @@ fn test(unit_only: bool, filter: &[String]) -> Result<()> {
     }
     // Privileged tests: real processes, real BPF; serial (they share ports and the kernel).
     let mut cmd = cargo();
+    // A failing test prints its error, not anyhow's backtrace of the test harness (set
+    // RUST_LIB_BACKTRACE=1 to get it back): the message is what a CI log's tail must show.
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        cmd.env("RUST_LIB_BACKTRACE", "0");
+    }
     cmd.args([
         "test",
         "-p",
