@@ -16,6 +16,12 @@ pub(crate) enum Cmd {
     Server(ServerArgs),
     /// Connect and play spice-gtk.
     Client(ClientArgs),
+    /// Load generator: play spice-server for N sessions × M display channels, streamed to
+    /// one client process that ACKs every W (see `load.rs`).
+    Load(LoadArgs),
+    /// The client process of `load` (started by it).
+    #[command(hide = true)]
+    LoadClient(LoadClientArgs),
 }
 
 /// Which syscall writes the socket.

@@ -162,6 +162,40 @@ pub(crate) struct AckState {
     pub(crate) reader_done: bool,
 }
 
+impl AckState {
+    /// spice-server's `send_set_ack` for a SET_ACK(`generation`, `window`) being sent:
+    /// messages_window is reset to 0 and `begin_send_message` counts the SET_ACK itself, so
+    /// the count is 1 (§3.4, §3.5).
+    pub(crate) fn set_ack_sent(&mut self, generation: u32, window: u32) {
+        self.generation = generation;
+        self.window = window;
+        self.count = 1;
+        self.mw = 1;
+        self.set_acks += 1;
+        self.max_count_generation = 0;
+    }
+
+    /// spice-server's `waiting_for_ack()`: with flow control on, no new message starts while
+    /// the (unsigned) count is above 2W (§3.4).
+    pub(crate) fn waiting_for_ack(&self) -> bool {
+        self.flow && self.mw > self.window.wrapping_mul(2)
+    }
+
+    /// `begin_send_message` of one message (counted once a SET_ACK gave a window).
+    pub(crate) fn message_started(&mut self) {
+        if self.window > 0 {
+            self.count += 1;
+            self.mw = self.mw.wrapping_add(1);
+        }
+    }
+
+    /// Updates the maxima after a change of the count.
+    pub(crate) fn note_max(&mut self) {
+        self.max_count = self.max_count.max(self.count);
+        self.max_count_generation = self.max_count_generation.max(self.count);
+    }
+}
+
 /// Client-side ACK accounting (§3.8).
 #[derive(Debug, Default)]
 pub(crate) struct ClientAcks {

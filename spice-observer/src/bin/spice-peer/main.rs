@@ -17,8 +17,13 @@
 //!   ACK_SYNC and sends an ACK every W messages (spice-gtk cadence by default), optionally
 //!   sends its own messages, and reads until the server closes. `--surplus-ack-after N` sends
 //!   one ACK more than the cadence asks for.
+//! * `spice-peer load --sessions N --channels M --body-size B --rate R --batch K
+//!   --send-syscall write|writev --window W --duration SECS [--port P] [--hold]`: a load
+//!   generator for `cargo xtask bench` (`load.rs`): this process plays spice-server for N × M
+//!   display channels, one detached client process plays spice-gtk; prints its own counts per
+//!   channel as one JSON line at the end (not a `SUMMARY`).
 //!
-//! Both print one final line `SUMMARY {json}` on stdout. Every count in it comes from what
+//! `server` and `client` print one final line `SUMMARY {json}` on stdout. Every count in it comes from what
 //! the syscalls actually returned: bytes are summed from return values, a sent message counts
 //! once all of its bytes were accepted by the kernel, a received message counts once it was
 //! parsed from received bytes. The `framing` section is what the shared framing code
@@ -31,6 +36,7 @@
 mod cli;
 mod client;
 mod link;
+mod load;
 mod rx;
 mod server;
 mod sys;
@@ -62,6 +68,7 @@ use spice_ebpf_common::wire::{self, HeaderKind, PUB_KEY_LEN, SplitMix64 as Rng};
 use cli::*;
 use client::*;
 use link::*;
+use load::*;
 use rx::*;
 use server::*;
 use sys::*;
@@ -97,6 +104,8 @@ fn validate(cli: &Cli) -> Result<(), String> {
             }
             Ok(())
         }
+        Cmd::Load(a) => a.validate(),
+        Cmd::LoadClient(_) => Ok(()),
     }
 }
 
@@ -106,6 +115,24 @@ fn main() {
         eprintln!("spice-peer: {e}");
         std::process::exit(2);
     }
+    match &cli.cmd {
+        Cmd::Load(a) => {
+            let (report, ok) = run_load(a);
+            let mut out = io::stdout().lock();
+            let _ = writeln!(out, "{report}");
+            let _ = out.flush();
+            if let Some(e) = report["error"].as_str() {
+                eprintln!("spice-peer load: {e}");
+            } else if !ok {
+                eprintln!(
+                    "spice-peer load: the two ends disagree or a channel failed (see its JSON)"
+                );
+            }
+            std::process::exit(if ok { 0 } else { 1 });
+        }
+        Cmd::LoadClient(a) => std::process::exit(if run_load_client(a) { 0 } else { 1 }),
+        _ => {}
+    }
     let report = match &cli.cmd {
         Cmd::Server(a) => run_server(a, &mut |port| {
             let mut out = io::stdout().lock();
@@ -113,6 +140,7 @@ fn main() {
             let _ = out.flush();
         }),
         Cmd::Client(a) => run_client(a),
+        Cmd::Load(_) | Cmd::LoadClient(_) => unreachable!(),
     };
     let mut out = io::stdout().lock();
     let _ = writeln!(out, "SUMMARY {}", report.summary);

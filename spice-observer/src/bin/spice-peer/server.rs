@@ -456,47 +456,33 @@ pub(crate) fn server_writer(
                 let (lock, cv) = &**acks;
                 let mut s = lock.lock().unwrap();
                 if a.set_ack && i == 0 {
-                    // send_set_ack: mw = 0, then begin_send_message counts the SET_ACK itself.
-                    s.count = 1;
-                    s.mw = 1;
-                    s.set_acks = 1;
-                    s.max_count_generation = 0;
-                } else if s.flow {
-                    if s.mw > s.window.wrapping_mul(2) {
+                    s.set_ack_sent(a.generation, window);
+                } else {
+                    if s.waiting_for_ack() {
                         if !batch.is_empty() {
                             break; // send what the gate allowed so far
                         }
                         s.waits += 1;
                         let deadline = Instant::now() + stall;
-                        while s.mw > s.window.wrapping_mul(2) && !s.reader_done {
+                        while s.waiting_for_ack() && !s.reader_done {
                             let left = deadline.saturating_duration_since(Instant::now());
                             if left.is_zero() {
                                 break;
                             }
                             s = cv.wait_timeout(s, left).unwrap().0;
                         }
-                        if s.mw > s.window.wrapping_mul(2) {
+                        if s.waiting_for_ack() {
                             s.stalled_timeout = !s.reader_done;
                             break 'outer;
                         }
                     }
-                    s.count += 1;
-                    s.mw = s.mw.wrapping_add(1);
-                } else if s.window > 0 {
-                    s.count += 1;
-                    s.mw = s.mw.wrapping_add(1);
+                    s.message_started();
                 }
                 if is_second {
                     // A new generation: send_set_ack resets the count, the SET_ACK counts.
-                    s.generation = second.0;
-                    s.window = second.1;
-                    s.count = 1;
-                    s.mw = 1;
-                    s.set_acks += 1;
-                    s.max_count_generation = 0;
+                    s.set_ack_sent(second.0, second.1);
                 }
-                s.max_count = s.max_count.max(s.count);
-                s.max_count_generation = s.max_count_generation.max(s.count);
+                s.note_max();
             }
             batch.push((t, b));
             i += 1;

@@ -91,9 +91,20 @@ pub(crate) struct Observe {
     pub(crate) c2s: DirState,
     pub(crate) s2c: DirState,
     pub(crate) t: [FrameTally; 2],
+    /// Feed nothing (`spice-peer load`: the load generator keeps its own counts and must not
+    /// spend CPU on the framing self-check).
+    pub(crate) off: bool,
 }
 
 impl Observe {
+    /// An `Observe` that ignores every call (its JSON stays empty).
+    pub(crate) fn off() -> Observe {
+        Observe {
+            off: true,
+            ..Default::default()
+        }
+    }
+
     pub(crate) fn parts(&mut self, dir: Dir) -> (&mut DirState, &DirState, &mut FrameTally) {
         match dir {
             Dir::C2S => (&mut self.c2s, &self.s2c, &mut self.t[0]),
@@ -102,6 +113,9 @@ impl Observe {
     }
 
     pub(crate) fn feed(&mut self, dir: Dir, segs: &[&[u8]]) {
+        if self.off {
+            return;
+        }
         let (st, other, tally) = self.parts(dir);
         let peer = other.view();
         tally.calls += 1;
@@ -111,6 +125,9 @@ impl Observe {
 
     /// A send call that moved nothing (EAGAIN): the kernel's `peek` of its first bytes.
     pub(crate) fn peek(&mut self, dir: Dir, segs: &[&[u8]]) {
+        if self.off {
+            return;
+        }
         let (st, other, tally) = self.parts(dir);
         let peer = other.view();
         let mut first = [0u8; BUF_LEN];
