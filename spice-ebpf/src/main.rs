@@ -134,3 +134,24 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
 #[unsafe(link_section = "license")]
 #[unsafe(no_mangle)]
 static LICENSE: [u8; 4] = *b"GPL\0";
+
+// Reference programs for `cargo xtask bench` (`probes/reference.rs`): empty, on the same hooks
+// as `spice_sys_enter`, `spice_sock_send` and `spice_sock_recv`; never attached by the observer.
+
+/// Empty `raw_tracepoint/sys_enter`: the floor of [`spice_sys_enter`]'s cost.
+#[raw_tracepoint(tracepoint = "sys_enter")]
+pub fn spice_ref_sys_enter(_ctx: RawTracePointContext) -> i32 {
+    probes::reference::nothing()
+}
+
+/// Empty `tp_btf/sock_send_length`: the floor of [`spice_sock_send`]'s cost.
+#[btf_tracepoint(function = "sock_send_length")]
+pub fn spice_ref_sock_send(_ctx: BtfTracePointContext) -> i32 {
+    probes::reference::nothing()
+}
+
+/// Empty `tp_btf/sock_recv_length`: the floor of [`spice_sock_recv`]'s cost.
+#[btf_tracepoint(function = "sock_recv_length")]
+pub fn spice_ref_sock_recv(_ctx: BtfTracePointContext) -> i32 {
+    probes::reference::nothing()
+}

@@ -84,6 +84,10 @@ enum Command {
     /// config file (sample_ms, scan_ms and [discovery] apply at once; listen and bpf_stats
     /// need a restart).
     Daemon(spice_observer::cmd::daemon::DaemonArgs),
+    /// Helpers of `cargo xtask bench` (program statistics, empty reference programs,
+    /// syscall loops, count comparison).
+    #[command(hide = true)]
+    Bench(spice_observer::cmd::bench::BenchArgs),
 }
 
 fn main() -> Result<()> {
@@ -130,5 +134,6 @@ fn main() -> Result<()> {
             rt.block_on(observe::run(opts))
         }
         Command::Daemon(args) => spice_observer::cmd::daemon::run(args),
+        Command::Bench(args) => spice_observer::cmd::bench::run(args),
     }
 }

@@ -1,6 +1,7 @@
 //! Front ends over [`crate::pipeline::Engine`]: each parses its options, arranges the engine's
 //! calls and prints; none computes a statistic.
 
+pub mod bench;
 pub mod daemon;
 pub mod observe;
 pub mod service;

@@ -45,7 +45,8 @@ use crate::btf::{KernelBtf, VMLINUX_BTF};
 use crate::kernel::tls;
 
 /// The compiled kernel programs (built by `build.rs` with bpf-linker).
-static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/spice-ebpf"));
+pub(crate) static EBPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/spice-ebpf"));
 
 /// The `tp_btf` programs: (program name in the object, kernel tracepoint).
 const BTF_TRACEPOINTS: [(&str, &str); 6] = [

@@ -1,0 +1,519 @@
+//! `spice-observer bench …` (hidden): the kernel-side helpers of `cargo xtask bench`.
+//!
+//! * `stats [--prefix P]`: one JSON line, every loaded BPF program whose name starts with `P`
+//!   (default `spice_`) with its id and `bpf_prog_info` `run_time_ns` / `run_cnt` (non-zero
+//!   only while `kernel.bpf_stats_enabled` is 1 or a `BPF_ENABLE_STATS` fd is held). Read with
+//!   `BPF_PROG_GET_NEXT_ID` (aya's `loaded_programs()`, CAP_SYS_ADMIN), so it sees any
+//!   process's programs, the observer's included. The kernel keeps 15 characters of a name
+//!   (`BPF_OBJ_NAME_LEN`): `spice_ref_sys_enter` is listed as `spice_ref_sys_e`.
+//! * `reference [--hooks sys_enter,sock_send,sock_recv] [--duration SECS]`: loads the kernel
+//!   object and attaches only its empty reference programs (`spice-ebpf/src/probes/
+//!   reference.rs`), prints `attached {json}` (their ids), holds them until stdin reaches
+//!   EOF (or a line is read, or SECS pass), then prints their statistics as one JSON line
+//!   (counts since the load, i.e. since the attach).
+//! * `syscalls --kind getppid|pipe --calls N`: times N calls in this process (a process
+//!   nobody watches) and prints `{"kind","calls","elapsed_s","ns_per_call"}`; `pipe` is one
+//!   8-byte write and one 8-byte read on a pipe per call.
+//! * `compare --report R.json --load L.json`: the observer's per-channel counts (a
+//!   `--json` report, read into [`Report`]) against `spice-peer load`'s own (its final JSON
+//!   line), channel by channel; prints one JSON line and exits 1 when any differs, a
+//!   channel is missing, or information was lost (`events_lost` > 0).
+
+use std::{
+    io::{BufRead, Write},
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, anyhow, bail};
+use aya::{
+    Btf, EbpfLoader,
+    programs::{BtfTracePoint, RawTracePoint, loaded_programs},
+};
+use clap::{Args, Subcommand, ValueEnum};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::report::Report;
+
+/// The hidden `bench` subcommand.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    cmd: BenchCmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCmd {
+    /// Run time and run count of every loaded BPF program with a name prefix.
+    Stats {
+        #[arg(long, default_value = "spice_")]
+        prefix: String,
+    },
+    /// Attach only the empty reference programs and hold them.
+    Reference {
+        /// Hooks to attach an empty program to.
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "sys_enter")]
+        hooks: Vec<RefHook>,
+        /// Detach after this many seconds at the latest.
+        #[arg(long, default_value_t = 600.0)]
+        duration: f64,
+    },
+    /// Time a loop of syscalls in this (unwatched) process.
+    Syscalls {
+        #[arg(long, value_enum)]
+        kind: SyscallKind,
+        #[arg(long, default_value_t = 5_000_000)]
+        calls: u64,
+    },
+    /// Compare an observer report with spice-peer load's counts.
+    Compare {
+        #[arg(long)]
+        report: PathBuf,
+        #[arg(long)]
+        load: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum RefHook {
+    #[value(name = "sys_enter")]
+    SysEnter,
+    #[value(name = "sock_send")]
+    SockSend,
+    #[value(name = "sock_recv")]
+    SockRecv,
+}
+
+impl RefHook {
+    /// (program name in the object, hook for messages).
+    fn program(self) -> (&'static str, &'static str) {
+        match self {
+            RefHook::SysEnter => ("spice_ref_sys_enter", "raw_tracepoint/sys_enter"),
+            RefHook::SockSend => ("spice_ref_sock_send", "tp_btf/sock_send_length"),
+            RefHook::SockRecv => ("spice_ref_sock_recv", "tp_btf/sock_recv_length"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum SyscallKind {
+    Getppid,
+    Pipe,
+}
+
+/// Runs one `bench` helper.
+pub fn run(args: BenchArgs) -> Result<()> {
+    match args.cmd {
+        BenchCmd::Stats { prefix } => {
+            println!("{}", json!({ "programs": program_stats(&prefix)? }));
+            Ok(())
+        }
+        BenchCmd::Reference { hooks, duration } => reference(&hooks, duration),
+        BenchCmd::Syscalls { kind, calls } => {
+            let (elapsed, n) = time_syscalls(kind, calls)?;
+            println!(
+                "{}",
+                json!({
+                    "kind": format!("{kind:?}").to_lowercase(),
+                    "calls": n,
+                    "elapsed_s": elapsed.as_secs_f64(),
+                    "ns_per_call": elapsed.as_nanos() as f64 / n as f64,
+                })
+            );
+            Ok(())
+        }
+        BenchCmd::Compare { report, load } => {
+            let rep: Report = serde_json::from_str(
+                &std::fs::read_to_string(&report)
+                    .with_context(|| format!("reading {}", report.display()))?,
+            )
+            .with_context(|| format!("parsing the observer report {}", report.display()))?;
+            let text = std::fs::read_to_string(&load)
+                .with_context(|| format!("reading {}", load.display()))?;
+            let line = text
+                .lines()
+                .rev()
+                .find(|l| l.starts_with('{'))
+                .ok_or_else(|| anyhow!("{}: no JSON line", load.display()))?;
+            let gen_: LoadReport = serde_json::from_str(line)
+                .with_context(|| format!("parsing spice-peer load's report {}", load.display()))?;
+            let out = compare(&Observed::of(&rep), &gen_);
+            println!("{}", out.json);
+            if !out.exact {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// (id, name, run_time_ns, run_cnt) of the loaded programs named `prefix…`.
+fn program_stats(prefix: &str) -> Result<Vec<Value>> {
+    let mut out = Vec::new();
+    for p in loaded_programs() {
+        let p = p.context("listing loaded BPF programs (BPF_PROG_GET_NEXT_ID needs root)")?;
+        let Some(name) = p.name_as_str() else {
+            continue;
+        };
+        if name.starts_with(prefix) {
+            out.push(json!({
+                "id": p.id(),
+                "name": name,
+                "run_time_ns": p.run_time().as_nanos() as u64,
+                "run_cnt": p.run_count(),
+            }));
+        }
+    }
+    Ok(out)
+}
+
+fn reference(hooks: &[RefHook], duration: f64) -> Result<()> {
+    if hooks.is_empty() {
+        bail!("give at least one hook");
+    }
+    let mut ebpf = EbpfLoader::new()
+        .load(crate::loader::EBPF_OBJECT)
+        .context("loading the eBPF object")?;
+    let btf = Btf::from_sys_fs().context("loading kernel BTF")?;
+    let mut ids = Vec::new();
+    for &h in hooks {
+        let (name, hook) = h.program();
+        let prog = ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("program {name} missing from the object"))?;
+        let id = if h == RefHook::SysEnter {
+            let p: &mut RawTracePoint = prog.try_into()?;
+            p.load()
+                .with_context(|| format!("loading {name} ({hook})"))?;
+            p.attach("sys_enter")
+                .with_context(|| format!("attaching {name}"))?;
+            p.info()?.id()
+        } else {
+            let tp = &hook["tp_btf/".len()..];
+            let p: &mut BtfTracePoint = prog.try_into()?;
+            p.load(tp, &btf)
+                .with_context(|| format!("loading {name} ({hook})"))?;
+            p.attach().with_context(|| format!("attaching {name}"))?;
+            p.info()?.id()
+        };
+        ids.push(json!({"name": name, "hook": hook, "id": id}));
+    }
+    println!("attached {}", json!({ "programs": ids }));
+    std::io::stdout().flush()?;
+    // Held until stdin ends (or a line comes) or the duration passes.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::stdin().lock().read_line(&mut line);
+        let _ = tx.send(());
+    });
+    let _ = rx.recv_timeout(Duration::from_secs_f64(duration.max(0.0)));
+    let wanted: Vec<u32> = ids
+        .iter()
+        .filter_map(|v| v["id"].as_u64())
+        .map(|i| i as u32)
+        .collect();
+    let stats: Vec<Value> = program_stats("spice_ref")?
+        .into_iter()
+        .filter(|v| {
+            v["id"]
+                .as_u64()
+                .is_some_and(|i| wanted.contains(&(i as u32)))
+        })
+        .collect();
+    println!("{}", json!({ "programs": stats }));
+    drop(ebpf);
+    Ok(())
+}
+
+/// Runs `calls` syscalls of `kind`; returns the elapsed time and the calls made.
+fn time_syscalls(kind: SyscallKind, calls: u64) -> Result<(Duration, u64)> {
+    if calls == 0 {
+        bail!("--calls must be at least 1");
+    }
+    match kind {
+        SyscallKind::Getppid => {
+            let t0 = Instant::now();
+            for _ in 0..calls {
+                // SAFETY: getppid has no arguments and cannot fail.
+                std::hint::black_box(unsafe { libc::getppid() });
+            }
+            Ok((t0.elapsed(), calls))
+        }
+        SyscallKind::Pipe => {
+            let mut fds = [0i32; 2];
+            // SAFETY: a valid two-int array.
+            if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+                bail!("pipe: {}", std::io::Error::last_os_error());
+            }
+            let mut buf = [0u8; 8];
+            let t0 = Instant::now();
+            for _ in 0..calls {
+                // SAFETY: 8 bytes from / into a live 8-byte buffer on our own pipe; one
+                // write of 8 bytes always fits an empty pipe, so neither call blocks.
+                let (w, r) = unsafe {
+                    (
+                        libc::write(fds[1], buf.as_ptr().cast(), 8),
+                        libc::read(fds[0], buf.as_mut_ptr().cast(), 8),
+                    )
+                };
+                if w != 8 || r != 8 {
+                    bail!("pipe write/read returned {w}/{r}");
+                }
+            }
+            let e = t0.elapsed();
+            // SAFETY: closing our own descriptors.
+            unsafe {
+                libc::close(fds[0]);
+                libc::close(fds[1]);
+            }
+            Ok((e, calls))
+        }
+    }
+}
+
+/// The fields of `spice-peer load`'s final JSON line the comparison reads (missing ones fail
+/// the parse).
+#[derive(Debug, Deserialize)]
+struct LoadReport {
+    server_pid: u32,
+    window: u32,
+    ok: bool,
+    channels: Vec<LoadChannel>,
+}
+
+#[derive(Debug, Deserialize)]
+struct LoadChannel {
+    session: u32,
+    channel_id: u8,
+    local_addr: String,
+    peer_addr: String,
+    messages_sent: u64,
+    bytes_sent: u64,
+    acks_received: u64,
+    ack_syncs_received: u64,
+    messages_received: u64,
+    bytes_received: u64,
+    messages_received_by_client: u64,
+    acks_sent_by_client: u64,
+}
+
+struct Comparison {
+    exact: bool,
+    json: Value,
+}
+
+/// What the comparison reads of the observer's report (one line per channel), taken from
+/// the typed [`Report`].
+#[derive(Clone, Debug, Default)]
+struct Observed {
+    events_lost: u64,
+    hook_set: String,
+    degraded: Vec<String>,
+    channels: Vec<ObservedChannel>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct ObservedChannel {
+    socket: String,
+    pid: u32,
+    framing: String,
+    window: Option<u32>,
+    messages_sent: u64,
+    bytes_sent: u64,
+    messages_received: u64,
+    bytes_received: u64,
+    acks: u64,
+    ack_syncs: u64,
+    set_acks: u64,
+}
+
+impl Observed {
+    fn of(rep: &Report) -> Observed {
+        Observed {
+            events_lost: rep.events_lost,
+            hook_set: rep.hook_set.clone(),
+            degraded: rep.degraded.clone(),
+            channels: rep
+                .channels
+                .iter()
+                .map(|c| ObservedChannel {
+                    socket: c.socket.clone(),
+                    pid: c.pid,
+                    framing: c.framing.clone(),
+                    window: c.window,
+                    messages_sent: c.messages_sent,
+                    bytes_sent: c.bytes_sent,
+                    messages_received: c.messages_received,
+                    bytes_received: c.bytes_received,
+                    acks: c.acks,
+                    ack_syncs: c.ack_syncs,
+                    set_acks: c.set_acks,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The observer's counts against the generator's, channel by channel: messages and bytes
+/// each way, ACKs and ACK_SYNCs, one SET_ACK of the generator's W, framing `mini`.
+fn compare(rep: &Observed, gen_: &LoadReport) -> Comparison {
+    let mut exact = gen_.ok && rep.events_lost == 0;
+    let mut rows = Vec::new();
+    let mut problems: Vec<String> = Vec::new();
+    if !gen_.ok {
+        problems.push("spice-peer load reported a failure or a disagreement of its own".into());
+    }
+    if rep.events_lost != 0 {
+        problems.push(format!("events_lost = {}", rep.events_lost));
+    }
+    for g in &gen_.channels {
+        let socket = format!("{}->{}", g.local_addr, g.peer_addr);
+        let Some(c) = rep
+            .channels
+            .iter()
+            .find(|c| c.socket == socket && c.pid == gen_.server_pid)
+        else {
+            exact = false;
+            problems.push(format!("{socket}: not in the observer's report"));
+            rows.push(
+                json!({"socket": socket, "session": g.session, "channel_id": g.channel_id,
+                             "observed": false}),
+            );
+            continue;
+        };
+        let pairs: [(&str, u64, u64); 7] = [
+            ("messages_sent", g.messages_sent, c.messages_sent),
+            ("bytes_sent", g.bytes_sent, c.bytes_sent),
+            (
+                "messages_received",
+                g.messages_received,
+                c.messages_received,
+            ),
+            ("bytes_received", g.bytes_received, c.bytes_received),
+            ("acks", g.acks_received, c.acks),
+            ("ack_syncs", g.ack_syncs_received, c.ack_syncs),
+            ("set_acks", 1, c.set_acks),
+        ];
+        let mut diffs: Vec<String> = pairs
+            .iter()
+            .filter(|(_, a, b)| a != b)
+            .map(|(k, a, b)| format!("{k}: load {a}, observer {b}"))
+            .collect();
+        if g.messages_sent != g.messages_received_by_client
+            || g.acks_received != g.acks_sent_by_client
+        {
+            diffs.push("the generator's two ends disagree".into());
+        }
+        if c.framing != "mini" {
+            diffs.push(format!("framing {}", c.framing));
+        }
+        if c.window != Some(gen_.window) {
+            diffs.push(format!("window {:?}, load {}", c.window, gen_.window));
+        }
+        if !diffs.is_empty() {
+            exact = false;
+            problems.push(format!("{socket}: {}", diffs.join(", ")));
+        }
+        rows.push(json!({
+            "socket": socket, "session": g.session, "channel_id": g.channel_id, "observed": true,
+            "load": {"messages_sent": g.messages_sent, "bytes_sent": g.bytes_sent,
+                     "messages_received": g.messages_received, "bytes_received": g.bytes_received,
+                     "acks": g.acks_received, "ack_syncs": g.ack_syncs_received},
+            "observer": {"messages_sent": c.messages_sent, "bytes_sent": c.bytes_sent,
+                         "messages_received": c.messages_received,
+                         "bytes_received": c.bytes_received, "acks": c.acks,
+                         "ack_syncs": c.ack_syncs, "set_acks": c.set_acks,
+                         "framing": c.framing, "window": c.window},
+            "equal": diffs.is_empty(),
+        }));
+    }
+    Comparison {
+        exact,
+        json: json!({
+            "exact": exact,
+            "events_lost": rep.events_lost,
+            "hook_set": rep.hook_set,
+            "degraded": rep.degraded,
+            "channels": rows,
+            "problems": problems,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load() -> LoadReport {
+        serde_json::from_value(json!({
+            "server_pid": 7, "window": 20, "ok": true,
+            "channels": [{
+                "session": 0, "channel_id": 0,
+                "local_addr": "127.0.0.1:1", "peer_addr": "127.0.0.1:2",
+                "messages_sent": 41, "bytes_sent": 41 * 206,
+                "acks_received": 2, "ack_syncs_received": 1,
+                "messages_received": 3, "bytes_received": 22,
+                "messages_received_by_client": 41, "acks_sent_by_client": 2,
+            }],
+        }))
+        .unwrap()
+    }
+
+    fn observed() -> Observed {
+        Observed {
+            channels: vec![ObservedChannel {
+                socket: "127.0.0.1:1->127.0.0.1:2".into(),
+                pid: 7,
+                framing: "mini".into(),
+                window: Some(20),
+                messages_sent: 41,
+                bytes_sent: 41 * 206,
+                messages_received: 3,
+                bytes_received: 22,
+                acks: 2,
+                ack_syncs: 1,
+                set_acks: 1,
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn equal_counts_are_exact() {
+        let c = compare(&observed(), &load());
+        assert!(c.exact, "{}", c.json);
+        assert_eq!(c.json["channels"][0]["equal"], true);
+    }
+
+    #[test]
+    fn every_difference_fails() {
+        let mut o = observed();
+        o.channels[0].messages_sent = 40;
+        let c = compare(&o, &load());
+        assert!(!c.exact);
+        assert!(
+            c.json["problems"][0]
+                .as_str()
+                .unwrap()
+                .contains("messages_sent: load 41, observer 40")
+        );
+        let mut o = observed();
+        o.events_lost = 1;
+        assert!(!compare(&o, &load()).exact);
+        let mut o = observed();
+        o.channels[0].pid = 8; // another process's socket with the same addresses
+        let c = compare(&o, &load());
+        assert!(!c.exact);
+        assert_eq!(c.json["channels"][0]["observed"], false);
+        let mut o = observed();
+        o.channels[0].framing = "hunting".into();
+        assert!(!compare(&o, &load()).exact);
+        let mut g = load();
+        g.ok = false;
+        assert!(!compare(&observed(), &g).exact);
+        // A missing field of the generator's line fails the parse, not the comparison.
+        assert!(serde_json::from_value::<LoadReport>(json!({"server_pid": 7})).is_err());
+    }
+}
