@@ -6,6 +6,7 @@
 //!   spice-gtk client through a socat relay), observe it, print the table, clean up.
 //! * `test`: set up, then run every test: unit tests, then the privileged tests that load the
 //!   BPF programs against real sessions (root required).
+//! * `bench`: set up, build release, measure what the observer costs (`bench.rs`; root).
 
 use std::{
     path::{Path, PathBuf},
@@ -16,6 +17,8 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+
+mod bench;
 
 #[derive(Debug, Parser)]
 #[command(name = "xtask", about = "spice-observer developer commands")]
@@ -49,6 +52,17 @@ enum Cmd {
         /// Extra arguments for the privileged test run (e.g. a test name filter).
         #[arg(trailing_var_arg = true)]
         filter: Vec<String>,
+    },
+    /// Benchmarks: what the observer costs, with and without it alternating (root; release
+    /// build; about 6 minutes). Exits non-zero if the stress run's counts are not exact.
+    Bench {
+        /// A short run of the same code paths (~30 s, one repeat, lower stress rate).
+        #[arg(long)]
+        smoke: bool,
+        /// Replace README.md's section between `<!-- bench:begin -->` and
+        /// `<!-- bench:end -->` with the results.
+        #[arg(long)]
+        write_readme: bool,
     },
 }
 
@@ -111,6 +125,34 @@ fn read_pid(path: &Path) -> Result<u32> {
         .with_context(|| format!("pid in {}", path.display()))
 }
 
+/// A binary of the release build: `$CARGO_TARGET_DIR` if set (relative to the workspace),
+/// else target/.
+fn release_bin(name: &str) -> Result<PathBuf> {
+    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map_or_else(|| root().join("target"), |d| root().join(d));
+    let bin = target_dir.join("release").join(name);
+    if !bin.exists() {
+        bail!("the build left no binary at {}", bin.display());
+    }
+    Ok(bin)
+}
+
+fn bench(smoke: bool, write_readme: bool) -> Result<()> {
+    setup(true)?;
+    if unsafe { libc_geteuid() } != 0 {
+        bail!("the benchmarks load BPF programs and change kernel.bpf_stats_enabled: run as root");
+    }
+    run(cargo().args(["build", "--release", "-p", "spice-observer"]))?;
+    bench::bench(
+        &root(),
+        release_bin("spice-observer")?,
+        release_bin("spice-peer")?,
+        smoke,
+        write_readme,
+    )
+}
+
 fn demo(seconds: u32, mode: &str) -> Result<()> {
     let anim: Vec<&str> = match mode {
         "noise" => vec!["--mode", "noise", "--fps", "20", "--size", "256x192"],
@@ -120,14 +162,7 @@ fn demo(seconds: u32, mode: &str) -> Result<()> {
     setup(true)?;
     run(cargo().args(["build", "--release", "-p", "spice-observer"]))?;
     let rig = root().join("rig");
-    // Where cargo put it: $CARGO_TARGET_DIR if set (relative to the workspace), else target/.
-    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map_or_else(|| root().join("target"), |d| root().join(d));
-    let observer = target_dir.join("release/spice-observer");
-    if !observer.exists() {
-        bail!("the build left no binary at {}", observer.display());
-    }
+    let observer = release_bin("spice-observer")?;
     let run_dir = std::env::temp_dir().join("spice-observer-demo");
     std::fs::create_dir_all(&run_dir)?;
     let (port, display, relay_port) = (5930u16, 30u32, 6930u16);
@@ -247,5 +282,9 @@ fn main() -> Result<()> {
         Cmd::Setup { no_qemu } => setup(no_qemu),
         Cmd::Demo { seconds, mode } => demo(seconds, &mode),
         Cmd::Test { unit_only, filter } => test(unit_only, filter.as_slice()),
+        Cmd::Bench {
+            smoke,
+            write_readme,
+        } => bench(smoke, write_readme),
     }
 }
