@@ -54,7 +54,7 @@ enum Cmd {
         filter: Vec<String>,
     },
     /// Benchmarks: what the observer costs, with and without it alternating (root; release
-    /// build; about 6 minutes). Exits non-zero if the stress run's counts are not exact.
+    /// build; about 5 minutes). Exits non-zero if the stress run's counts are not exact.
     Bench {
         /// A short run of the same code paths (~30 s, one repeat, lower stress rate).
         #[arg(long)]
