@@ -55,6 +55,43 @@ pub struct KernelConfig {
 /// and marks the open channels `restarted` instead of misreading the old state.
 pub const LAYOUT_VERSION: u32 = 5;
 
+/// Ring-buffer wake-ups. A record submitted without flags wakes the agent (an `irq_work`,
+/// i.e. a self-IPI, then an epoll wake-up) whenever the agent has caught up with the ring,
+/// which on a busy stream is nearly every record; that wake-up cost more than everything
+/// else a send call does (measured on the 2-CPU VM of the rig: about 1.6 µs of a 1.8 µs
+/// `sock_send`; `perf record -a -g`: `bpf_ringbuf_submit` → `irq_work_queue` →
+/// `native_write_msr`). So the programs submit with `BPF_RB_NO_WAKEUP`, force a wake-up
+/// only when a record makes the unread data cross a multiple of [`ring::WAKEUP_BYTES`]
+/// (`bpf_ringbuf_query(BPF_RB_AVAIL_DATA)`), and the agent also drains the rings every
+/// [`ring::DRAIN_INTERVAL_MS`]: no record waits longer than that.
+pub mod ring {
+    /// Unread bytes in a ring at which a record forces a wake-up of the agent (and again
+    /// at every further multiple): with the 4 MiB `TAP_EVENTS` ring, at most one sixteenth
+    /// of it fills before the agent is woken (≈ 3,600 message records).
+    pub const WAKEUP_BYTES: u64 = 256 << 10;
+    /// Longest time, milliseconds, between two drains of the ring by the agent when no
+    /// wake-up came: the latency bound of a record. At 100 k messages/s a 10 ms interval
+    /// leaves about 80 KiB in the ring between drains.
+    pub const DRAIN_INTERVAL_MS: u64 = 10;
+    /// Bytes a record of `len` bytes takes in a ring: its 8-byte header plus the record,
+    /// rounded up to 8 (kernel/bpf/ringbuf.c `BPF_RINGBUF_HDR_SZ`, `round_up(len + hdr, 8)`).
+    pub const fn slot_len(len: usize) -> u64 {
+        ((len as u64 + 8 + 7) / 8) * 8
+    }
+    /// Flags for submitting a record whose slot takes `slot` bytes when `avail` bytes were
+    /// unread just before it was reserved: `BPF_RB_FORCE_WAKEUP` (2) if it crosses a
+    /// multiple of [`WAKEUP_BYTES`], else `BPF_RB_NO_WAKEUP` (1)
+    /// (include/uapi/linux/bpf.h).
+    #[inline(always)]
+    pub const fn submit_flags(avail: u64, slot: u64) -> u64 {
+        if (avail + slot) / WAKEUP_BYTES != avail / WAKEUP_BYTES {
+            2
+        } else {
+            1
+        }
+    }
+}
+
 /// Values of the `WATCHED_TGIDS` map (key: tgid): the pid the watch descends from (the one
 /// given to `--pid` or found by discovery; forked children inherit it) in the low bits, and
 /// who wants the process's records in the high bits. pid_max is at most 2^22
