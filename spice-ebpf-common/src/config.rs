@@ -53,7 +53,7 @@ pub struct KernelConfig {
 /// ...), of the ring records and of [`KernelConfig`], and the meaning of their fields. Bump it
 /// with any such change: a new agent that finds another version pinned reloads the programs
 /// and marks the open channels `restarted` instead of misreading the old state.
-pub const LAYOUT_VERSION: u32 = 5;
+pub const LAYOUT_VERSION: u32 = 6;
 
 /// Ring-buffer wake-ups. A record submitted without flags wakes the agent (an `irq_work`,
 /// i.e. a self-IPI, then an epoll wake-up) whenever the agent has caught up with the ring,
@@ -247,6 +247,14 @@ pub mod counter {
 /// [`crate::framing::UnparsedReason::LoopLimit`]. A 16 KiB relay buffer of 6-byte ACKs holds
 /// 2,731; the kernel's `bpf_loop` allows up to 8 million.
 pub const MAX_STEPS_PER_CALL: u32 = 16384;
+
+/// Longest time, nanoseconds, between two reads of a socket's transport members of
+/// `TcpSnapshot` (snd_nxt, snd_una, rcv_nxt, cwnd, srtt, packets_out, total_retrans) by
+/// its socket calls: a call reads them only if the snapshot is older (`ts_ns`). write_seq and
+/// copied_seq are read at every call of their direction. The agent's samples take the
+/// queues from sock_diag, not from these members; they feed the report's `kernel_hooks`
+/// TCP state, which is then at most this old at the socket's last call.
+pub const TCP_REFRESH_NS: u64 = 1_000_000;
 
 #[cfg(feature = "user")]
 // SAFETY: plain `repr(C)` integers.

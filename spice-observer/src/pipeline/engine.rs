@@ -842,7 +842,10 @@ impl Engine {
         // entered without the flag has its PENDING_CALLS entry written.
         std::thread::sleep(Duration::from_millis(20));
         for (pid_tgid, mut call) in self.cap.pending_calls()? {
-            if tgids.contains(&((pid_tgid >> 32) as u32)) && call.watch & watch::ROUTE_TAP == 0 {
+            if tgids.contains(&((pid_tgid >> 32) as u32))
+                && call.live != 0
+                && call.watch & watch::ROUTE_TAP == 0
+            {
                 call.watch |= watch::ROUTE_TAP;
                 self.cap.update_pending_call(pid_tgid, call)?;
             }
