@@ -1,10 +1,10 @@
 //! Maps shared by the kernel programs. Sizes are upper bounds for one host.
 
+use aya_ebpf::bindings::BPF_RB_AVAIL_DATA;
 use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
-use aya_ebpf::bindings::BPF_RB_AVAIL_DATA;
 use spice_ebpf_common::{
     config::{counter, ring, watch},
     event::{PendingCall, SockState, SslKey, TcpSnapshot, TlsCall},

@@ -70,8 +70,8 @@ fn stash(regs: *const pt_regs, id: u64, kind: u8) {
     let Some(route) = traced_route((pid_tgid >> 32) as u32) else {
         return;
     };
-    let a: Args3 =
-        unsafe { bpf_probe_read_kernel(&raw const (*regs).rdx as *const Args3) }.unwrap_or_default();
+    let a: Args3 = unsafe { bpf_probe_read_kernel(&raw const (*regs).rdx as *const Args3) }
+        .unwrap_or_default();
     let (mut ptr, mut len) = (a.si, a.dx);
     if id == SYS_SENDMSG || id == SYS_RECVMSG {
         // (fd, struct user_msghdr *msg, flags): the iovec array is inside the msghdr.
