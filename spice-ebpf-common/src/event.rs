@@ -458,7 +458,9 @@ pub struct SockState {
     pub wire_pos: [u64; 2],
 }
 
-/// Arguments of a socket syscall, saved at `sys_enter` (map `PENDING_CALLS`, key: pid_tgid).
+/// Arguments of the latest socket syscall of a thread, saved at `sys_enter` (map
+/// `PENDING_CALLS`, key: pid_tgid); [`PendingCall::live`] says whether a socket call still
+/// has to take it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PendingCall {
@@ -468,7 +470,12 @@ pub struct PendingCall {
     /// which rings the call's records go to (copied here so that the capture path needs no
     /// second lookup).
     pub watch: u8,
-    pub _pad: [u8; 2],
+    /// 1 from `sys_enter` until the socket tracepoint that follows in the same thread takes
+    /// the call, then 0. The entry stays (one per thread, updated in place by each socket
+    /// syscall: two map updates per call cost more than the rest of the send path) until the
+    /// thread exits; a taken entry is never used again.
+    pub live: u8,
+    pub _pad: u8,
     pub fd: i32,
     /// User address of the buffer (single-buffer calls) or of the iovec array.
     pub ptr: u64,

@@ -23,7 +23,7 @@ use aya_ebpf::helpers::{
     generated::{bpf_loop, bpf_probe_read_user},
 };
 use spice_ebpf_common::{
-    config::{MAX_STEPS_PER_CALL, counter, preexisting},
+    config::{MAX_STEPS_PER_CALL, TCP_REFRESH_NS, counter, preexisting},
     event::{
         EventHeader, HuntEvent, LinkEvent, LockEvent, MessageEvent, PendingCall, SockState,
         SocketEvent, TcpSnapshot, TlsCall, TlsEvent, TlsMarkEvent, UnparsedEvent, call_kind,
@@ -50,8 +50,10 @@ static HUNT_TABLE: [u32; HUNT_TYPES_LEN] = HUNT_TYPES;
 
 /// One socket call as seen by a hook.
 pub struct Call {
-    /// `struct sock *` of the socket.
+    /// `struct sock *` of the socket (null for the plaintext of a libssl call).
     pub sk: *const u8,
+    /// The same socket as a `struct tcp_sock *` ([`kernel::tcp_sock`]; null with `sk`).
+    pub tp: *const u8,
     /// Socket cookie.
     pub cookie: u64,
     /// [`dirs::SEND`] or [`dirs::RECV`].
@@ -421,32 +423,37 @@ fn announce_socket(sk: *const u8, hdr: &EventHeader, route: u8) {
     });
 }
 
-/// Reads the socket's TCP state into `TCP_STATE` (in place) and returns the sequence number
-/// after this call in stream terms: `write_seq` (send) or `copied_seq` (recv). These two only
-/// change through the application's own calls, which this hook sees.
+/// Updates the socket's `TCP_STATE` entry (in place) after a call and returns the sequence
+/// number after it in stream terms: `write_seq` (send) or `copied_seq` (recv). Those two
+/// only change through the application's own calls, which these hooks see, and the agent
+/// anchors every sample on them: the one of the call's direction is read at every call. The
+/// members that move with ACKs and transmissions are refreshed at most every
+/// [`TCP_REFRESH_NS`] per socket (`ts_ns` says when; sockops callbacks refresh them
+/// between calls on enrolled connections). `tp` is the socket's `struct tcp_sock *`.
 #[inline(never)]
-fn store_tcp(sk: *const u8, cookie: u64, now: u64, send: bool) -> u32 {
+fn store_tcp(tp: *const u8, cookie: u64, now: u64, send: bool) -> u32 {
+    let seq = kernel::seq_after_call(tp, send);
     let p = match TCP_STATE.get_ptr_mut(&cookie) {
         Some(p) => p,
         None => {
-            let zero = TcpSnapshot::default();
-            if TCP_STATE.insert(&cookie, &zero, 0).is_err() {
+            let mut snap = TcpSnapshot::default();
+            kernel::fill_tcp(tp, now, tcp_source::SOCKET_CALL, &mut snap);
+            if TCP_STATE.insert(&cookie, &snap, 0).is_err() {
                 count(counter::TCP_MAP_FULL);
-                return kernel::seq_after_call(sk, send);
             }
-            match TCP_STATE.get_ptr_mut(&cookie) {
-                Some(p) => p,
-                None => return kernel::seq_after_call(sk, send),
-            }
+            return seq;
         }
     };
     let snap = unsafe { &mut *p };
-    kernel::fill_tcp(sk, now, tcp_source::SOCKET_CALL, snap);
     if send {
-        snap.write_seq
+        snap.write_seq = seq;
     } else {
-        snap.copied_seq
+        snap.copied_seq = seq;
     }
+    if now.wrapping_sub(snap.ts_ns) >= TCP_REFRESH_NS {
+        kernel::fill_tcp(tp, now, tcp_source::SOCKET_CALL, snap);
+    }
+    seq
 }
 
 /// Handles one traced socket call.
@@ -483,7 +490,7 @@ pub fn on_call(call: &Call) {
         plain_tls_call(call, pid_tgid);
     }
 
-    let seq_now = store_tcp(call.sk, call.cookie, now, call.dir == dirs::SEND);
+    let seq_now = store_tcp(call.tp, call.cookie, now, call.dir == dirs::SEND);
     run_call(sock, call, tgid, now, Some(seq_now));
 }
 
@@ -542,7 +549,7 @@ fn tls_socket_call(sock: &mut SockState, call: &Call, pid_tgid: u64, tgid: u32, 
             }
         }
     }
-    let _ = store_tcp(call.sk, call.cookie, now, call.dir == dirs::SEND);
+    let _ = store_tcp(call.tp, call.cookie, now, call.dir == dirs::SEND);
     if call.ret > 0 {
         sock.wire_pos[d] += call.ret as u64;
     }
@@ -595,13 +602,15 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, tgid: u32) {
     }
     let call = Call {
         sk: core::ptr::null(),
+        tp: core::ptr::null(),
         cookie,
         dir: if send { dirs::SEND } else { dirs::RECV },
         ret,
         args: PendingCall {
             kind: call_kind::BUFFER,
             watch: tc.watch,
-            _pad: [0; 2],
+            live: 0,
+            _pad: 0,
             fd: 0,
             ptr: tc.buf,
             len: tc.num,

@@ -1,6 +1,6 @@
 //! Reads of kernel structs at offsets the agent found in the running kernel's BTF.
 
-use aya_ebpf::helpers::bpf_probe_read_kernel;
+use aya_ebpf::helpers::{bpf_probe_read_kernel, generated::bpf_skc_to_tcp_sock};
 use spice_ebpf_common::{config::KernelConfig, event::TcpSnapshot};
 
 /// Filled in by the agent before load (`EbpfLoader::set_global`), read-only here.
@@ -48,41 +48,57 @@ pub fn read_at<T: Copy + Default>(base: *const u8, off: u32) -> T {
 
 pub const AF_INET: u16 = 2;
 pub const AF_INET6: u16 = 10;
-const IPPROTO_TCP: u16 = 6;
-const SOCK_STREAM: u16 = 1;
 
-/// True if `sk` is an IPv4/IPv6 TCP socket.
+/// `sk` as a `struct tcp_sock *` the programs may read directly (`bpf_skc_to_tcp_sock`,
+/// net/core/filter.c: a full socket with `sk_protocol` IPPROTO_TCP and `sk_type`
+/// SOCK_STREAM), or null for any other socket. `sk` must be a BTF-typed `struct sock *`
+/// (a `tp_btf` argument).
 #[inline(always)]
-pub fn is_tcp(sk: *const u8) -> bool {
-    let family: u16 = read_at(sk, konf!(skc_family));
-    let protocol: u16 = read_at(sk, konf!(sk_protocol));
-    let ty: u16 = read_at(sk, konf!(sk_type));
-    (family == AF_INET || family == AF_INET6) && protocol == IPPROTO_TCP && ty == SOCK_STREAM
+pub fn tcp_sock(sk: *const u8) -> *const u8 {
+    unsafe { bpf_skc_to_tcp_sock(sk as *mut _) as *const u8 }
 }
 
-/// Fills `out` with the TCP state of `sk` (a `struct tcp_sock`), keeping earlier source bits.
+/// Loads a `u32` member of `struct tcp_sock` at offset `off` (a [`KernelConfig`] value)
+/// from `tp` ([`tcp_sock`]). A plain load, not a `bpf_probe_read_kernel` helper call: the
+/// verifier knows `tp`'s BTF type and `off` (the config lives in a frozen read-only map, so
+/// its values are constants to it) and checks the access against the struct's layout; the
+/// JIT turns it into a load that reads zero on a fault.
 #[inline(always)]
-pub fn fill_tcp(sk: *const u8, now: u64, source: u32, out: &mut TcpSnapshot) {
+pub fn tcp_u32(tp: *const u8, off: u32) -> u32 {
+    unsafe { core::ptr::read_volatile(tp.add(off as usize) as *const u32) }
+}
+
+/// Fills `out` with the TCP state of `tp` ([`tcp_sock`]) read at `now`, keeping earlier
+/// source bits.
+#[inline(always)]
+pub fn fill_tcp(tp: *const u8, now: u64, source: u32, out: &mut TcpSnapshot) {
     out.ts_ns = now;
-    out.write_seq = read_at(sk, konf!(tcp_write_seq));
-    out.snd_nxt = read_at(sk, konf!(tcp_snd_nxt));
-    out.snd_una = read_at(sk, konf!(tcp_snd_una));
-    out.rcv_nxt = read_at(sk, konf!(tcp_rcv_nxt));
-    out.copied_seq = read_at(sk, konf!(tcp_copied_seq));
-    out.snd_cwnd = read_at(sk, konf!(tcp_snd_cwnd));
-    let srtt: u32 = read_at(sk, konf!(tcp_srtt_us));
-    out.srtt_us = srtt >> 3;
-    out.packets_out = read_at(sk, konf!(tcp_packets_out));
-    out.total_retrans = read_at(sk, konf!(tcp_total_retrans));
+    out.write_seq = tcp_u32(tp, konf!(tcp_write_seq));
+    out.copied_seq = tcp_u32(tp, konf!(tcp_copied_seq));
+    fill_tcp_transport(tp, out);
     out.sources |= source;
 }
 
-/// `write_seq` (send) or `copied_seq` (recv) of `sk`.
+/// The members of [`TcpSnapshot`] that move with the transport (ACKs, transmissions), not
+/// with the application's calls: snd_nxt, snd_una, rcv_nxt, cwnd, srtt, packets_out,
+/// total_retrans.
 #[inline(always)]
-pub fn seq_after_call(sk: *const u8, send: bool) -> u32 {
+pub fn fill_tcp_transport(tp: *const u8, out: &mut TcpSnapshot) {
+    out.snd_nxt = tcp_u32(tp, konf!(tcp_snd_nxt));
+    out.snd_una = tcp_u32(tp, konf!(tcp_snd_una));
+    out.rcv_nxt = tcp_u32(tp, konf!(tcp_rcv_nxt));
+    out.snd_cwnd = tcp_u32(tp, konf!(tcp_snd_cwnd));
+    out.srtt_us = tcp_u32(tp, konf!(tcp_srtt_us)) >> 3;
+    out.packets_out = tcp_u32(tp, konf!(tcp_packets_out));
+    out.total_retrans = tcp_u32(tp, konf!(tcp_total_retrans));
+}
+
+/// `write_seq` (send) or `copied_seq` (recv) of `tp` ([`tcp_sock`]).
+#[inline(always)]
+pub fn seq_after_call(tp: *const u8, send: bool) -> u32 {
     if send {
-        read_at(sk, konf!(tcp_write_seq))
+        tcp_u32(tp, konf!(tcp_write_seq))
     } else {
-        read_at(sk, konf!(tcp_copied_seq))
+        tcp_u32(tp, konf!(tcp_copied_seq))
     }
 }

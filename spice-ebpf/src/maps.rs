@@ -1,11 +1,12 @@
 //! Maps shared by the kernel programs. Sizes are upper bounds for one host.
 
+use aya_ebpf::bindings::BPF_RB_AVAIL_DATA;
 use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use spice_ebpf_common::{
-    config::{counter, watch},
+    config::{counter, ring, watch},
     event::{PendingCall, SockState, SslKey, TcpSnapshot, TlsCall},
 };
 
@@ -77,27 +78,29 @@ pub static LAYOUT: Array<u32> =
 /// Writes one record of type `T` to each ring `route` names
 /// (`spice_ebpf_common::config::watch::ROUTE_*`): reserves it, lets `fill` write it in place
 /// (the BPF stack is too small for a copy) and submits it. A full ring counts `RING_FULL`
-/// (`EVENTS`) or `TAP_RING_FULL` (`TAP_EVENTS`).
+/// (`EVENTS`) or `TAP_RING_FULL` (`TAP_EVENTS`). The agent is not woken for each record: see
+/// [`spice_ebpf_common::config::ring`].
 #[inline(always)]
 pub fn write_record<T: 'static>(route: u8, fill: impl Fn(*mut T)) {
     use spice_ebpf_common::config::watch::{ROUTE_PRIMARY, ROUTE_TAP};
     if route & ROUTE_PRIMARY != 0 {
-        match EVENTS.reserve::<T>(0) {
-            Some(mut e) => {
-                fill(e.as_mut_ptr());
-                e.submit(0);
-            }
-            None => count(counter::RING_FULL),
-        }
+        write_one(&EVENTS, counter::RING_FULL, &fill);
     }
     if route & ROUTE_TAP != 0 {
-        match TAP_EVENTS.reserve::<T>(0) {
-            Some(mut e) => {
-                fill(e.as_mut_ptr());
-                e.submit(0);
-            }
-            None => count(counter::TAP_RING_FULL),
+        write_one(&TAP_EVENTS, counter::TAP_RING_FULL, &fill);
+    }
+}
+
+/// [`write_record`] for one ring; `full` is the counter of a failed reserve.
+#[inline(always)]
+fn write_one<T: 'static>(rb: &RingBuf, full: u32, fill: &impl Fn(*mut T)) {
+    let avail = rb.query(BPF_RB_AVAIL_DATA as u64);
+    match rb.reserve::<T>(0) {
+        Some(mut e) => {
+            fill(e.as_mut_ptr());
+            e.submit(ring::submit_flags(avail, ring::slot_len(size_of::<T>())));
         }
+        None => count(full),
     }
 }
 

@@ -64,11 +64,13 @@ pub fn on_exit() {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let pid = pid_tgid as u32;
+    // Every thread's, watched or not: the entry outlives the call (PendingCall::live), and
+    // a process may have been watched once.
+    let _ = PENDING_CALLS.remove(&pid_tgid);
     let Some(w) = WATCHED_TGIDS.get_ptr(&tgid) else {
         return;
     };
     let route = watch::route(unsafe { *w });
-    let _ = PENDING_CALLS.remove(&pid_tgid);
     // A thread that exits inside a hooked libssl call never reaches its return.
     let _ = TLS_CALLS.remove(&pid_tgid);
     if pid == tgid {

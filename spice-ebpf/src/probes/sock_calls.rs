@@ -7,7 +7,7 @@ use spice_ebpf_common::event::dir;
 
 use crate::{
     capture::{Call, on_call},
-    kernel::is_tcp,
+    kernel::tcp_sock,
     maps::PENDING_CALLS,
 };
 
@@ -18,20 +18,29 @@ const MSG_PEEK: i32 = 2;
 pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
     let pid_tgid = bpf_get_current_pid_tgid();
     // The one lookup for unwatched processes: no stashed call, not ours.
-    let Some(p) = PENDING_CALLS.get_ptr(&pid_tgid) else {
+    let Some(p) = PENDING_CALLS.get_ptr_mut(&pid_tgid) else {
         return;
     };
-    let args = unsafe { *p };
-    let _ = PENDING_CALLS.remove(&pid_tgid);
+    // SAFETY: the thread's own entry (see PendingCall::live).
+    let args = unsafe {
+        if (*p).live == 0 {
+            return; // taken by an earlier socket call of the same syscall, or no socket call
+        }
+        (*p).live = 0;
+        *p
+    };
     if direction == dir::RECV && flags & MSG_PEEK != 0 {
         return;
     }
-    if !is_tcp(sk) {
+    // Also the TCP check: NULL unless an IPv4/IPv6 TCP socket.
+    let tp = tcp_sock(sk);
+    if tp.is_null() {
         return;
     }
     let cookie = unsafe { bpf_get_socket_cookie(sk as *mut _) };
     on_call(&Call {
         sk,
+        tp,
         cookie,
         dir: direction,
         ret,

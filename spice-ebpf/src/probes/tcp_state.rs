@@ -10,7 +10,7 @@ use spice_ebpf_common::{
 };
 
 use crate::{
-    kernel::fill_tcp,
+    kernel::{fill_tcp, tcp_sock},
     maps::{SOCKETS, TCP_STATE, WATCHED_TGIDS, write_record},
 };
 
@@ -43,6 +43,7 @@ pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
         None => unsafe { (*sock).watch },
     };
     let now = unsafe { bpf_ktime_get_ns() };
+    let tp = tcp_sock(sk);
     write_record::<CloseEvent>(route, |p| unsafe {
         (*p).hdr = EventHeader {
             kind: kind::CLOSE,
@@ -55,7 +56,9 @@ pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
         };
         (*p).tcp = TcpSnapshot::default();
         (*p).pos = pos;
-        fill_tcp(sk, now, tcp_source::STATE_TRACEPOINT, &mut (*p).tcp);
+        if !tp.is_null() {
+            fill_tcp(tp, now, tcp_source::STATE_TRACEPOINT, &mut (*p).tcp);
+        }
     });
 }
 

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use aya::maps::{MapData, RingBuf};
 use log::{debug, warn};
 use spice_ebpf_common::{
-    config::{counter, preexisting, watch},
+    config::{counter, preexisting, ring, watch},
     framing::UnparsedReason,
     protocol::channel,
 };
@@ -842,7 +842,10 @@ impl Engine {
         // entered without the flag has its PENDING_CALLS entry written.
         std::thread::sleep(Duration::from_millis(20));
         for (pid_tgid, mut call) in self.cap.pending_calls()? {
-            if tgids.contains(&((pid_tgid >> 32) as u32)) && call.watch & watch::ROUTE_TAP == 0 {
+            if tgids.contains(&((pid_tgid >> 32) as u32))
+                && call.live != 0
+                && call.watch & watch::ROUTE_TAP == 0
+            {
                 call.watch |= watch::ROUTE_TAP;
                 self.cap.update_pending_call(pid_tgid, call)?;
             }
@@ -994,17 +997,25 @@ impl Engine {
         Ok(())
     }
 
-    /// Waits until the ring has records and applies them to the model (cancel-safe: use in
-    /// `select!`).
+    /// Waits until the ring wakes the agent or [`ring::DRAIN_INTERVAL_MS`] passed, whichever
+    /// comes first, and applies the records waiting then to the model (cancel-safe: use in
+    /// `select!`). The kernel programs wake the agent only every [`ring::WAKEUP_BYTES`] of
+    /// unread records, so the interval bounds how long a record waits in the ring.
     pub async fn drain_ready(&mut self) -> Result<()> {
-        let mut guard = self.ring.readable_mut().await?;
-        drain_ring(
-            guard.get_inner_mut(),
-            &mut self.model,
-            &mut self.decode_errors,
-            &mut self.dump,
-        );
-        guard.clear_ready();
+        let interval = Duration::from_millis(ring::DRAIN_INTERVAL_MS);
+        match tokio::time::timeout(interval, self.ring.readable_mut()).await {
+            Ok(guard) => {
+                let mut guard = guard?;
+                drain_ring(
+                    guard.get_inner_mut(),
+                    &mut self.model,
+                    &mut self.decode_errors,
+                    &mut self.dump,
+                );
+                guard.clear_ready();
+            }
+            Err(_) => self.drain(),
+        }
         Ok(())
     }
 
