@@ -456,9 +456,9 @@ fn store_tcp(tp: *const u8, cookie: u64, now: u64, send: bool) -> u32 {
     seq
 }
 
-/// Handles one traced socket call.
-pub fn on_call(call: &Call) {
-    let pid_tgid = bpf_get_current_pid_tgid();
+/// Handles one traced socket call of the current thread, `pid_tgid` its
+/// `bpf_get_current_pid_tgid` (the hook has it already, from its `PENDING_CALLS` lookup).
+pub fn on_call(call: &Call, pid_tgid: u64) {
     let tgid = (pid_tgid >> 32) as u32;
     let now = unsafe { bpf_ktime_get_ns() };
     count(counter::CALLS_TRACED);

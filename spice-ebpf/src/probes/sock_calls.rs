@@ -38,12 +38,15 @@ pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
         return;
     }
     let cookie = unsafe { bpf_get_socket_cookie(sk as *mut _) };
-    on_call(&Call {
-        sk,
-        tp,
-        cookie,
-        dir: direction,
-        ret,
-        args,
-    });
+    on_call(
+        &Call {
+            sk,
+            tp,
+            cookie,
+            dir: direction,
+            ret,
+            args,
+        },
+        pid_tgid,
+    );
 }
