@@ -6,7 +6,14 @@
 //!   of the current network namespace, once for `AF_INET` and once for `AF_INET6`, with the
 //!   `INET_DIAG_INFO` extension (a `struct tcp_info`, `include/uapi/linux/tcp.h`). It gives the
 //!   observer a state for sockets that no eBPF hook has seen yet (for example connections that
-//!   were open before the observer started).
+//!   were open before the observer started). A dump walks every bucket of the kernel's TCP
+//!   hash tables whatever the number of sockets (`inet_diag_dump_icsk`, net/ipv4/inet_diag.c;
+//!   the established table has `thash_entries` buckets, 262144 on a host with a few GiB of
+//!   RAM, see the `TCP established hash table entries` boot line), about a millisecond of
+//!   kernel time: for what runs once (a watch, a restart, a scrape's fallback), not per sample.
+//! * [`DiagQuery`] asks for one socket by its addresses and cookie (a hash lookup in the
+//!   kernel, a few microseconds): what the periodic samples use, on one netlink socket kept
+//!   open.
 //! * [`socket_inodes`], [`descendants`] and [`comm`] read `/proc` to find which of those sockets
 //!   belong to the watched processes: a socket belongs to a process when its inode
 //!   ([`DiagSocket::inode`]) is the target of one of the process's `/proc/PID/fd/N` links
@@ -200,7 +207,8 @@ pub fn dump_tcp() -> anyhow::Result<Vec<DiagSocket>> {
     Ok(sockets)
 }
 
-/// A netlink sock_diag socket kept open for single-socket queries ([`DiagQuery::one`]).
+/// A netlink sock_diag socket kept open for single-socket queries ([`DiagQuery::one`],
+/// [`DiagQuery::socket`]).
 pub struct DiagQuery {
     socket: Socket,
     buf: Vec<u8>,
@@ -231,18 +239,47 @@ impl DiagQuery {
     /// milliseconds for a dump of every socket. `Ok(None)` when the socket is gone (`ENOENT`)
     /// or the cookie names another socket now.
     pub fn one(&mut self, s: &DiagSocket) -> anyhow::Result<Option<DiagSocket>> {
-        let family = if s.local.is_ipv6() { AF_INET6 } else { AF_INET };
+        self.socket(s.cookie, s.local, s.remote)
+    }
+
+    /// [`Self::one`] by cookie, local and remote address. An IPv4 address, or an IPv4-mapped
+    /// IPv6 one (`::ffff:a.b.c.d`, as an `AF_INET6` socket talking IPv4 shows it), is asked
+    /// for as `AF_INET`: the kernel's lookup then searches the IPv4 hash chains, where such
+    /// a dual-stack socket is hashed too (`inet_diag_find_one_icsk` treats an `AF_INET6`
+    /// request with mapped addresses the same way), and the answer gives the socket as it is
+    /// (an `AF_INET6` one with mapped addresses). Link-local IPv6 addresses take the scope id
+    /// of `local` as the interface.
+    pub fn socket(
+        &mut self,
+        cookie: u64,
+        local: SocketAddr,
+        remote: SocketAddr,
+    ) -> anyhow::Result<Option<DiagSocket>> {
+        let (lip, rip) = (local.ip().to_canonical(), remote.ip().to_canonical());
+        let family = if lip.is_ipv4() && rip.is_ipv4() {
+            AF_INET
+        } else {
+            AF_INET6
+        };
+        let v6 = |ip: IpAddr| match ip {
+            IpAddr::V4(v4) if family == AF_INET6 => IpAddr::V6(v4.to_ipv6_mapped()),
+            ip => ip,
+        };
+        let interface_id = match local {
+            SocketAddr::V6(a) if a.ip().is_unicast_link_local() => a.scope_id(),
+            _ => 0,
+        };
         let half = |v: u64| (v as u32).to_ne_bytes();
-        let mut cookie = [0u8; 8];
-        cookie[..4].copy_from_slice(&half(s.cookie));
-        cookie[4..].copy_from_slice(&half(s.cookie >> 32));
+        let mut raw_cookie = [0u8; 8];
+        raw_cookie[..4].copy_from_slice(&half(cookie));
+        raw_cookie[4..].copy_from_slice(&half(cookie >> 32));
         let socket_id = SocketId {
-            source_port: s.local.port(),
-            destination_port: s.remote.port(),
-            source_address: s.local.ip(),
-            destination_address: s.remote.ip(),
-            interface_id: 0,
-            cookie,
+            source_port: local.port(),
+            destination_port: remote.port(),
+            source_address: v6(lip),
+            destination_address: v6(rip),
+            interface_id,
+            cookie: raw_cookie,
         };
         self.seq = self.seq.wrapping_add(1);
         let mut out = Vec::with_capacity(1);
@@ -255,7 +292,7 @@ impl DiagQuery {
             &mut self.buf,
             &mut out,
         ) {
-            Ok(()) => Ok(out.pop().filter(|d| d.cookie == s.cookie)),
+            Ok(()) => Ok(out.pop().filter(|d| d.cookie == cookie)),
             Err(e)
                 if e.downcast_ref::<std::io::Error>()
                     .and_then(|io| io.raw_os_error())
@@ -574,6 +611,48 @@ mod tests {
                 "a stale cookie finds nothing ({ip})"
             );
         }
+    }
+
+    /// An `AF_INET6` socket talking IPv4 (dual-stack listener, IPv4 client) is found by its
+    /// plain IPv4 addresses, as the kernel hooks' records give them, and by the IPv4-mapped
+    /// ones the dump shows.
+    #[test]
+    fn query_a_dual_stack_socket_by_its_ipv4_addresses() {
+        let Ok(listener) = TcpListener::bind(("::", 0)) else {
+            eprintln!("no IPv6, skipped");
+            return;
+        };
+        let port = listener.local_addr().unwrap().port();
+        let client = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        let (local, remote) = (server.local_addr().unwrap(), server.peer_addr().unwrap());
+        assert!(local.is_ipv6(), "{local}: an AF_INET6 socket");
+        let dump = dump_until(|d| d.iter().any(|s| s.local == local && s.remote == remote));
+        let listed = dump
+            .iter()
+            .find(|s| s.local == local && s.remote == remote)
+            .expect("the accepted socket in the dump")
+            .clone();
+        let v4 = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
+        assert!(v4(local).is_ipv4());
+        let mut q = DiagQuery::new().unwrap();
+        for (l, r) in [(v4(local), v4(remote)), (local, remote)] {
+            let d = q
+                .socket(listed.cookie, l, r)
+                .unwrap()
+                .unwrap_or_else(|| panic!("found by {l} -> {r}"));
+            assert_eq!(
+                (d.cookie, d.local, d.remote),
+                (listed.cookie, local, remote)
+            );
+            assert!(d.info.is_some());
+        }
+        assert!(
+            q.socket(listed.cookie ^ 1, v4(local), v4(remote))
+                .unwrap()
+                .is_none()
+        );
+        drop(client);
     }
 
     /// Listener, client and accepted server socket on `ip`; the client writes `N` bytes that

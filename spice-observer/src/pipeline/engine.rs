@@ -139,6 +139,8 @@ pub struct Engine {
     ring: AsyncFd<RingBuf<MapData>>,
     model: Model,
     chains: Vec<Chain>,
+    /// The samples' sock_diag socket.
+    sampler: sampler::Sampler,
     decode_errors: u64,
     dump: Option<std::io::BufWriter<std::fs::File>>,
     started_ns: u64,
@@ -458,20 +460,32 @@ fn socket_addresses() -> HashMap<u64, (std::net::SocketAddr, std::net::SocketAdd
     }
 }
 
-/// Best TCP state per socket now: a sock_diag snapshot where the socket still exists in this
-/// network namespace, else the last kernel-hook snapshot.
+/// Best TCP state per socket now: a sock_diag answer where the socket is open and still
+/// exists in this network namespace (one query per open socket whose addresses are known,
+/// [`sockdiag::DiagQuery::socket`]), else the last kernel-hook snapshot.
 fn best_tcp(model: &Model) -> BTreeMap<u64, TcpReport> {
     let mut out = BTreeMap::new();
-    let diag = match sockdiag::dump_tcp() {
-        Ok(v) => v
-            .into_iter()
-            .map(|s| (s.cookie, s))
-            .collect::<BTreeMap<_, _>>(),
-        Err(e) => {
-            debug!("sock_diag dump failed: {e:#}");
-            BTreeMap::new()
+    let mut diag = HashMap::new();
+    match sockdiag::DiagQuery::new() {
+        Ok(mut q) => {
+            for s in model.sockets.values().filter(|s| s.closed_ns.is_none()) {
+                let (Some(local), Some(remote)) = (s.local, s.remote) else {
+                    continue;
+                };
+                match q.socket(s.cookie, local, remote) {
+                    Ok(Some(d)) => {
+                        diag.insert(s.cookie, d);
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        debug!("sock_diag query of {local}->{remote} failed: {e:#}");
+                        break;
+                    }
+                }
+            }
         }
-    };
+        Err(e) => debug!("sock_diag query socket: {e:#}"),
+    }
     for s in model.sockets.values() {
         let from_hooks = s.tcp.as_ref().map(|t| {
             TcpReport::from_snapshot(
@@ -662,6 +676,7 @@ impl Engine {
             ring,
             model: Model::default(),
             chains: Vec::new(),
+            sampler: sampler::Sampler::new(),
             decode_errors: 0,
             dump: None,
             started_ns,
@@ -1019,15 +1034,18 @@ impl Engine {
     }
 
     /// One TCP sample of every chain (pairs new sockets first): applies the ring's records,
-    /// reads the positions ([`sampler::read`]), applies the records of the calls made up to
+    /// reads the positions ([`sampler::Sampler::read`]), applies the records of the calls made up to
     /// those reads (so the count and the messages match `write_seq` / `copied_seq`), then
     /// places ([`sampler::place`]). Returns the per-chain sample lines for front ends that
-    /// write or plot them; empty when the sock_diag dump failed. `now_ns` is the front end's
+    /// write or plot them; empty when a sock_diag query failed. `now_ns` is the front end's
     /// tick (CLOCK_MONOTONIC); the lines carry the instants the positions were read.
     pub fn sample(&mut self, now_ns: u64) -> Vec<SampleLine> {
         let _ = now_ns;
         self.drain();
-        let Some(pos) = sampler::read(&mut self.cap, &mut self.model, &mut self.chains) else {
+        let Some(pos) = self
+            .sampler
+            .read(&mut self.cap, &mut self.model, &mut self.chains)
+        else {
             return Vec::new();
         };
         self.drain();
