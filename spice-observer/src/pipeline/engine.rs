@@ -608,7 +608,7 @@ impl Engine {
                 e.model = model;
                 // Pair the relay legs now, so that the first snapshot already labels them
                 // with their chain's VM (chains are otherwise formed at the first sample).
-                e.sample(monotonic_ns());
+                e.sample_only(monotonic_ns());
                 Ok(e)
             }
             found => {
@@ -1040,18 +1040,28 @@ impl Engine {
     /// write or plot them; empty when a sock_diag query failed. `now_ns` is the front end's
     /// tick (CLOCK_MONOTONIC); the lines carry the instants the positions were read.
     pub fn sample(&mut self, now_ns: u64) -> Vec<SampleLine> {
+        match self.take_sample(now_ns) {
+            Some(taken) => crate::samples::lines(&self.model, &taken, self.started_ns),
+            None => Vec::new(),
+        }
+    }
+
+    /// [`Engine::sample`] without building the sample lines, for a front end that writes and
+    /// plots none (the daemon; `observe` without `--samples` and `--plot`): the same sample is
+    /// taken and kept in the chains' statistics.
+    pub fn sample_only(&mut self, now_ns: u64) {
+        let _ = self.take_sample(now_ns);
+    }
+
+    fn take_sample(&mut self, now_ns: u64) -> Option<sampler::Sample> {
         let _ = now_ns;
         self.drain();
-        let Some(pos) = self
+        let pos = self
             .sampler
-            .read(&mut self.cap, &mut self.model, &mut self.chains)
-        else {
-            return Vec::new();
-        };
+            .read(&mut self.cap, &mut self.model, &mut self.chains)?;
         self.drain();
         self.read_kernel_state();
-        let taken = sampler::place(&self.model, &mut self.chains, pos);
-        crate::samples::lines(&self.model, &taken, self.started_ns)
+        Some(sampler::place(&self.model, &mut self.chains, pos))
     }
 
     /// Reads the kernel's state (`SOCKETS`) of every open socket and hands it to the model,
