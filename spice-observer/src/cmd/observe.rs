@@ -92,7 +92,12 @@ impl PlotLines {
             self.stride *= 2;
             let stride = self.stride;
             self.lines.retain(|(k, _)| k.is_multiple_of(stride));
-            self.kept = self.lines.iter().map(|(k, _)| *k).collect::<HashSet<_>>().len();
+            self.kept = self
+                .lines
+                .iter()
+                .map(|(k, _)| *k)
+                .collect::<HashSet<_>>()
+                .len();
         }
     }
 
@@ -555,7 +560,11 @@ mod tests {
             ]);
         }
         for sock in ["a", "b"] {
-            let t: Vec<f64> = p.lines().filter(|l| l.socket == sock).map(|l| l.t_s).collect();
+            let t: Vec<f64> = p
+                .lines()
+                .filter(|l| l.socket == sock)
+                .map(|l| l.t_s)
+                .collect();
             assert!(
                 (PLOT_KEEP / 2..=PLOT_KEEP).contains(&t.len()),
                 "{sock}: {} samples",

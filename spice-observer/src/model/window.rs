@@ -424,8 +424,8 @@ impl AckWindow {
         let seconds = le
             .iter()
             .map(|&b| {
-                let at_or_below: u64 = self.time_at_total.at_or_below(b)
-                    + if key <= b { extra } else { 0 };
+                let at_or_below: u64 =
+                    self.time_at_total.at_or_below(b) + if key <= b { extra } else { 0 };
                 at_or_below as f64 / 1e9
             })
             .collect();

@@ -461,30 +461,26 @@ fn socket_addresses() -> HashMap<u64, (std::net::SocketAddr, std::net::SocketAdd
 }
 
 /// Best TCP state per socket now: a sock_diag answer where the socket is open and still
-/// exists in this network namespace (one query per open socket whose addresses are known,
-/// [`sockdiag::DiagQuery::socket`]), else the last kernel-hook snapshot.
+/// exists in this network namespace (a query of every open socket whose addresses are known,
+/// [`sockdiag::DiagQuery::sockets`]), else the last kernel-hook snapshot.
 fn best_tcp(model: &Model) -> BTreeMap<u64, TcpReport> {
     let mut out = BTreeMap::new();
     let mut diag = HashMap::new();
-    match sockdiag::DiagQuery::new() {
-        Ok(mut q) => {
-            for s in model.sockets.values().filter(|s| s.closed_ns.is_none()) {
-                let (Some(local), Some(remote)) = (s.local, s.remote) else {
-                    continue;
-                };
-                match q.socket(s.cookie, local, remote) {
-                    Ok(Some(d)) => {
-                        diag.insert(s.cookie, d);
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        debug!("sock_diag query of {local}->{remote} failed: {e:#}");
-                        break;
-                    }
+    let open: Vec<(u64, std::net::SocketAddr, std::net::SocketAddr)> = model
+        .sockets
+        .values()
+        .filter(|s| s.closed_ns.is_none())
+        .filter_map(|s| Some((s.cookie, s.local?, s.remote?)))
+        .collect();
+    match sockdiag::DiagQuery::new().and_then(|mut q| q.sockets(&open)) {
+        Ok(answers) => {
+            for (&(c, _, _), a) in open.iter().zip(answers) {
+                if let Some(d) = a {
+                    diag.insert(c, d);
                 }
             }
         }
-        Err(e) => debug!("sock_diag query socket: {e:#}"),
+        Err(e) => debug!("sock_diag queries failed: {e:#}"),
     }
     for s in model.sockets.values() {
         let from_hooks = s.tcp.as_ref().map(|t| {
@@ -1064,7 +1060,8 @@ impl Engine {
         Some(sampler::place(&self.model, &mut self.chains, pos))
     }
 
-    /// Reads the kernel's state (`SOCKETS`) of every open socket and hands it to the model,
+    /// Reads the kernel's state (`SOCKETS`, in batches: [`Capture::sock_states`]) of every
+    /// open socket and hands it to the model,
     /// which takes the bytes of every traced call (framed or not) from it, and, for a socket
     /// that carried messages, the message and byte totals (records lost
     /// since the previous read are then in the totals) and compares it with the
@@ -1080,10 +1077,8 @@ impl Engine {
             .filter(|s| s.closed_ns.is_none())
             .map(|s| s.cookie)
             .collect();
-        for cookie in open {
-            if let Some(st) = self.cap.sock_state(cookie) {
-                self.model.kernel_state(cookie, &st, now);
-            }
+        for (cookie, st) in self.cap.sock_states(&open) {
+            self.model.kernel_state(cookie, &st, now);
         }
     }
 

@@ -237,11 +237,11 @@ impl Sampler {
     /// First half of a sample: pairs new sockets, then reads the positions: the queues of
     /// the sockets a placement may use (the chains' sockets, the candidate client legs of a
     /// chain not paired yet) and of the open sockets found by the dump at a watch (to tell
-    /// when they are gone: they have no close record), each by one sock_diag query
-    /// ([`sockdiag::DiagQuery::socket`], by cookie and addresses; a socket whose addresses
-    /// are not known is not queried), then the `TCP_STATE` map entries of every open socket
-    /// (the chains' sockets first). Returns `None` if a query failed (then no chain gets a
-    /// sample).
+    /// when they are gone: they have no close record), each by a sock_diag query by cookie
+    /// and addresses, all in a few system calls ([`sockdiag::DiagQuery::sockets`]; a socket
+    /// whose addresses are not known is not queried), then the `TCP_STATE` map entries of
+    /// every open socket, in one batch read ([`Capture::tcp_states`]). Returns `None` if a
+    /// query failed (then no chain gets a sample).
     ///
     /// Apply the ring's records between `read` and [`place`]: then the model (spice-server's
     /// count, the messages' spans) includes every call made up to the map reads, as
@@ -282,10 +282,7 @@ impl Sampler {
                 Some((c, s.local?, s.remote?))
             })
             .collect();
-        let before: HashMap<u64, TcpSnapshot> = chained
-            .iter()
-            .filter_map(|&c| Some((c, cap.tcp_state(c)?)))
-            .collect();
+        let before = cap.tcp_states(&chained);
         let t_ns = monotonic_ns();
         let mut diag = HashMap::with_capacity(queried.len());
         let mut gone = Vec::new();
@@ -300,40 +297,34 @@ impl Sampler {
                     }
                 },
             };
-            for &(c, local, remote) in &queried {
-                match q.socket(c, local, remote) {
-                    Ok(Some(d)) => {
-                        diag.insert(c, d);
+            match q.sockets(&queried) {
+                Ok(answers) => {
+                    for (&(c, _, _), a) in queried.iter().zip(answers) {
+                        match a {
+                            Some(d) => {
+                                diag.insert(c, d);
+                            }
+                            None => gone.push(c),
+                        }
                     }
-                    Ok(None) => gone.push(c),
-                    Err(e) => {
-                        log::debug!("sock_diag query of {local}->{remote}: {e:#}");
-                        self.query = None;
-                        return None;
-                    }
+                }
+                Err(e) => {
+                    log::debug!("sock_diag queries: {e:#}");
+                    self.query = None;
+                    return None;
                 }
             }
         }
         model.gone(&|c| !gone.contains(&c), t_ns);
-        // Kernel-hook snapshots right after the queries (write_seq / copied_seq anchor the
-        // queues), the chains' sockets first.
-        let mut snaps = HashMap::with_capacity(model.sockets.len());
-        for &c in &chained {
-            if model.sockets.get(&c).is_some_and(|s| s.closed_ns.is_none())
-                && !snaps.contains_key(&c)
-                && let Some(snap) = cap.tcp_state(c)
-            {
-                snaps.insert(c, snap);
-            }
-        }
-        for (&c, s) in &model.sockets {
-            if s.closed_ns.is_none()
-                && !snaps.contains_key(&c)
-                && let Some(snap) = cap.tcp_state(c)
-            {
-                snaps.insert(c, snap);
-            }
-        }
+        // Kernel-hook snapshots of every open socket right after the queries (write_seq /
+        // copied_seq anchor the queues), in one batch read of the map.
+        let open: Vec<u64> = model
+            .sockets
+            .values()
+            .filter(|s| s.closed_ns.is_none())
+            .map(|s| s.cookie)
+            .collect();
+        let mut snaps = cap.tcp_states(&open);
         for (&c, &snap) in &snaps {
             model.tcp_sample(c, snap);
         }
