@@ -93,7 +93,13 @@ acked() {
 }
 ticks() { sed 's/.*) //' "/proc/$agent/stat" | awk '{print $12 + $13}'; }
 rss() { awk '/^VmRSS:/ {print $2}' "/proc/$agent/status"; }
+# CPU time of the agent's live threads, ns (schedstat: exact, where stat counts clock ticks).
+cpu_ns() { cat /proc/"$agent"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {printf "%.0f", s}'; }
+# Context switches of all the agent's threads: how often it was woken.
+switches() { cat /proc/"$agent"/task/*/status 2>/dev/null | awk '/ctxt_switches:/ {s += $2} END {print s + 0}'; }
 b0=$(acked)
+w0=$(switches)
+c0=$(cpu_ns)
 t0=$(ticks)
 start=$(date +%s.%N)
 : >"$OUT/series.txt"
@@ -105,17 +111,20 @@ for i in $(seq "$SECS"); do
     fi
 done
 t1=$(ticks)
+c1=$(cpu_ns)
 end=$(date +%s.%N)
+w1=$(switches)
 b1=$(acked)
 kill -0 "$agent" 2>/dev/null || { echo "the agent exited during the run" >&2; exit 1; }
 awk -v t0="$t0" -v t1="$t1" -v hz="$hz" -v s0="$start" -v s1="$end" -v b0="$b0" -v b1="$b1" \
-    -v mb=$MSG_BYTES -v n="$N" -v mode="$MODE" '
+    -v mb=$MSG_BYTES -v n="$N" -v mode="$MODE" -v w0="$w0" -v w1="$w1" -v c0="$c0" -v c1="$c1" '
     { r[NR] = $3; if ($3 > max) max = $3 }
     END {
         secs = s1 - s0
         msgs = (b1 - b0) / mb
         cpu = (t1 - t0) / hz
         printf "%s: %d sessions, %.0f messages/s each (%.0f in all) over %.1f s\n", mode, n, msgs / secs / n, msgs / secs, secs
-        printf "agent CPU %.3f s = %.2f%% of one core (%.2f us per message)\n", cpu, 100 * cpu / secs, 1e6 * cpu / msgs
+        printf "agent CPU %.3f s = %.2f%% of one core (%.2f us per message), %.0f context switches/s\n", cpu, 100 * cpu / secs, 1e6 * cpu / msgs, (w1 - w0) / secs
+        printf "agent CPU by schedstat (live threads): %.3f%% of one core\n", 100 * (c1 - c0) / 1e9 / secs
         printf "agent RSS MiB first %.1f max %.1f last %.1f\n", r[1] / 1024, max / 1024, r[NR] / 1024
     }' "$OUT/series.txt"
