@@ -1,7 +1,10 @@
 #!/bin/bash
 # agent-cost.sh observe|daemon [SECONDS] [SESSIONS] [INTERVAL_MS]: the agent's own CPU and
 # memory while it watches SESSIONS paced SPICE sessions (default 60 s, 10 sessions, 1 ms
-# between messages: ~900 messages/s each; 2 ms gives ~480/s).
+# between messages: ~900 messages/s each; 2 ms gives ~480/s). INTERVAL_MS 0: saturated
+# sessions of $SATURATED_MSGS messages each (default 400000), measured from the clients'
+# start until the servers are done plus 1 s (SECONDS is then the longest wait), the messages
+# counted by the servers themselves.
 #
 # rig/agentload.py starts SESSIONS `spice-peer server --set-ack --window 20 --interval-ms
 # INTERVAL_MS` as children of one process (the observer's target, as qemu is); the agent
@@ -21,7 +24,7 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$(readlink -f "$0")")" && pwd)
 MODE=${1:-}
-[[ $MODE == observe || $MODE == daemon ]] || { sed -n '2,20p' "$0"; exit 2; }
+[[ $MODE == observe || $MODE == daemon ]] || { sed -n '2,/^set /{/^#/p}' "$0"; exit 2; }
 SECS=${2:-60}
 N=${3:-10}
 INTERVAL=${4:-1}
@@ -44,12 +47,18 @@ cleanup() {
     if [[ $MODE == daemon ]]; then "$OBS" daemon --pin-dir "$PINS" --unpin >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT
-# Enough messages per session to outlast the window at 1000 messages/s.
-msgs=$(( (SECS + WARM + 30) * 1000 / INTERVAL ))
+if ((INTERVAL == 0)); then
+    msgs=${SATURATED_MSGS:-400000}
+else
+    # Enough messages per session to outlast the window at 1000 messages/s.
+    msgs=$(( (SECS + WARM + 30) * 1000 / INTERVAL ))
+fi
 coproc SERVERS { exec "$HERE/agentload.py" servers "$N" $BASE "$INTERVAL" "$msgs" 2>"$OUT/servers.err"; }
 srv=$SERVERS_PID
 pids+=("$srv")
-read -r word parent <&"${SERVERS[0]}" || { cat "$OUT/servers.err" >&2; exit 1; }
+# A copy of the coprocess's output: bash closes its own when the coprocess exits.
+exec {srvout}<&"${SERVERS[0]}"
+read -r word parent <&"$srvout" || { cat "$OUT/servers.err" >&2; exit 1; }
 [[ $word == pid && $parent == "$srv" ]] || { echo "agentload did not start: $word $parent" >&2; exit 1; }
 
 if [[ $MODE == observe ]]; then
@@ -81,15 +90,16 @@ done
 grep -Fq "$ready" "$OUT/agent.log" || { echo "agent not ready:" >&2; cat "$OUT/agent.log" >&2; exit 1; }
 
 echo "$agent" >"$OUT/agent.pid"
-for i in $(seq 0 $((N - 1))); do
-    "$SPICE_PEER" client --connect 127.0.0.1:$((BASE + i)) --timeout-ms 600000 >/dev/null 2>&1 &
-    pids+=("$!")
-done
-sleep $WARM
+clients() {
+    for i in $(seq 0 $((N - 1))); do
+        "$SPICE_PEER" client --connect 127.0.0.1:$((BASE + i)) --timeout-ms 600000 >/dev/null 2>&1 &
+        pids+=("$!")
+    done
+}
 
 acked() {
     ss -tinH state established "( sport >= :$BASE and sport < :$((BASE + N)) )" |
-        grep -o 'bytes_acked:[0-9]*' | awk -F: '{s += $2} END {print s + 0}'
+        { grep -o 'bytes_acked:[0-9]*' || true; } | awk -F: '{s += $2} END {print s + 0}'
 }
 ticks() { sed 's/.*) //' "/proc/$agent/stat" | awk '{print $12 + $13}'; }
 rss() { awk '/^VmRSS:/ {print $2}' "/proc/$agent/status"; }
@@ -97,24 +107,50 @@ rss() { awk '/^VmRSS:/ {print $2}' "/proc/$agent/status"; }
 cpu_ns() { cat /proc/"$agent"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {printf "%.0f", s}'; }
 # Context switches of all the agent's threads: how often it was woken.
 switches() { cat /proc/"$agent"/task/*/status 2>/dev/null | awk '/ctxt_switches:/ {s += $2} END {print s + 0}'; }
+if ((INTERVAL > 0)); then
+    clients
+    sleep $WARM
+fi
 b0=$(acked)
 w0=$(switches)
 c0=$(cpu_ns)
 t0=$(ticks)
 start=$(date +%s.%N)
 : >"$OUT/series.txt"
-for i in $(seq "$SECS"); do
+if ((INTERVAL == 0)); then
+    # Saturated: from the clients' start until the servers are done (their own count of the
+    # messages sent), and one second more for the agent to apply the last records.
+    clients
+    sent=
+    for i in $(seq "$SECS"); do
+        if read -t 1 -r word count <&"$srvout" && [[ $word == messages_sent ]]; then
+            sent=$count
+            break
+        fi
+        echo "$i $(ticks) $(rss)" >>"$OUT/series.txt"
+    done
+    [[ -n $sent ]] || { echo "the servers did not finish within $SECS s" >&2; exit 1; }
     sleep 1
-    echo "$i $(ticks) $(rss)" >>"$OUT/series.txt"
-    if [[ $MODE == daemon && $SCRAPE_S -gt 0 && $((i % SCRAPE_S)) -eq 0 ]]; then
-        curl -sf "http://$LISTEN/metrics" >"$OUT/scrape.txt" || echo "scrape failed" >&2
-    fi
-done
+    echo "end $(ticks) $(rss)" >>"$OUT/series.txt"
+else
+    for i in $(seq "$SECS"); do
+        sleep 1
+        echo "$i $(ticks) $(rss)" >>"$OUT/series.txt"
+        if [[ $MODE == daemon && $SCRAPE_S -gt 0 && $((i % SCRAPE_S)) -eq 0 ]]; then
+            curl -sf "http://$LISTEN/metrics" >"$OUT/scrape.txt" || echo "scrape failed" >&2
+        fi
+    done
+fi
 t1=$(ticks)
 c1=$(cpu_ns)
 end=$(date +%s.%N)
 w1=$(switches)
 b1=$(acked)
+if ((INTERVAL == 0)); then
+    # The sockets are closed: the servers' own count instead of the TCP counters.
+    b0=0
+    b1=$((sent * MSG_BYTES))
+fi
 kill -0 "$agent" 2>/dev/null || { echo "the agent exited during the run" >&2; exit 1; }
 awk -v t0="$t0" -v t1="$t1" -v hz="$hz" -v s0="$start" -v s1="$end" -v b0="$b0" -v b1="$b1" \
     -v mb=$MSG_BYTES -v n="$N" -v mode="$MODE" -v w0="$w0" -v w1="$w1" -v c0="$c0" -v c1="$c1" '
