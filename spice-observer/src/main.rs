@@ -40,7 +40,7 @@ enum Command {
         #[arg(long, value_name = "PATH|-")]
         json: Option<PathBuf>,
         /// Milliseconds between TCP state samples of the watched sockets (10 to 60000; each
-        /// sample dumps the TCP sockets of the network namespace).
+        /// sample queries the sockets of the relay chains by sock_diag).
         #[arg(long, default_value_t = 100, value_name = "MS",
               value_parser = clap::value_parser!(u64).range(10..=60_000))]
         sample_ms: u64,
@@ -51,7 +51,8 @@ enum Command {
         #[arg(long, value_name = "PATH")]
         dump_events: Option<PathBuf>,
         /// Draw, per display channel, the in-flight count over time as stacked stages with the
-        /// 2W+1 line, and the link throughput under it, into an SVG file.
+        /// 2W+1 line, and the link throughput under it, into an SVG file (at most 4096 samples
+        /// per channel are kept: a longer run is thinned evenly).
         #[arg(long, value_name = "PATH.svg")]
         plot: Option<PathBuf>,
         /// Write the per-sample series to PATH as JSON Lines (`-` = stdout; the table then goes

@@ -738,7 +738,7 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                 }
             }
             _ = sample.tick() => {
-                engine.sample(monotonic_ns());
+                engine.sample_only(monotonic_ns());
             }
             _ = loss_check.tick() => {
                 if let Ok(c) = engine.counters() {

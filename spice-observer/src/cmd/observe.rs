@@ -3,7 +3,7 @@
 //! over [`Engine`]: it arranges the engine's calls and writes the outputs.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashSet},
     io::{IsTerminal, Write},
     path::PathBuf,
     time::Duration,
@@ -52,9 +52,66 @@ pub struct ObserveOptions {
 // Re-exported for callers of the former `observe` module.
 pub use crate::pipeline::realtime_ns;
 
+/// Most samples `--plot` keeps per channel: at 100 ms samples, 6.8 minutes at full resolution.
+pub const PLOT_KEEP: usize = 4096;
+
+/// The display channels' sample lines kept for `--plot`, bounded by [`PLOT_KEEP`] samples
+/// whatever the run's length: each time the cap is reached, every second sample kept is
+/// dropped and from then on only every second sample is taken (the series spans the whole run
+/// with between [`PLOT_KEEP`] / 2 and [`PLOT_KEEP`] samples per channel, evenly spaced).
+#[derive(Default)]
+struct PlotLines {
+    /// (sample number, line), in sample order.
+    lines: Vec<(u64, SampleLine)>,
+    /// Samples offered so far, and the stride of those kept (a power of two).
+    offered: u64,
+    stride: u64,
+    /// Samples kept (a sample keeps at most one line per channel).
+    kept: usize,
+}
+
+impl PlotLines {
+    fn add(&mut self, lines: Vec<SampleLine>) {
+        self.stride = self.stride.max(1);
+        let n = self.offered;
+        self.offered += 1;
+        if !n.is_multiple_of(self.stride) {
+            return;
+        }
+        let before = self.lines.len();
+        self.lines.extend(
+            lines
+                .into_iter()
+                .filter(|l| l.channel_type == "display")
+                .map(|l| (n, l)),
+        );
+        if self.lines.len() > before {
+            self.kept += 1;
+        }
+        if self.kept > PLOT_KEEP {
+            self.stride *= 2;
+            let stride = self.stride;
+            self.lines.retain(|(k, _)| k.is_multiple_of(stride));
+            self.kept = self
+                .lines
+                .iter()
+                .map(|(k, _)| *k)
+                .collect::<HashSet<_>>()
+                .len();
+        }
+    }
+
+    fn lines(&self) -> impl Iterator<Item = &SampleLine> {
+        self.lines.iter().map(|(_, l)| l)
+    }
+}
+
 /// The plotted series of every display channel of spice-server with placed samples: the
 /// sample lines of its socket, drawn with the stages its chain can place (from the report).
-fn plot_series(rep: &Report, lines: &[SampleLine]) -> Vec<crate::plot::ChannelSeries> {
+fn plot_series<'a>(
+    rep: &Report,
+    lines: impl IntoIterator<Item = &'a SampleLine>,
+) -> Vec<crate::plot::ChannelSeries> {
     let mut by_socket: BTreeMap<&str, Vec<&SampleLine>> = BTreeMap::new();
     for l in lines {
         if l.channel_type == "display" && !l.stages.is_empty() {
@@ -330,7 +387,7 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     );
 
     // The plot needs the whole series of the display channels: kept here, in the front end.
-    let mut plot_lines: Vec<SampleLine> = Vec::new();
+    let mut plot_lines = PlotLines::default();
     let mut sample = tokio::time::interval(opts.sample);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let deadline = tokio::time::sleep(opts.duration.unwrap_or(Duration::from_secs(u64::MAX / 4)));
@@ -341,12 +398,16 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         tokio::select! {
             r = engine.drain_ready() => r?,
             _ = sample.tick() => {
+                if samples_out.is_none() && opts.plot.is_none() {
+                    engine.sample_only(monotonic_ns());
+                    continue;
+                }
                 let lines = engine.sample(monotonic_ns());
                 if let Some(w) = samples_out.as_mut() {
                     w.write(&lines);
                 }
                 if opts.plot.is_some() {
-                    plot_lines.extend(lines.into_iter().filter(|l| l.channel_type == "display"));
+                    plot_lines.add(lines);
                 }
             }
             _ = tick.tick() => {
@@ -418,7 +479,7 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         None => {}
     }
     if let Some(path) = &opts.plot {
-        let series = plot_series(&rep, &plot_lines);
+        let series = plot_series(&rep, plot_lines.lines());
         if series.is_empty() {
             eprintln!(
                 "spice-observer: no display channel of spice-server with stage samples; {} left empty",
@@ -446,4 +507,80 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     }
     samples_result.transpose()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::samples::Legs;
+
+    fn line(t_s: f64, socket: &str, channel_type: &str) -> SampleLine {
+        SampleLine {
+            t_s,
+            t_end_s: t_s,
+            socket: socket.into(),
+            channel_type: channel_type.into(),
+            channel_id: 0,
+            in_flight: 0,
+            in_flight_low: 0,
+            in_flight_high: 0,
+            in_flight_exact: true,
+            window_source: None,
+            server_messages: 0,
+            acks: 0,
+            in_flight_relay: None,
+            window: 20,
+            stages: BTreeMap::new(),
+            unplaced: 0,
+            legs: Legs {
+                server: None,
+                relay_backend: None,
+                relay_client: None,
+            },
+            newest_last_byte_seq: None,
+            oldest_last_byte_seq: None,
+            kept: 0,
+            clamped: 0,
+        }
+    }
+
+    /// Two display channels and a cursor channel sampled far longer than the cap: each display
+    /// channel keeps between PLOT_KEEP / 2 and PLOT_KEEP samples, evenly spaced, spanning the
+    /// whole run (its first sample and one within a stride of its last); the cursor's none.
+    #[test]
+    fn plot_lines_stay_bounded_and_span_the_run() {
+        let mut p = PlotLines::default();
+        let n = 5 * PLOT_KEEP as u64 + 123;
+        for i in 0..n {
+            let t = i as f64 / 10.0;
+            p.add(vec![
+                line(t, "a", "display"),
+                line(t, "b", "display"),
+                line(t, "c", "cursor"),
+            ]);
+        }
+        for sock in ["a", "b"] {
+            let t: Vec<f64> = p
+                .lines()
+                .filter(|l| l.socket == sock)
+                .map(|l| l.t_s)
+                .collect();
+            assert!(
+                (PLOT_KEEP / 2..=PLOT_KEEP).contains(&t.len()),
+                "{sock}: {} samples",
+                t.len()
+            );
+            assert_eq!(t[0], 0.0);
+            let step = t[1] - t[0];
+            assert!(t.windows(2).all(|w| ((w[1] - w[0]) - step).abs() < 1e-6));
+            assert!(t[t.len() - 1] + step >= (n - 1) as f64 / 10.0 - 1e-6);
+        }
+        assert_eq!(p.lines().filter(|l| l.socket == "c").count(), 0);
+        // A short run keeps every sample.
+        let mut q = PlotLines::default();
+        for i in 0..100 {
+            q.add(vec![line(i as f64, "a", "display")]);
+        }
+        assert_eq!(q.lines().count(), 100);
+    }
 }

@@ -6,7 +6,14 @@
 //!   of the current network namespace, once for `AF_INET` and once for `AF_INET6`, with the
 //!   `INET_DIAG_INFO` extension (a `struct tcp_info`, `include/uapi/linux/tcp.h`). It gives the
 //!   observer a state for sockets that no eBPF hook has seen yet (for example connections that
-//!   were open before the observer started).
+//!   were open before the observer started). A dump walks every bucket of the kernel's TCP
+//!   hash tables whatever the number of sockets (`inet_diag_dump_icsk`, net/ipv4/inet_diag.c;
+//!   the established table has `thash_entries` buckets, 262144 on a host with a few GiB of
+//!   RAM, see the `TCP established hash table entries` boot line), about a millisecond of
+//!   kernel time: for what runs once (a watch, a restart, a scrape's fallback), not per sample.
+//! * [`DiagQuery`] asks for one socket by its addresses and cookie (a hash lookup in the
+//!   kernel, a few microseconds): what the periodic samples use, on one netlink socket kept
+//!   open.
 //! * [`socket_inodes`], [`descendants`] and [`comm`] read `/proc` to find which of those sockets
 //!   belong to the watched processes: a socket belongs to a process when its inode
 //!   ([`DiagSocket::inode`]) is the target of one of the process's `/proc/PID/fd/N` links
@@ -200,7 +207,8 @@ pub fn dump_tcp() -> anyhow::Result<Vec<DiagSocket>> {
     Ok(sockets)
 }
 
-/// A netlink sock_diag socket kept open for single-socket queries ([`DiagQuery::one`]).
+/// A netlink sock_diag socket kept open for single-socket queries ([`DiagQuery::one`],
+/// [`DiagQuery::socket`]).
 pub struct DiagQuery {
     socket: Socket,
     buf: Vec<u8>,
@@ -218,6 +226,7 @@ impl DiagQuery {
         socket
             .connect(&netlink_sys::SocketAddr::new(0, 0))
             .context("cannot connect the NETLINK_SOCK_DIAG socket to the kernel")?;
+        set_recv_timeout(&socket, ANSWER_TIMEOUT)?;
         Ok(Self {
             socket,
             buf: Vec::with_capacity(RECV_BUF_LEN),
@@ -231,19 +240,23 @@ impl DiagQuery {
     /// milliseconds for a dump of every socket. `Ok(None)` when the socket is gone (`ENOENT`)
     /// or the cookie names another socket now.
     pub fn one(&mut self, s: &DiagSocket) -> anyhow::Result<Option<DiagSocket>> {
-        let family = if s.local.is_ipv6() { AF_INET6 } else { AF_INET };
-        let half = |v: u64| (v as u32).to_ne_bytes();
-        let mut cookie = [0u8; 8];
-        cookie[..4].copy_from_slice(&half(s.cookie));
-        cookie[4..].copy_from_slice(&half(s.cookie >> 32));
-        let socket_id = SocketId {
-            source_port: s.local.port(),
-            destination_port: s.remote.port(),
-            source_address: s.local.ip(),
-            destination_address: s.remote.ip(),
-            interface_id: 0,
-            cookie,
-        };
+        self.socket(s.cookie, s.local, s.remote)
+    }
+
+    /// [`Self::one`] by cookie, local and remote address. An IPv4 address, or an IPv4-mapped
+    /// IPv6 one (`::ffff:a.b.c.d`, as an `AF_INET6` socket talking IPv4 shows it), is asked
+    /// for as `AF_INET`: the kernel's lookup then searches the IPv4 hash chains, where such
+    /// a dual-stack socket is hashed too (`inet_diag_find_one_icsk` treats an `AF_INET6`
+    /// request with mapped addresses the same way), and the answer gives the socket as it is
+    /// (an `AF_INET6` one with mapped addresses). Link-local IPv6 addresses take the scope id
+    /// of `local` as the interface.
+    pub fn socket(
+        &mut self,
+        cookie: u64,
+        local: SocketAddr,
+        remote: SocketAddr,
+    ) -> anyhow::Result<Option<DiagSocket>> {
+        let (family, socket_id) = exact_id(cookie, local, remote);
         self.seq = self.seq.wrapping_add(1);
         let mut out = Vec::with_capacity(1);
         match request(
@@ -255,7 +268,7 @@ impl DiagQuery {
             &mut self.buf,
             &mut out,
         ) {
-            Ok(()) => Ok(out.pop().filter(|d| d.cookie == s.cookie)),
+            Ok(()) => Ok(out.pop().filter(|d| d.cookie == cookie)),
             Err(e)
                 if e.downcast_ref::<std::io::Error>()
                     .and_then(|io| io.raw_os_error())
@@ -266,6 +279,211 @@ impl DiagQuery {
             Err(e) => Err(e),
         }
     }
+
+    /// [`Self::socket`] of many sockets, each given as (cookie, local, remote), with few
+    /// system calls: the requests of up to [`BATCH_QUERIES`] sockets go in one `sendto(2)`
+    /// (the kernel answers the netlink messages of a datagram one after the other,
+    /// `netlink_rcv_skb`, each with its own answer or `NLMSG_ERROR`), and their answers are
+    /// read with `recvmmsg(2)`. Returns one entry per socket, in order: `None` when it is gone
+    /// (`ENOENT`) or its cookie names another socket now.
+    ///
+    /// Errors: as [`Self::socket`] for any request the kernel refuses with another error, an
+    /// undecodable or truncated answer, or no answer within [`ANSWER_TIMEOUT`].
+    pub fn sockets(
+        &mut self,
+        socks: &[(u64, SocketAddr, SocketAddr)],
+    ) -> anyhow::Result<Vec<Option<DiagSocket>>> {
+        let mut out = Vec::with_capacity(socks.len());
+        for chunk in socks.chunks(BATCH_QUERIES) {
+            self.batch(chunk, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// One [`Self::sockets`] round of at most [`BATCH_QUERIES`] sockets.
+    fn batch(
+        &mut self,
+        socks: &[(u64, SocketAddr, SocketAddr)],
+        out: &mut Vec<Option<DiagSocket>>,
+    ) -> anyhow::Result<()> {
+        let first_seq = self.seq.wrapping_add(1);
+        let mut bytes = Vec::with_capacity(socks.len() * 72);
+        for &(cookie, local, remote) in socks {
+            self.seq = self.seq.wrapping_add(1);
+            let (family, socket_id) = exact_id(cookie, local, remote);
+            let m = request_message(family, self.seq, socket_id, false);
+            let at = bytes.len();
+            bytes.resize(at + m.buffer_len(), 0);
+            m.serialize(&mut bytes[at..]);
+        }
+        let sent = self
+            .socket
+            .send(&bytes, 0)
+            .context("cannot send the sock_diag requests")?;
+        if sent != bytes.len() {
+            bail!("sock_diag requests: sent {sent} of {} bytes", bytes.len());
+        }
+        let base = out.len();
+        out.resize(base + socks.len(), None);
+        let mut left = socks.len();
+        let slot = ANSWER_SLOT;
+        self.buf.clear();
+        self.buf.resize(slot * socks.len(), 0);
+        while left > 0 {
+            let n = recv_many(&self.socket, &mut self.buf, slot, left)?;
+            for (i, &(len, flags)) in n.iter().enumerate() {
+                if flags & libc::MSG_TRUNC != 0 {
+                    bail!("sock_diag answer truncated to {slot} bytes");
+                }
+                let raw = &self.buf[i * slot..i * slot + len];
+                let message = NetlinkMessage::<SockDiagMessage>::deserialize(raw)
+                    .map_err(|e| anyhow::anyhow!("sock_diag: undecodable answer: {e}"))?;
+                let k = message.header.sequence_number.wrapping_sub(first_seq) as usize;
+                if k >= socks.len() {
+                    continue; // an answer to an earlier request
+                }
+                let answer = match message.payload {
+                    NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
+                        Some(DiagSocket::from_response(&r)).filter(|d| d.cookie == socks[k].0)
+                    }
+                    NetlinkPayload::Error(e) if e.code.is_some() => {
+                        let e = e.to_io();
+                        if e.raw_os_error() != Some(libc::ENOENT) {
+                            return Err(e).with_context(|| {
+                                format!("the kernel refused the sock_diag query of {}", socks[k].1)
+                            });
+                        }
+                        None
+                    }
+                    _ => continue,
+                };
+                out[base + k] = answer;
+                left -= 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sockets asked for per datagram by [`DiagQuery::sockets`]: their answers (about 400 bytes
+/// each with `INET_DIAG_INFO`, a few KiB of receive buffer each) stay well within the
+/// netlink socket's default receive buffer (`net.core.rmem_default`, 208 KiB).
+pub const BATCH_QUERIES: usize = 32;
+
+/// Bytes of receive buffer per answer in [`DiagQuery::sockets`]: an answer is a
+/// `struct inet_diag_msg` with its attributes (`INET_DIAG_INFO`: `struct tcp_info`, 248
+/// bytes on Linux 6.x, and a few small ones), well under this.
+const ANSWER_SLOT: usize = 4096;
+
+/// How long [`DiagQuery::sockets`] waits for an answer before it gives up (`SO_RCVTIMEO`).
+pub const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Receives up to `max` datagrams into consecutive `slot`-byte slots of `buf` with one
+/// `recvmmsg(2)` (`MSG_WAITFORONE`: waits for the first, takes those already queued after
+/// it). Returns (length, `msg_flags`) of each. Errors: the system call's (`EAGAIN` after
+/// [`ANSWER_TIMEOUT`] without any).
+fn recv_many(
+    socket: &Socket,
+    buf: &mut [u8],
+    slot: usize,
+    max: usize,
+) -> anyhow::Result<Vec<(usize, i32)>> {
+    use std::os::fd::AsRawFd as _;
+    let max = max.min(buf.len() / slot);
+    let mut iov: Vec<libc::iovec> = buf
+        .chunks_mut(slot)
+        .take(max)
+        .map(|c| libc::iovec {
+            iov_base: c.as_mut_ptr().cast(),
+            iov_len: c.len(),
+        })
+        .collect();
+    // SAFETY: all-zero is a valid mmsghdr (null pointers, zero lengths).
+    let mut msgs: Vec<libc::mmsghdr> = (0..max).map(|_| unsafe { std::mem::zeroed() }).collect();
+    for (m, v) in msgs.iter_mut().zip(iov.iter_mut()) {
+        m.msg_hdr.msg_iov = v;
+        m.msg_hdr.msg_iovlen = 1;
+    }
+    loop {
+        // SAFETY: `msgs` holds `max` headers, each pointing at one iovec of a distinct slot
+        // of `buf`; all outlive the call.
+        let r = unsafe {
+            libc::recvmmsg(
+                socket.as_raw_fd(),
+                msgs.as_mut_ptr(),
+                max as u32,
+                libc::MSG_WAITFORONE,
+                std::ptr::null_mut(),
+            )
+        };
+        if r >= 0 {
+            return Ok(msgs[..r as usize]
+                .iter()
+                .map(|m| (m.msg_len as usize, m.msg_hdr.msg_flags))
+                .collect());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e).context("sock_diag: no answer (recvmmsg)");
+        }
+    }
+}
+
+/// The family and `inet_diag_sockid` of an exact request for socket `cookie` with these
+/// addresses ([`DiagQuery::socket`] says which family).
+fn exact_id(cookie: u64, local: SocketAddr, remote: SocketAddr) -> (u8, SocketId) {
+    let (lip, rip) = (local.ip().to_canonical(), remote.ip().to_canonical());
+    let family = if lip.is_ipv4() && rip.is_ipv4() {
+        AF_INET
+    } else {
+        AF_INET6
+    };
+    let v6 = |ip: IpAddr| match ip {
+        IpAddr::V4(v4) if family == AF_INET6 => IpAddr::V6(v4.to_ipv6_mapped()),
+        ip => ip,
+    };
+    let interface_id = match local {
+        SocketAddr::V6(a) if a.ip().is_unicast_link_local() => a.scope_id(),
+        _ => 0,
+    };
+    let half = |v: u64| (v as u32).to_ne_bytes();
+    let mut raw_cookie = [0u8; 8];
+    raw_cookie[..4].copy_from_slice(&half(cookie));
+    raw_cookie[4..].copy_from_slice(&half(cookie >> 32));
+    (
+        family,
+        SocketId {
+            source_port: local.port(),
+            destination_port: remote.port(),
+            source_address: v6(lip),
+            destination_address: v6(rip),
+            interface_id,
+            cookie: raw_cookie,
+        },
+    )
+}
+
+/// `SO_RCVTIMEO` of `socket`: a receive that waits longer fails with `EAGAIN`.
+fn set_recv_timeout(socket: &Socket, t: std::time::Duration) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let tv = libc::timeval {
+        tv_sec: t.as_secs() as libc::time_t,
+        tv_usec: t.subsec_micros() as libc::suseconds_t,
+    };
+    // SAFETY: setsockopt reads a timeval of the given size from `tv`.
+    let r = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&raw const tv).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error()).context("SO_RCVTIMEO on the sock_diag socket");
+    }
+    Ok(())
 }
 
 fn family_name(family: u8) -> &'static str {
@@ -293,18 +511,14 @@ fn dump_family(
     request(socket, family, seq, socket_id, true, buf, out)
 }
 
-/// Sends one `SOCK_DIAG_BY_FAMILY` request (a dump of every socket of `family`, or with
-/// `dump` false the one socket `socket_id` names) and appends the answers to `out`.
-fn request(
-    socket: &Socket,
+/// A `SOCK_DIAG_BY_FAMILY` request of TCP sockets of `family` in every state with
+/// `INET_DIAG_INFO`: a dump, or with `dump` false the one socket `socket_id` names.
+fn request_message(
     family: u8,
     seq: u32,
     socket_id: SocketId,
     dump: bool,
-    buf: &mut Vec<u8>,
-    out: &mut Vec<DiagSocket>,
-) -> anyhow::Result<()> {
-    let what = family_name(family);
+) -> NetlinkMessage<SockDiagMessage> {
     let mut header = NetlinkHeader::default();
     header.flags = if dump {
         NLM_F_REQUEST | NLM_F_DUMP
@@ -324,6 +538,22 @@ fn request(
         .into(),
     );
     request.finalize();
+    request
+}
+
+/// Sends one `SOCK_DIAG_BY_FAMILY` request (a dump of every socket of `family`, or with
+/// `dump` false the one socket `socket_id` names) and appends the answers to `out`.
+fn request(
+    socket: &Socket,
+    family: u8,
+    seq: u32,
+    socket_id: SocketId,
+    dump: bool,
+    buf: &mut Vec<u8>,
+    out: &mut Vec<DiagSocket>,
+) -> anyhow::Result<()> {
+    let what = family_name(family);
+    let request = request_message(family, seq, socket_id, dump);
     let mut bytes = vec![0; request.buffer_len()];
     request.serialize(&mut bytes);
     let sent = socket
@@ -574,6 +804,105 @@ mod tests {
                 "a stale cookie finds nothing ({ip})"
             );
         }
+    }
+
+    /// Many sockets asked for at once (more than one datagram of requests): every answer is
+    /// the socket asked for, in order, as the dump lists it; a stale cookie and a closed
+    /// connection's socket give `None`.
+    #[test]
+    fn query_many_sockets_at_once() {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let n = BATCH_QUERIES + 9;
+        let mut pairs = Vec::new();
+        for _ in 0..n {
+            let c = TcpStream::connect(addr).unwrap();
+            let (s, _) = listener.accept().unwrap();
+            pairs.push((c, s));
+        }
+        let locals: Vec<SocketAddr> = pairs.iter().map(|(c, _)| c.local_addr().unwrap()).collect();
+        let dump = dump_until(|d| {
+            locals
+                .iter()
+                .all(|l| find(d, *l, TCP_ESTABLISHED).is_some())
+        });
+        let listed: Vec<DiagSocket> = locals
+            .iter()
+            .map(|l| find(&dump, *l, TCP_ESTABLISHED).unwrap().clone())
+            .collect();
+        // The last connection closes before the queries: its client socket goes to
+        // TIME_WAIT or away, and its full socket's cookie is then not found as ESTABLISHED.
+        let (c, s) = pairs.pop().unwrap();
+        drop(s);
+        drop(c);
+        let mut ask: Vec<(u64, SocketAddr, SocketAddr)> = listed
+            .iter()
+            .map(|d| (d.cookie, d.local, d.remote))
+            .collect();
+        ask.push((listed[0].cookie ^ 1, listed[0].local, listed[0].remote));
+        let mut q = DiagQuery::new().unwrap();
+        let got = q.sockets(&ask).unwrap();
+        assert_eq!(got.len(), ask.len());
+        for (i, d) in listed.iter().enumerate().take(n - 1) {
+            let a = got[i]
+                .as_ref()
+                .unwrap_or_else(|| panic!("socket {i} found"));
+            assert_eq!((a.cookie, a.local, a.remote), (d.cookie, d.local, d.remote));
+            assert!(a.info.is_some());
+        }
+        assert!(
+            got[n - 1]
+                .as_ref()
+                .is_none_or(|a| a.state != TCP_ESTABLISHED),
+            "{:?}",
+            got[n - 1]
+        );
+        assert!(got[n].is_none(), "a stale cookie finds nothing");
+        // The same socket again right after: the batch left nothing behind in the socket.
+        let again = q.socket(listed[0].cookie, listed[0].local, listed[0].remote);
+        assert_eq!(again.unwrap().map(|d| d.cookie), Some(listed[0].cookie));
+    }
+
+    /// An `AF_INET6` socket talking IPv4 (dual-stack listener, IPv4 client) is found by its
+    /// plain IPv4 addresses, as the kernel hooks' records give them, and by the IPv4-mapped
+    /// ones the dump shows.
+    #[test]
+    fn query_a_dual_stack_socket_by_its_ipv4_addresses() {
+        let Ok(listener) = TcpListener::bind(("::", 0)) else {
+            eprintln!("no IPv6, skipped");
+            return;
+        };
+        let port = listener.local_addr().unwrap().port();
+        let client = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        let (local, remote) = (server.local_addr().unwrap(), server.peer_addr().unwrap());
+        assert!(local.is_ipv6(), "{local}: an AF_INET6 socket");
+        let dump = dump_until(|d| d.iter().any(|s| s.local == local && s.remote == remote));
+        let listed = dump
+            .iter()
+            .find(|s| s.local == local && s.remote == remote)
+            .expect("the accepted socket in the dump")
+            .clone();
+        let v4 = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
+        assert!(v4(local).is_ipv4());
+        let mut q = DiagQuery::new().unwrap();
+        for (l, r) in [(v4(local), v4(remote)), (local, remote)] {
+            let d = q
+                .socket(listed.cookie, l, r)
+                .unwrap()
+                .unwrap_or_else(|| panic!("found by {l} -> {r}"));
+            assert_eq!(
+                (d.cookie, d.local, d.remote),
+                (listed.cookie, local, remote)
+            );
+            assert!(d.info.is_some());
+        }
+        assert!(
+            q.socket(listed.cookie ^ 1, v4(local), v4(remote))
+                .unwrap()
+                .is_none()
+        );
+        drop(client);
     }
 
     /// Listener, client and accepted server socket on `ip`; the client writes `N` bytes that

@@ -21,6 +21,7 @@ use std::{
     collections::HashMap as StdHashMap,
     fs::File,
     num::NonZeroU32,
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -541,6 +542,9 @@ pub struct Capture {
     pub hook_set: String,
     /// Kernel features that were missing and what that costs (empty when all present).
     pub degraded: Vec<String>,
+    /// Own descriptors of the hash maps read in batches ([`Capture::tcp_states`],
+    /// [`Capture::sock_states`]), found at their first use; `None`: read key by key.
+    batch_fds: StdHashMap<&'static str, Option<OwnedFd>>,
 }
 
 /// Where a [`Capture`]'s libssl uprobe programs ([`tls::PROGRAMS`]) are.
@@ -1022,6 +1026,7 @@ impl Capture {
             tls,
             hook_set,
             degraded,
+            batch_fds: StdHashMap::new(),
         })
     }
 
@@ -1175,6 +1180,7 @@ impl Capture {
             tls,
             hook_set,
             degraded,
+            batch_fds: StdHashMap::new(),
         })))
     }
 
@@ -1316,6 +1322,100 @@ impl Capture {
         Ok(())
     }
 
+    /// A descriptor of hash map `name` of this capture's own, for [`lookup_batch`]; `None`
+    /// when it cannot be had or the kernel refused a batch read of it once (then the callers
+    /// read key by key). Found once per map ([`dup_map_fd`]).
+    fn batch_fd(&mut self, name: &'static str) -> Option<BorrowedFd<'_>> {
+        if !self.batch_fds.contains_key(name) {
+            let fd = match self.maps.get(name) {
+                Some(Map::HashMap(data)) => dup_map_fd(data),
+                _ => None,
+            };
+            if fd.is_none() {
+                debug!("map {name}: no descriptor for batch reads; reading it key by key");
+            }
+            self.batch_fds.insert(name, fd);
+        }
+        self.batch_fds.get(name)?.as_ref().map(|fd| fd.as_fd())
+    }
+
+    /// Every entry of hash map `name` in as few `bpf(2)` calls as it takes
+    /// ([`lookup_batch`]); `None` if batch reads are not available for it (the kernel's
+    /// refusal is logged once and the map is read key by key from then on).
+    fn entries_batch<V: aya::Pod>(&mut self, name: &'static str) -> Option<Vec<(u64, V)>> {
+        let fd = self.batch_fd(name)?;
+        match lookup_batch::<u64, V>(fd) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                debug!("map {name}: batch read refused ({e}); reading it key by key");
+                self.batch_fds.insert(name, None);
+                None
+            }
+        }
+    }
+
+    /// [`Capture::tcp_state`] of each of `cookies` that has an entry: the whole `TCP_STATE`
+    /// map in one batch read (a few `bpf(2)` calls for thousands of sockets), else key by key.
+    pub fn tcp_states(&mut self, cookies: &[u64]) -> StdHashMap<u64, TcpSnapshot> {
+        if cookies.is_empty() {
+            return StdHashMap::new();
+        }
+        match self.entries_batch::<TcpSnapshot>("TCP_STATE") {
+            Some(all) => {
+                let want: std::collections::HashSet<u64> = cookies.iter().copied().collect();
+                all.into_iter().filter(|(c, _)| want.contains(c)).collect()
+            }
+            None => cookies
+                .iter()
+                .filter_map(|&c| Some((c, self.tcp_state(c)?)))
+                .collect(),
+        }
+    }
+
+    /// [`Capture::sock_state`] of each of `cookies` that has an entry, with the same rule for
+    /// values the programs change while they are read: the whole `SOCKETS` map is read twice
+    /// in batches ([`lookup_batch`]); an entry whose counts and window agree in both reads is
+    /// taken, one that changed in between is read again alone ([`Capture::sock_state`]).
+    /// Without batch reads, key by key.
+    pub fn sock_states(&mut self, cookies: &[u64]) -> StdHashMap<u64, SockState> {
+        let mut out = StdHashMap::with_capacity(cookies.len());
+        if cookies.is_empty() {
+            return out;
+        }
+        let batches = self
+            .entries_batch::<SockState>("SOCKETS")
+            .and_then(|a| Some((a, self.entries_batch::<SockState>("SOCKETS")?)));
+        let Some((first, second)) = batches else {
+            for &c in cookies {
+                if let Some(st) = self.sock_state(c) {
+                    out.insert(c, st);
+                }
+            }
+            return out;
+        };
+        let want: std::collections::HashSet<u64> = cookies.iter().copied().collect();
+        let first: StdHashMap<u64, SockState> = first
+            .into_iter()
+            .filter(|(c, _)| want.contains(c))
+            .collect();
+        let mut changed = Vec::new();
+        for (c, b) in second {
+            match first.get(&c) {
+                Some(a) if same_counts(a, &b) => {
+                    out.insert(c, b);
+                }
+                Some(_) => changed.push(c),
+                None => {}
+            }
+        }
+        for c in changed {
+            if let Some(st) = self.sock_state(c) {
+                out.insert(c, st);
+            }
+        }
+        out
+    }
+
     /// Latest TCP state a kernel hook read for `cookie`, if any.
     pub fn tcp_state(&mut self, cookie: u64) -> Option<TcpSnapshot> {
         self.hash::<u64, TcpSnapshot>("TCP_STATE")
@@ -1330,18 +1430,10 @@ impl Capture {
     /// they never do, or on any error.
     pub fn sock_state(&mut self, cookie: u64) -> Option<SockState> {
         let map = self.hash::<u64, SockState>("SOCKETS").ok()?;
-        let same = |a: &SockState, b: &SockState| {
-            a.window == b.window
-                && a.msg_bytes == b.msg_bytes
-                && (0..2).all(|d| {
-                    a.dir[d].msg_count == b.dir[d].msg_count
-                        && a.dir[d].announced_at == b.dir[d].announced_at
-                })
-        };
         let mut prev = map.get(&cookie, 0).ok()?;
         for _ in 0..2 {
             let next = map.get(&cookie, 0).ok()?;
-            if same(&prev, &next) {
+            if same_counts(&prev, &next) {
                 return Some(next);
             }
             prev = next;
@@ -1538,6 +1630,132 @@ impl Capture {
 }
 
 /// The bytes of a plain-data value, to compare two reads of it.
+/// Whether two reads of a `SOCKETS` value agree on what [`Capture::sock_state`] must read
+/// consistently: the window, the byte totals, each direction's message count and its
+/// early-announced message.
+fn same_counts(a: &SockState, b: &SockState) -> bool {
+    a.window == b.window
+        && a.msg_bytes == b.msg_bytes
+        && (0..2).all(|d| {
+            a.dir[d].msg_count == b.dir[d].msg_count
+                && a.dir[d].announced_at == b.dir[d].announced_at
+        })
+}
+
+/// `BPF_MAP_LOOKUP_BATCH` (`enum bpf_cmd`, include/uapi/linux/bpf.h; Linux 5.6).
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+
+/// The `batch` member of `union bpf_attr` (include/uapi/linux/bpf.h), the argument of the
+/// `BPF_MAP_*_BATCH` commands.
+#[repr(C)]
+#[derive(Default)]
+struct BpfBatchAttr {
+    /// Where the walk starts: a pointer to the token a previous call gave, 0 for the start.
+    in_batch: u64,
+    /// Where the kernel writes the token of the next call.
+    out_batch: u64,
+    /// Arrays of `count` keys and values the kernel fills.
+    keys: u64,
+    values: u64,
+    /// In: room in the arrays; out: entries written.
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Entries asked for per `BPF_MAP_LOOKUP_BATCH` call (grown when a hash bucket holds more).
+const BATCH_ENTRIES: usize = 128;
+
+/// Every entry of the BPF hash map behind `fd` (key `K`, value `V`), by
+/// `BPF_MAP_LOOKUP_BATCH`: one `bpf(2)` call per [`BATCH_ENTRIES`] entries instead of two per
+/// entry (`BPF_MAP_GET_NEXT_KEY` and `BPF_MAP_LOOKUP_ELEM`). The kernel walks the buckets in
+/// order, copying each bucket's entries under the bucket's lock (kernel/bpf/hashtab.c
+/// `__htab_map_lookup_and_delete_batch`; the token is a `u32` bucket index), so entries
+/// added or removed during the walk may or may not appear, and a value a program changes in
+/// place during the copy may be torn, as with a single lookup. Errors: the kernel's (`EINVAL`
+/// or `ENOTSUPP` on kernels or map types without batch support).
+fn lookup_batch<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>) -> std::io::Result<Vec<(K, V)>> {
+    // SAFETY: `Pod` types are plain `repr(C)` data, for which all-zero bytes are a value.
+    let zk: K = unsafe { std::mem::zeroed() };
+    let zv: V = unsafe { std::mem::zeroed() };
+    let mut room = BATCH_ENTRIES;
+    let (mut keys, mut values) = (vec![zk; room], vec![zv; room]);
+    let mut out = Vec::new();
+    let (mut token, mut next) = (0u32, 0u32);
+    let mut first = true;
+    loop {
+        let mut attr = BpfBatchAttr {
+            in_batch: if first { 0 } else { &raw const token as u64 },
+            out_batch: &raw mut next as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: room as u32,
+            map_fd: fd.as_raw_fd() as u32,
+            ..Default::default()
+        };
+        // SAFETY: the attribute points at arrays of `room` keys and values and at two u32
+        // tokens, all alive and writable for the call; the kernel writes at most that.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                &raw mut attr,
+                std::mem::size_of::<BpfBatchAttr>(),
+            )
+        };
+        let err = (r < 0).then(std::io::Error::last_os_error);
+        match err.as_ref().and_then(|e| e.raw_os_error()) {
+            None | Some(libc::ENOENT) => {}
+            // One bucket holds more entries than there is room for: more room, same bucket.
+            Some(libc::ENOSPC) if attr.count == 0 && room < (1 << 16) => {
+                room *= 4;
+                keys.resize(room, zk);
+                values.resize(room, zv);
+                continue;
+            }
+            Some(_) => return Err(err.unwrap_or_else(std::io::Error::last_os_error)),
+        }
+        let n = (attr.count as usize).min(room);
+        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        if err.is_some() {
+            // ENOENT: the walk reached the last bucket.
+            return Ok(out);
+        }
+        token = next;
+        first = false;
+    }
+}
+
+/// A descriptor of the agent's own for `map`, found among the process's descriptors by the
+/// map's id (`/proc/self/fdinfo/N`, `map_id:`; `aya` keeps a map's descriptor private) and
+/// duplicated (`F_DUPFD_CLOEXEC`). Needs no capability (`BPF_MAP_GET_FD_BY_ID` would need
+/// `CAP_SYS_ADMIN`, which the daemon drops). `None` if not found.
+fn dup_map_fd(map: &MapData) -> Option<OwnedFd> {
+    let id = map.info().ok()?.id();
+    for e in std::fs::read_dir("/proc/self/fd").ok()?.flatten() {
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) else {
+            continue;
+        };
+        let same = info.lines().any(|l| {
+            l.strip_prefix("map_id:")
+                .is_some_and(|v| v.trim().parse::<u32>().ok() == Some(id))
+        });
+        if same {
+            // SAFETY: fcntl on a descriptor of this process; the new one is owned here.
+            let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+            if new >= 0 {
+                // SAFETY: `new` is a fresh descriptor nobody else owns.
+                return Some(unsafe { OwnedFd::from_raw_fd(new) });
+            }
+        }
+    }
+    None
+}
+
 fn pod_bytes<T: aya::Pod>(v: &T) -> &[u8] {
     // SAFETY: `T: Pod` is plain `repr(C)` data; reading its bytes is sound (padding included:
     // both values were copied whole from the same kernel map value).
@@ -1565,6 +1783,42 @@ mod tests {
 
     fn text(e: &anyhow::Error) -> String {
         format!("{e:#}")
+    }
+
+    /// A batch read of a real kernel hash map gives every entry exactly once, across several
+    /// calls (more entries than one call's room), through a descriptor found by the map's id;
+    /// an empty map gives none. Needs root (creating a BPF map): skipped otherwise.
+    #[test]
+    fn batch_reads_give_every_entry_once() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("not root: skipped (creating a BPF map needs CAP_BPF)");
+            return;
+        }
+        use aya::maps::IterableMap as _;
+        let mut map: HashMap<MapData, u64, TcpSnapshot> = HashMap::create(4096, 0).unwrap();
+        let fd = dup_map_fd(map.map()).expect("the map's descriptor among ours");
+        assert!(
+            lookup_batch::<u64, TcpSnapshot>(fd.as_fd())
+                .unwrap()
+                .is_empty()
+        );
+        let n = 3 * BATCH_ENTRIES as u64 + 17;
+        for k in 0..n {
+            let v = TcpSnapshot {
+                write_seq: k as u32 * 7,
+                copied_seq: !(k as u32),
+                ..Default::default()
+            };
+            map.insert(k * 1_000_003, v, 0).unwrap();
+        }
+        let mut got = lookup_batch::<u64, TcpSnapshot>(fd.as_fd()).unwrap();
+        got.sort_by_key(|(k, _)| *k);
+        assert_eq!(got.len() as u64, n);
+        for (i, (k, v)) in got.iter().enumerate() {
+            assert_eq!(*k, i as u64 * 1_000_003);
+            assert_eq!((v.write_seq, v.copied_seq), (i as u32 * 7, !(i as u32)));
+        }
     }
 
     /// A tracepoint whose `btf_trace_` typedef the BTF lacks is "not available", named.

@@ -36,7 +36,10 @@
 //! ACK, typically placed in `client_owes_ack`. A second SET_ACK restarts the set at that SET_ACK
 //! (count 1); after a surplus ACK the count, and so the set, is empty (§3.5).
 
-use std::collections::HashSet;
+use std::{
+    collections::{HashMap, HashSet},
+    net::SocketAddr,
+};
 
 use spice_ebpf_common::{event::dir, protocol::channel};
 
@@ -1001,8 +1004,66 @@ fn same_seq_space(server: &SocketModel, b: &SocketModel) -> Option<bool> {
 /// Prefix of the pairing note kept while a chain waits for its client leg.
 const WAITING: &str = "client leg not paired yet: ";
 
+/// The sockets that may be some chain's backend (client ends: the watched process connected
+/// to a SPICE server), indexed by what pairs them with spice-server's socket: by their
+/// addresses (local, remote; IPv4-mapped addresses as IPv4) and by the sequence base of their
+/// server→client direction. Built once per [`pair`], so that each chain looking for its
+/// backend looks at the few sockets with its mirrored addresses or its sequence base, not at
+/// every socket.
+struct Backends<'m> {
+    by_addr: HashMap<(SocketAddr, SocketAddr), Vec<&'m SocketModel>>,
+    by_seq: HashMap<u32, Vec<&'m SocketModel>>,
+}
+
+fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+impl<'m> Backends<'m> {
+    fn new(model: &'m Model) -> Self {
+        let mut by_addr: HashMap<(SocketAddr, SocketAddr), Vec<&SocketModel>> = HashMap::new();
+        let mut by_seq: HashMap<u32, Vec<&SocketModel>> = HashMap::new();
+        for b in model.sockets.values() {
+            if b.is_server_end() != Some(false) {
+                continue;
+            }
+            if let (Some(l), Some(r)) = (b.local, b.remote) {
+                by_addr
+                    .entry((canonical(l), canonical(r)))
+                    .or_default()
+                    .push(b);
+            }
+            if let Some(seq) = b.s2c().and_then(|d| b.dirs[d].seq_base) {
+                by_seq.entry(seq).or_default().push(b);
+            }
+        }
+        Backends { by_addr, by_seq }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.by_addr.is_empty() && self.by_seq.is_empty()
+    }
+
+    /// The possible backends of `server`: those at its mirrored addresses, then those with
+    /// the sequence base `seq`.
+    fn of(&self, server: &SocketModel, seq: Option<u32>) -> impl Iterator<Item = &'m SocketModel> {
+        let mirrored = match (server.local, server.remote) {
+            (Some(l), Some(r)) => self.by_addr.get(&(canonical(r), canonical(l))),
+            _ => None,
+        };
+        let same_seq = seq.and_then(|q| self.by_seq.get(&q));
+        mirrored
+            .into_iter()
+            .flatten()
+            .chain(same_seq.into_iter().flatten())
+            .copied()
+    }
+}
+
 /// Finds and extends chains: new server sockets get a chain; unpaired chains look for their
-/// relay legs. Call after applying records; cheap when everything is paired.
+/// relay legs. Call after applying records; cheap when everything is paired: one pass over
+/// the sockets, then per chain still looking for its backend a lookup of the sockets at its
+/// mirrored addresses or with its sequence base ([`Backends`]), not a pass over every socket.
 pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
     let relays = relay_pids(model);
     let known: HashSet<u64> = chains.iter().map(|c| c.server).collect();
@@ -1013,8 +1074,10 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
         }
     }
     // The relays' legs toward clients (server-end sockets of relay processes), listed only
-    // if a chain still looks for its client leg.
+    // if a chain still looks for its client leg; the possible backends, only if a chain
+    // still looks for its backend.
     let mut legs: Option<Vec<&SocketModel>> = None;
+    let mut backends: Option<Backends> = None;
     let mut used: HashSet<u64> = chains
         .iter()
         .flat_map(|c| [c.backend, c.client_leg])
@@ -1028,8 +1091,14 @@ pub fn pair(model: &Model, chains: &mut Vec<Chain>) {
             // Same TCP connection from the other end: mirrored addresses; the TCP sequence
             // numbers of the server's sending side must match the relay's receiving side.
             let server_seq = server.s2c().and_then(|d| server.dirs[d].seq_base);
-            let found = model.sockets.values().find(|b| {
-                if b.is_server_end() != Some(false) || used.contains(&b.cookie) {
+            let index = backends.get_or_insert_with(|| Backends::new(model));
+            let mut possible = if index.is_empty() {
+                None
+            } else {
+                Some(index.of(server, server_seq))
+            };
+            let found = possible.iter_mut().flatten().find(|b| {
+                if used.contains(&b.cookie) {
                     return false;
                 }
                 let addr_ok = match (server.local, server.remote, b.local, b.remote) {
@@ -2410,6 +2479,97 @@ mod tests {
             ca.pairing.last().unwrap().contains("2 unpaired leg(s)"),
             "{:?}",
             ca.pairing
+        );
+    }
+
+    /// Many direct sessions (no relay) and one relay leg whose addresses do not mirror any
+    /// spice-server socket (the relay saw the connection through a NAT) but whose stream has
+    /// one server's TCP sequence base: that server's chain gets it as its backend, found
+    /// through the index by sequence base; every other chain has none, and pairing again
+    /// changes nothing.
+    #[test]
+    fn a_backend_is_found_by_sequence_base_among_many_direct_sessions() {
+        let mut m = Model::default();
+        let n = 40u64;
+        let sock = |m: &mut Model, cookie: u64, pid: u32, l: u16, r: u16| {
+            m.apply(&Event::Socket {
+                hdr: hdr(cookie, pid, 0),
+                tid: pid,
+                local: addr(l),
+                remote: addr(r),
+                comm: String::new(),
+            });
+        };
+        let msg = |m: &mut Model, cookie: u64, pid: u32, d: u8, seq_base: u32| {
+            m.apply(&Event::Message(MessageEvent {
+                hdr: hdr(cookie, pid, d),
+                at: 100,
+                index: 1,
+                size: 8,
+                msg_type: msg_server::SET_ACK,
+                hdr_len: 6,
+                prefix: [1, 20],
+                seq: seq_base.wrapping_add(100),
+                ..Default::default()
+            }));
+        };
+        for i in 1..=n {
+            sock(&mut m, i, XORG, 5900, 40000 + i as u16);
+            link(
+                &mut m,
+                i,
+                XORG,
+                dir::RECV,
+                Role::ClientToServer,
+                channel::DISPLAY,
+                0,
+            );
+            link(
+                &mut m,
+                i,
+                XORG,
+                dir::SEND,
+                Role::ServerToClient,
+                channel::DISPLAY,
+                0,
+            );
+            msg(&mut m, i, XORG, dir::SEND, 7_000_000 * i as u32);
+        }
+        let rb = 1000;
+        sock(&mut m, rb, RELAY, 33333, 15900);
+        link(
+            &mut m,
+            rb,
+            RELAY,
+            dir::SEND,
+            Role::ClientToServer,
+            channel::DISPLAY,
+            0,
+        );
+        link(
+            &mut m,
+            rb,
+            RELAY,
+            dir::RECV,
+            Role::ServerToClient,
+            channel::DISPLAY,
+            0,
+        );
+        msg(&mut m, rb, RELAY, dir::RECV, 7_000_000 * 7);
+        let mut chains = Vec::new();
+        for _ in 0..2 {
+            pair(&m, &mut chains);
+            assert_eq!(chains.len(), n as usize);
+            for c in &chains {
+                let want = (c.server == 7).then_some(rb);
+                assert_eq!(c.backend, want, "chain of {}", c.server);
+            }
+        }
+        let c7 = chain_of(&chains, 7);
+        assert!(
+            c7.pairing[0].contains("same sequence numbers"),
+            "{:?}",
+            c7.pairing
         );
     }
 

@@ -479,10 +479,10 @@ impl SocketModel {
             if ds.tls.is_none() {
                 ds.seq_base.get_or_insert(m.seq.wrapping_sub(m.at as u32));
             }
-            if ds.role == Role::ServerToClient
-                && self.channel().map(|c| c.0) == Some(channel::MAIN)
-                && m.msg_type == msg_server::MAIN_INIT
+            if m.msg_type == msg_server::MAIN_INIT
                 && m.size >= 4
+                && ds.role == Role::ServerToClient
+                && self.channel().map(|c| c.0) == Some(channel::MAIN)
             {
                 self.session_id = Some(m.prefix[0]);
             }
@@ -532,10 +532,10 @@ impl SocketModel {
         let role = ds.role;
         self.window.record(role, m);
         self.joined_record(role, m);
-        if role == Role::ServerToClient
-            && self.channel().map(|c| c.0) == Some(channel::MAIN)
-            && m.msg_type == msg_server::MAIN_INIT
+        if m.msg_type == msg_server::MAIN_INIT
             && m.size >= 4
+            && role == Role::ServerToClient
+            && self.channel().map(|c| c.0) == Some(channel::MAIN)
         {
             self.session_id = Some(m.prefix[0]);
         }

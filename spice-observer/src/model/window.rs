@@ -32,8 +32,6 @@
 //! records, a read of the kernel's state that differs continues the counters from it
 //! ([`AckWindow::resync`]).
 
-use std::collections::BTreeMap;
-
 use spice_ebpf_common::{
     event::MessageEvent,
     framing::Role,
@@ -96,7 +94,7 @@ pub struct AckWindow {
     pub generation_began_ns: Option<u64>,
     /// Nanoseconds spent at each in-flight count (clamped to [`HISTOGRAM_MAX`]) in the current
     /// generation.
-    time_at: BTreeMap<u32, u64>,
+    time_at: TimeAt,
     /// Nanoseconds spent waiting for an ACK in the current generation.
     stalled_ns: u64,
     /// Start of the current generation's time accounting (its SET_ACK, or the resume), and the
@@ -105,7 +103,7 @@ pub struct AckWindow {
     last_ns: u64,
     /// Nanoseconds spent at each in-flight count (clamped to [`HISTOGRAM_MAX`]) over every
     /// generation: the source of [`WindowStats::histogram`].
-    time_at_total: BTreeMap<u32, u64>,
+    time_at_total: TimeAt,
     /// ∫ count dt over every generation, message·nanoseconds (exact, not clamped).
     count_ns_total: u128,
     /// Nanoseconds spent waiting for an ACK, every generation.
@@ -275,8 +273,8 @@ impl AckWindow {
         if self.since_ns.is_some() && now_ns > self.last_ns {
             let dt = now_ns - self.last_ns;
             let key = self.count.min(HISTOGRAM_MAX);
-            *self.time_at.entry(key).or_default() += dt;
-            *self.time_at_total.entry(key).or_default() += dt;
+            self.time_at.add(key, dt);
+            self.time_at_total.add(key, dt);
             self.count_ns_total += u128::from(self.count) * u128::from(dt);
             if self.stalled() {
                 self.stalled_ns += dt;
@@ -422,12 +420,12 @@ impl AckWindow {
         };
         let p50 = quantile_of(&self.time_at, key, extra, 0.5).unwrap_or(self.count);
         let le = histogram_bounds(self.window);
-        let total_ns: u64 = self.time_at_total.values().sum::<u64>() + extra;
+        let total_ns: u64 = self.time_at_total.total() + extra;
         let seconds = le
             .iter()
             .map(|&b| {
-                let at_or_below: u64 = self.time_at_total.range(..=b).map(|(_, t)| t).sum::<u64>()
-                    + if key <= b { extra } else { 0 };
+                let at_or_below: u64 =
+                    self.time_at_total.at_or_below(b) + if key <= b { extra } else { 0 };
                 at_or_below as f64 / 1e9
             })
             .collect();
@@ -477,17 +475,62 @@ impl AckWindow {
     }
 }
 
+/// Nanoseconds spent at each in-flight count, indexed by the count (clamped to
+/// [`HISTOGRAM_MAX`] by the caller): one indexed add per record, where an ordered map took a
+/// tree search. Grown to the highest count seen, so at most [`HISTOGRAM_MAX`] + 1 slots
+/// (spice-server's counts stay within 2W+2: 83 slots for W = 40).
+#[derive(Clone, Debug, Default)]
+struct TimeAt(Vec<u64>);
+
+impl TimeAt {
+    fn add(&mut self, key: u32, dt: u64) {
+        let k = key as usize;
+        if k >= self.0.len() {
+            self.0.resize(k + 1, 0);
+        }
+        self.0[k] += dt;
+    }
+
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    /// (count, ns) of every count with time, ascending.
+    fn iter(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
+        self.0
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| **t > 0)
+            .map(|(v, t)| (v as u32, *t))
+    }
+
+    fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+
+    /// Time at counts ≤ `b`.
+    fn at_or_below(&self, b: u32) -> u64 {
+        let n = (b as usize).saturating_add(1).min(self.0.len());
+        self.0[..n].iter().sum()
+    }
+
+    /// Counts with time.
+    fn len(&self) -> usize {
+        self.0.iter().filter(|t| **t > 0).count()
+    }
+}
+
 /// Time-weighted quantile `q` of `hist` with `extra` ns added at value `key`; `None` if no
 /// time at all.
-fn quantile_of(hist: &BTreeMap<u32, u64>, key: u32, extra: u64, q: f64) -> Option<u32> {
-    let total: u64 = hist.values().sum::<u64>() + extra;
+fn quantile_of(hist: &TimeAt, key: u32, extra: u64, q: f64) -> Option<u32> {
+    let total: u64 = hist.total() + extra;
     if total == 0 {
         return None;
     }
     let target = (q * total as f64).ceil().max(1.0) as u64;
     let mut acc = 0u64;
     let mut extra_left = extra;
-    for (&v, &t) in hist {
+    for (v, t) in hist.iter() {
         if extra_left > 0 && key < v {
             acc += extra_left;
             extra_left = 0;

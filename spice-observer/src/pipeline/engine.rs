@@ -139,6 +139,8 @@ pub struct Engine {
     ring: AsyncFd<RingBuf<MapData>>,
     model: Model,
     chains: Vec<Chain>,
+    /// The samples' sock_diag socket.
+    sampler: sampler::Sampler,
     decode_errors: u64,
     dump: Option<std::io::BufWriter<std::fs::File>>,
     started_ns: u64,
@@ -458,20 +460,28 @@ fn socket_addresses() -> HashMap<u64, (std::net::SocketAddr, std::net::SocketAdd
     }
 }
 
-/// Best TCP state per socket now: a sock_diag snapshot where the socket still exists in this
-/// network namespace, else the last kernel-hook snapshot.
+/// Best TCP state per socket now: a sock_diag answer where the socket is open and still
+/// exists in this network namespace (a query of every open socket whose addresses are known,
+/// [`sockdiag::DiagQuery::sockets`]), else the last kernel-hook snapshot.
 fn best_tcp(model: &Model) -> BTreeMap<u64, TcpReport> {
     let mut out = BTreeMap::new();
-    let diag = match sockdiag::dump_tcp() {
-        Ok(v) => v
-            .into_iter()
-            .map(|s| (s.cookie, s))
-            .collect::<BTreeMap<_, _>>(),
-        Err(e) => {
-            debug!("sock_diag dump failed: {e:#}");
-            BTreeMap::new()
+    let mut diag = HashMap::new();
+    let open: Vec<(u64, std::net::SocketAddr, std::net::SocketAddr)> = model
+        .sockets
+        .values()
+        .filter(|s| s.closed_ns.is_none())
+        .filter_map(|s| Some((s.cookie, s.local?, s.remote?)))
+        .collect();
+    match sockdiag::DiagQuery::new().and_then(|mut q| q.sockets(&open)) {
+        Ok(answers) => {
+            for (&(c, _, _), a) in open.iter().zip(answers) {
+                if let Some(d) = a {
+                    diag.insert(c, d);
+                }
+            }
         }
-    };
+        Err(e) => debug!("sock_diag queries failed: {e:#}"),
+    }
     for s in model.sockets.values() {
         let from_hooks = s.tcp.as_ref().map(|t| {
             TcpReport::from_snapshot(
@@ -594,7 +604,7 @@ impl Engine {
                 e.model = model;
                 // Pair the relay legs now, so that the first snapshot already labels them
                 // with their chain's VM (chains are otherwise formed at the first sample).
-                e.sample(monotonic_ns());
+                e.sample_only(monotonic_ns());
                 Ok(e)
             }
             found => {
@@ -662,6 +672,7 @@ impl Engine {
             ring,
             model: Model::default(),
             chains: Vec::new(),
+            sampler: sampler::Sampler::new(),
             decode_errors: 0,
             dump: None,
             started_ns,
@@ -1030,24 +1041,38 @@ impl Engine {
     }
 
     /// One TCP sample of every chain (pairs new sockets first): applies the ring's records,
-    /// reads the positions ([`sampler::read`]), applies the records of the calls made up to
+    /// reads the positions ([`sampler::Sampler::read`]), applies the records of the calls made up to
     /// those reads (so the count and the messages match `write_seq` / `copied_seq`), then
     /// places ([`sampler::place`]). Returns the per-chain sample lines for front ends that
-    /// write or plot them; empty when the sock_diag dump failed. `now_ns` is the front end's
+    /// write or plot them; empty when a sock_diag query failed. `now_ns` is the front end's
     /// tick (CLOCK_MONOTONIC); the lines carry the instants the positions were read.
     pub fn sample(&mut self, now_ns: u64) -> Vec<SampleLine> {
-        let _ = now_ns;
-        self.drain();
-        let Some(pos) = sampler::read(&mut self.cap, &mut self.model, &mut self.chains) else {
-            return Vec::new();
-        };
-        self.drain();
-        self.read_kernel_state();
-        let taken = sampler::place(&self.model, &mut self.chains, pos);
-        crate::samples::lines(&self.model, &taken, self.started_ns)
+        match self.take_sample(now_ns) {
+            Some(taken) => crate::samples::lines(&self.model, &taken, self.started_ns),
+            None => Vec::new(),
+        }
     }
 
-    /// Reads the kernel's state (`SOCKETS`) of every open socket and hands it to the model,
+    /// [`Engine::sample`] without building the sample lines, for a front end that writes and
+    /// plots none (the daemon; `observe` without `--samples` and `--plot`): the same sample is
+    /// taken and kept in the chains' statistics.
+    pub fn sample_only(&mut self, now_ns: u64) {
+        let _ = self.take_sample(now_ns);
+    }
+
+    fn take_sample(&mut self, now_ns: u64) -> Option<sampler::Sample> {
+        let _ = now_ns;
+        self.drain();
+        let pos = self
+            .sampler
+            .read(&mut self.cap, &mut self.model, &mut self.chains)?;
+        self.drain();
+        self.read_kernel_state();
+        Some(sampler::place(&self.model, &mut self.chains, pos))
+    }
+
+    /// Reads the kernel's state (`SOCKETS`, in batches: [`Capture::sock_states`]) of every
+    /// open socket and hands it to the model,
     /// which takes the bytes of every traced call (framed or not) from it, and, for a socket
     /// that carried messages, the message and byte totals (records lost
     /// since the previous read are then in the totals) and compares it with the
@@ -1063,10 +1088,8 @@ impl Engine {
             .filter(|s| s.closed_ns.is_none())
             .map(|s| s.cookie)
             .collect();
-        for cookie in open {
-            if let Some(st) = self.cap.sock_state(cookie) {
-                self.model.kernel_state(cookie, &st, now);
-            }
+        for (cookie, st) in self.cap.sock_states(&open) {
+            self.model.kernel_state(cookie, &st, now);
         }
     }
 

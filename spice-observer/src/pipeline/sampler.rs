@@ -1,14 +1,15 @@
 //! Periodic samples: TCP positions of every watched socket, and the stage placement of each
 //! chain's in-flight messages.
 //!
-//! Positions come from two sources read back to back: a netlink sock_diag dump (the queues:
+//! Positions come from two sources read back to back: netlink sock_diag (the queues, one
+//! query per socket by its cookie and addresses, [`crate::sockdiag::DiagQuery`]:
 //! `idiag_wqueue` = write_seq − snd_una, `tcpi_notsent_bytes` = write_seq − snd_nxt,
 //! `idiag_rqueue` = rcv_nxt − copied_seq; `net/ipv4/tcp_diag.c` `tcp_diag_get_info`) and the
 //! kernel hooks' `TCP_STATE` map (`write_seq` and `copied_seq`, which change only in the
 //! application's own send and receive calls, all of which the hooks see). The map anchors the
-//! positions in each stream; the dump gives the queues at the moment of the sample.
+//! positions in each stream; sock_diag gives the queues at the moment of the sample.
 
-use std::collections::HashMap;
+use std::{collections::HashMap, net::SocketAddr};
 
 use spice_ebpf_common::event::TcpSnapshot;
 
@@ -54,7 +55,7 @@ pub fn last_byte_seq(dir: &DirStats, end: u64) -> Option<u32> {
 /// The raw 32-bit TCP sequence numbers of one socket at one sample, as the sample used them.
 ///
 /// `write_seq` and `copied_seq` are the kernel hooks' `TCP_STATE` map entry (read right after
-/// the dump); the other three combine them with the sock_diag dump's queues
+/// the sock_diag queries); the other three combine them with the sock_diag answer's queues
 /// (`net/ipv4/tcp_diag.c` `tcp_diag_get_info`, `tcp_get_info`):
 /// `snd_nxt` = write_seq − `tcpi_notsent_bytes`, `snd_una` = write_seq − `idiag_wqueue`,
 /// `rcv_nxt` = copied_seq + `idiag_rqueue` (all mod 2³²).
@@ -70,8 +71,8 @@ pub struct LegSeqs {
 }
 
 impl LegSeqs {
-    /// From a map snapshot and the dump's entry of the same socket; `None` without the dump's
-    /// `tcp_info` (no notsent).
+    /// From a map snapshot and the sock_diag answer of the same socket; `None` without the
+    /// answer's `tcp_info` (no notsent).
     pub fn new(cookie: u64, snap: &TcpSnapshot, d: &DiagSocket) -> Option<Self> {
         let notsent = d.info.as_ref()?.notsent_bytes;
         Some(Self {
@@ -180,12 +181,13 @@ pub struct ChainTake {
 /// One sample of every chain.
 #[derive(Debug)]
 pub struct Sample {
-    /// CLOCK_MONOTONIC ns right before the sock_diag dump.
+    /// CLOCK_MONOTONIC ns right before the first sock_diag query.
     pub t_ns: u64,
     /// CLOCK_MONOTONIC ns right after the last `TCP_STATE` map read.
     pub t_end_ns: u64,
-    /// The dump by cookie, for other uses (TCP state of unchained sockets).
-    pub dump: HashMap<u64, DiagSocket>,
+    /// The sock_diag answers by cookie: the sockets [`Sampler::read`] queried that still
+    /// exist and did not move during their query.
+    pub diag: HashMap<u64, DiagSocket>,
     /// One entry per chain sampled (open spice-server socket), in `chains` order.
     pub chains: Vec<ChainTake>,
 }
@@ -197,89 +199,151 @@ struct Now<'a> {
     diag: &'a DiagSocket,
 }
 
-/// The positions one sample read, before placing: see [`read`].
+/// The positions one sample read, before placing: see [`Sampler::read`].
 #[derive(Debug)]
 pub struct Positions {
-    /// CLOCK_MONOTONIC ns right before the dump and right after the last map read.
+    /// CLOCK_MONOTONIC ns right before the first query and right after the last map read.
     t_ns: u64,
     t_end_ns: u64,
-    dump: HashMap<u64, DiagSocket>,
+    diag: HashMap<u64, DiagSocket>,
     snaps: HashMap<u64, TcpSnapshot>,
 }
 
-/// Takes one sample of every chain: [`read`], then [`place`] (without draining the ring in
-/// between: see [`read`] for why the caller should).
-pub fn sample(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> Option<Sample> {
-    let pos = read(cap, model, chains)?;
-    Some(place(model, chains, pos))
+/// What the samples keep between them: the netlink socket of their sock_diag queries,
+/// opened at the first sample and again after a query failed.
+#[derive(Default)]
+pub struct Sampler {
+    query: Option<sockdiag::DiagQuery>,
 }
 
-/// First half of a sample: pairs new sockets, then reads the positions of every socket: a
-/// sock_diag dump, then the `TCP_STATE` map entries (the chains' sockets first). Returns
-/// `None` if the dump failed (then no chain gets a sample).
-///
-/// Apply the ring's records between `read` and [`place`]: then the model (spice-server's
-/// count, the messages' spans) includes every call made up to the map reads, as
-/// `write_seq`/`copied_seq` do, and no position lies beyond the newest message because a
-/// message was started after the ring was drained.
-pub fn read(cap: &mut Capture, model: &mut Model, chains: &mut Vec<Chain>) -> Option<Positions> {
-    chain::pair(model, chains);
-    // The chains' sockets: their map entries are read before the dump too, to tell whether the
-    // process moved write_seq / copied_seq while the dump ran (then the dump's queues and the
-    // map's positions are of different instants).
-    let chained: Vec<u64> = chains
-        .iter()
-        .flat_map(|c| [Some(c.server), c.backend, c.client_leg])
-        .flatten()
-        .collect();
-    let before: HashMap<u64, TcpSnapshot> = chained
-        .iter()
-        .filter_map(|&c| Some((c, cap.tcp_state(c)?)))
-        .collect();
-    let t_ns = monotonic_ns();
-    let dump: HashMap<u64, DiagSocket> = match sockdiag::dump_tcp() {
-        Ok(v) => v.into_iter().map(|d| (d.cookie, d)).collect(),
-        Err(e) => {
-            log::debug!("sock_diag dump failed: {e:#}");
-            return None;
-        }
-    };
-    model.gone(&|c| dump.contains_key(&c), t_ns);
-    // Kernel-hook snapshots right after the dump (write_seq / copied_seq anchor the queues),
-    // the chains' sockets first.
-    let mut cookies = chained.clone();
-    cookies.extend(
-        model
-            .sockets
+impl Sampler {
+    /// A sampler; its netlink socket is opened by the first sample.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Takes one sample of every chain: [`Self::read`], then [`place`] (without draining the
+    /// ring in between: see [`Self::read`] for why the caller should).
+    pub fn sample(
+        &mut self,
+        cap: &mut Capture,
+        model: &mut Model,
+        chains: &mut Vec<Chain>,
+    ) -> Option<Sample> {
+        let pos = self.read(cap, model, chains)?;
+        Some(place(model, chains, pos))
+    }
+
+    /// First half of a sample: pairs new sockets, then reads the positions: the queues of
+    /// the sockets a placement may use (the chains' sockets, the candidate client legs of a
+    /// chain not paired yet) and of the open sockets found by the dump at a watch (to tell
+    /// when they are gone: they have no close record), each by a sock_diag query by cookie
+    /// and addresses, all in a few system calls ([`sockdiag::DiagQuery::sockets`]; a socket
+    /// whose addresses are not known is not queried), then the `TCP_STATE` map entries of
+    /// every open socket, in one batch read ([`Capture::tcp_states`]). Returns `None` if a
+    /// query failed (then no chain gets a sample).
+    ///
+    /// Apply the ring's records between `read` and [`place`]: then the model (spice-server's
+    /// count, the messages' spans) includes every call made up to the map reads, as
+    /// `write_seq`/`copied_seq` do, and no position lies beyond the newest message because a
+    /// message was started after the ring was drained.
+    pub fn read(
+        &mut self,
+        cap: &mut Capture,
+        model: &mut Model,
+        chains: &mut Vec<Chain>,
+    ) -> Option<Positions> {
+        chain::pair(model, chains);
+        // The chains' sockets: their map entries are read before the queries too, to tell
+        // whether the process moved write_seq / copied_seq meanwhile (then the answer's queues
+        // and the map's positions are of different instants).
+        let chained: Vec<u64> = chains
             .iter()
-            .filter(|(c, s)| s.closed_ns.is_none() && !chained.contains(c))
-            .map(|(c, _)| *c),
-    );
-    let mut snaps = HashMap::new();
-    for c in cookies {
-        if model.sockets.get(&c).is_some_and(|s| s.closed_ns.is_none())
-            && let Some(snap) = cap.tcp_state(c)
-        {
-            model.tcp_sample(c, snap);
-            snaps.insert(c, snap);
+            .flat_map(|c| [Some(c.server), c.backend, c.client_leg])
+            .flatten()
+            .collect();
+        let mut queried: Vec<u64> = chained.clone();
+        for c in chains.iter().filter(|c| c.client_leg.is_none()) {
+            queried.extend(c.candidate_legs());
         }
+        queried.extend(
+            model
+                .sockets
+                .values()
+                .filter(|s| s.found_by_dump && s.closed_ns.is_none())
+                .map(|s| s.cookie),
+        );
+        queried.sort_unstable();
+        queried.dedup();
+        let queried: Vec<(u64, SocketAddr, SocketAddr)> = queried
+            .into_iter()
+            .filter_map(|c| {
+                let s = model.sockets.get(&c).filter(|s| s.closed_ns.is_none())?;
+                Some((c, s.local?, s.remote?))
+            })
+            .collect();
+        let before = cap.tcp_states(&chained);
+        let t_ns = monotonic_ns();
+        let mut diag = HashMap::with_capacity(queried.len());
+        let mut gone = Vec::new();
+        if !queried.is_empty() {
+            let q = match self.query.as_mut() {
+                Some(q) => q,
+                None => match sockdiag::DiagQuery::new() {
+                    Ok(q) => self.query.insert(q),
+                    Err(e) => {
+                        log::debug!("sock_diag query socket: {e:#}");
+                        return None;
+                    }
+                },
+            };
+            match q.sockets(&queried) {
+                Ok(answers) => {
+                    for (&(c, _, _), a) in queried.iter().zip(answers) {
+                        match a {
+                            Some(d) => {
+                                diag.insert(c, d);
+                            }
+                            None => gone.push(c),
+                        }
+                    }
+                }
+                Err(e) => {
+                    log::debug!("sock_diag queries: {e:#}");
+                    self.query = None;
+                    return None;
+                }
+            }
+        }
+        model.gone(&|c| !gone.contains(&c), t_ns);
+        // Kernel-hook snapshots of every open socket right after the queries (write_seq /
+        // copied_seq anchor the queues), in one batch read of the map.
+        let open: Vec<u64> = model
+            .sockets
+            .values()
+            .filter(|s| s.closed_ns.is_none())
+            .map(|s| s.cookie)
+            .collect();
+        let mut snaps = cap.tcp_states(&open);
+        for (&c, &snap) in &snaps {
+            model.tcp_sample(c, snap);
+        }
+        let moved: Vec<u64> = before
+            .iter()
+            .filter(|(c, b)| snaps.get(c).is_some_and(|a| !same_position(a, b)))
+            .map(|(c, _)| *c)
+            .collect();
+        if !moved.is_empty() {
+            reread_moved(cap, self.query.as_mut(), &moved, &mut diag, &mut snaps);
+        }
+        let t_end_ns = monotonic_ns();
+        Some(Positions {
+            t_ns,
+            t_end_ns,
+            diag,
+            snaps,
+        })
     }
-    let moved: Vec<u64> = before
-        .iter()
-        .filter(|(c, b)| snaps.get(c).is_some_and(|a| !same_position(a, b)))
-        .map(|(c, _)| *c)
-        .collect();
-    let mut dump = dump;
-    if !moved.is_empty() {
-        reread_moved(cap, &moved, &mut dump, &mut snaps);
-    }
-    let t_end_ns = monotonic_ns();
-    Some(Positions {
-        t_ns,
-        t_end_ns,
-        dump,
-        snaps,
-    })
 }
 
 /// Whether a socket's application-side positions are the same in two map reads.
@@ -290,28 +354,23 @@ fn same_position(a: &TcpSnapshot, b: &TcpSnapshot) -> bool {
 /// How often a moved socket is queried again before its positions are given up for a sample.
 const REREAD_TRIES: usize = 3;
 
-/// Chain sockets whose process sent or read during the dump have queues (from the dump) and
-/// `write_seq`/`copied_seq` (from the map) of different instants: `snd_una` = `write_seq` −
-/// send queue would count bytes written after the dump as acknowledged. Each is read again
-/// alone, between two map reads (a single-socket sock_diag query takes tens of microseconds),
-/// until both map reads agree. A socket that keeps moving loses its positions for this sample
-/// (its chain is then not placed this time, never placed wrongly).
+/// Chain sockets whose process sent or read while the sample's queries ran have queues (from
+/// sock_diag) and `write_seq`/`copied_seq` (from the map) of different instants: `snd_una` =
+/// `write_seq` − send queue would count bytes written after the query as acknowledged. Each
+/// is queried again alone, between two map reads (a single-socket sock_diag query takes a few
+/// microseconds), until both map reads agree. A socket that keeps moving loses its positions
+/// for this sample (its chain is then not placed this time, never placed wrongly).
 fn reread_moved(
     cap: &mut Capture,
+    query: Option<&mut sockdiag::DiagQuery>,
     moved: &[u64],
-    dump: &mut HashMap<u64, DiagSocket>,
+    diag: &mut HashMap<u64, DiagSocket>,
     snaps: &mut HashMap<u64, TcpSnapshot>,
 ) {
-    let mut query = match sockdiag::DiagQuery::new() {
-        Ok(q) => Some(q),
-        Err(e) => {
-            log::debug!("sock_diag query socket: {e:#}");
-            None
-        }
-    };
+    let mut query = query;
     for &c in moved {
         let mut fixed = false;
-        if let (Some(q), Some(old)) = (query.as_mut(), dump.get(&c).cloned()) {
+        if let (Some(q), Some(old)) = (query.as_deref_mut(), diag.get(&c).cloned()) {
             for _ in 0..REREAD_TRIES {
                 let Some(b) = cap.tcp_state(c) else { break };
                 let d = match q.one(&old) {
@@ -324,7 +383,7 @@ fn reread_moved(
                 };
                 let Some(a) = cap.tcp_state(c) else { break };
                 if same_position(&a, &b) {
-                    dump.insert(c, d);
+                    diag.insert(c, d);
                     snaps.insert(c, a);
                     fixed = true;
                     break;
@@ -335,24 +394,24 @@ fn reread_moved(
             log::debug!(
                 "sample: socket {c} kept moving; its positions are left out of this sample"
             );
-            dump.remove(&c);
+            diag.remove(&c);
         }
     }
 }
 
 /// Second half of a sample: places each chain's in-flight messages against the positions
-/// [`read`] took and appends a [`ChainSample`] to each chain whose spice-server socket is
+/// [`Sampler::read`] took and appends a [`ChainSample`] to each chain whose spice-server socket is
 /// open. Returns what was taken.
 pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
     let Positions {
         t_ns,
         t_end_ns,
-        dump,
+        diag,
         snaps,
     } = pos;
     let now = |cookie: Option<u64>| -> Option<Now<'_>> {
         let c = cookie?;
-        let diag = dump.get(&c)?;
+        let diag = diag.get(&c)?;
         let snap = snaps.get(&c)?;
         Some(Now {
             model: model.sockets.get(&c)?,
@@ -457,7 +516,7 @@ pub fn place(model: &Model, chains: &mut [Chain], pos: Positions) -> Sample {
     Sample {
         t_ns,
         t_end_ns,
-        dump,
+        diag,
         chains: taken,
     }
 }
@@ -778,7 +837,7 @@ mod tests {
         let pos = Positions {
             t_ns: 100,
             t_end_ns: 101,
-            dump: [
+            diag: [
                 diag(
                     S,
                     5900,
