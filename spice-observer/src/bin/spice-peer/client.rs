@@ -16,13 +16,7 @@ pub(crate) fn connect(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
 pub(crate) fn run_client(a: &ClientArgs) -> Report {
     let c = &a.common;
     let obs = Arc::new(Mutex::new(Observe::default()));
-    let mut link = LinkFacts {
-        outcome: "ok",
-        channel_type: a.channel_type,
-        channel_id: a.channel_id,
-        connection_id: a.connection_id,
-        ..Default::default()
-    };
+    let mut link = LinkFacts::of_client(a);
     let mode = mode_name(c, a.websocket);
     let stream = match connect(&a.connect, c.timeout()).and_then(|s| setup_socket(&s, c).map(|_| s))
     {

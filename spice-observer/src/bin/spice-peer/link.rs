@@ -119,6 +119,18 @@ pub(crate) struct LinkFacts {
 }
 
 impl LinkFacts {
+    /// What a client knows of its link before it starts: the channel it asks for
+    /// (`--channel-type`, `--channel-id`, `--connection-id`), outcome "ok" so far.
+    pub(crate) fn of_client(a: &ClientArgs) -> Self {
+        LinkFacts {
+            outcome: "ok",
+            channel_type: a.channel_type,
+            channel_id: a.channel_id,
+            connection_id: a.connection_id,
+            ..Default::default()
+        }
+    }
+
     pub(crate) fn json(&self) -> Value {
         json!({
             "client_link_size": self.client_link_size,

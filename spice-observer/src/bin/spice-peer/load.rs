@@ -841,13 +841,7 @@ fn client_channel(stream: TcpStream, a: &ClientArgs) -> ClientChannel {
     let obs = Arc::new(Mutex::new(Observe::off()));
     let tx = Arc::new(Mutex::new(Tx::new(fd, Dir::C2S, c, obs.clone())));
     let mut rx = Rx::new(fd, Dir::S2C, c, obs);
-    let mut link = LinkFacts {
-        outcome: "ok",
-        channel_type: a.channel_type,
-        channel_id: a.channel_id,
-        connection_id: a.connection_id,
-        ..Default::default()
-    };
+    let mut link = LinkFacts::of_client(a);
     let mut acks = ClientAcks::default();
     let res = (|| -> io::Result<()> {
         if !client_link(a, &stream, &tx, &mut rx, &mut link)? {
