@@ -41,6 +41,7 @@ use common::{Client, Rig, check_run, describe_ch, parse_report, privileged, term
 use serde_json::Value;
 use spice_ebpf_common::event::{lock_how, msg_flags};
 use spice_observer::{
+    model::joined::STALL_GAP_NS,
     report::{ChannelReport, Report},
     samples::SampleLine,
 };
@@ -185,7 +186,7 @@ fn messages(recs: &[Rec], cookie: u64, dir: u8) -> Result<Vec<Msg>> {
 /// Durations (ns) of spice-server's waits on the ACK window on socket `cookie`, from the
 /// kernel's window effects in the records (STALL_BEGAN on a server message, STALL_ENDED on
 /// the ACK or SET_ACK that ended it).
-fn window_stalls(recs: &[Rec], cookie: u64) -> Result<Vec<u64>> {
+fn window_stalls(recs: &[Rec], cookie: u64) -> Result<Vec<Stall>> {
     use spice_ebpf_common::window::effect;
     let mut out = Vec::new();
     let mut began = None;
@@ -202,10 +203,106 @@ fn window_stalls(recs: &[Rec], cookie: u64) -> Result<Vec<u64>> {
         if fx & effect::STALL_ENDED != 0
             && let Some(b) = began.take()
         {
-            out.push(r.ts_ns - b);
+            out.push(Stall {
+                ns: r.ts_ns - b,
+                end_ts: r.ts_ns,
+                end_seq: r.get("seq")? as u32,
+                end_flags: r.get("flags")? as u8,
+            });
         }
     }
     Ok(out)
+}
+
+/// A window stall of the reference run: how long (ns), and the record that ended it (the
+/// client's ACK): its timestamp (ns, the kernel's monotonic clock, shared by both runs), TCP
+/// sequence number and `msg_flags`.
+#[derive(Clone, Copy, Debug)]
+struct Stall {
+    ns: u64,
+    end_ts: u64,
+    end_seq: u32,
+    end_flags: u8,
+}
+
+/// What the joined run's records show at the ACK that ended a stall of the reference: the
+/// preconditions of the stall pin (`spice_observer::model::joined`, "Pinning the count at a
+/// stall") that do not depend on the model.
+#[derive(Debug)]
+struct StallEnd {
+    /// The ACK's `msg_flags` in the joined run.
+    flags: u8,
+    /// Nanoseconds from the ACK's record to the next server → client start, and its size
+    /// (header + body); `None` if no start followed.
+    resume: Option<(u64, u64)>,
+    /// Further ACKs read before that start.
+    acks_between: usize,
+}
+
+impl StallEnd {
+    /// Why no stall pin can apply here, if one of its preconditions failed.
+    fn no_pin(&self) -> Option<String> {
+        use spice_observer::model::joined::{RESUME_NS, RESUME_NS_PER_BYTE};
+        if self.flags & msg_flags::PEER_MID_MESSAGE != 0 {
+            return Some("the ACK was read with the server mid-message".into());
+        }
+        if self.acks_between > 0 {
+            return Some(format!(
+                "spice-server read {} more ACK(s) before it started a message",
+                self.acks_between
+            ));
+        }
+        match self.resume {
+            None => Some("no server message followed the ACK".into()),
+            Some((ns, bytes)) if ns > RESUME_NS + RESUME_NS_PER_BYTE * bytes => Some(format!(
+                "spice-server started its next message ({bytes} B) {:.3} ms after the ACK, \
+                 beyond the pin's {:.3} ms",
+                ns as f64 / 1e6,
+                (RESUME_NS + RESUME_NS_PER_BYTE * bytes) as f64 / 1e6
+            )),
+            Some(_) => None,
+        }
+    }
+}
+
+/// The joined run's view of the ACK with TCP sequence number `seq` on socket `cookie`
+/// (client → server direction 1); `None` if it did not record that ACK.
+fn stall_end(recs: &[Rec], cookie: u64, seq: u32) -> Result<Option<StallEnd>> {
+    let mut all: Vec<&Rec> = recs
+        .iter()
+        .filter(|r| r.kind == "Message" && r.cookie == cookie)
+        .collect();
+    all.sort_by_key(|r| r.ts_ns);
+    let mut at = None;
+    for (i, r) in all.iter().enumerate() {
+        if r.dir == 1 && r.get("seq")? as u32 == seq {
+            at = Some(i);
+            break;
+        }
+    }
+    let Some(i) = at else {
+        return Ok(None);
+    };
+    let ack = all[i];
+    let mut acks_between = 0;
+    let mut resume = None;
+    for r in &all[i + 1..] {
+        if r.dir == 0 {
+            resume = Some((
+                r.ts_ns.saturating_sub(ack.ts_ns),
+                r.get("size")? + r.get("hdr_len")?,
+            ));
+            break;
+        }
+        if r.get("msg_type")? == 2 {
+            acks_between += 1;
+        }
+    }
+    Ok(Some(StallEnd {
+        flags: ack.get("flags")? as u8,
+        resume,
+        acks_between,
+    }))
 }
 
 /// Records of `kind` of one socket and direction.
@@ -699,19 +796,64 @@ fn check_interval(joined: &Run, reference: &Run, xorg: u32) -> Result<()> {
     // reaches 2W+1, and its window stalls last about a millisecond; then nothing can pin the
     // count and the channel stays bounded (contained, as checked above).
     let r_stalls = window_stalls(&reference.recs, c.cookie)?;
-    let longest = r_stalls.iter().copied().max().unwrap_or(0);
+    let longest = r_stalls.iter().max_by_key(|s| s.ns).copied();
     println!(
         "reference: {} window stall(s), longest {:.1} ms",
         r_stalls.len(),
-        longest as f64 / 1e6
+        longest.map_or(0.0, |s| s.ns as f64 / 1e6)
     );
-    if longest >= 50_000_000 {
+    // A stall long enough for the pin ([`STALL_GAP_NS`]) must pin the count, unless the
+    // joined run's own records show that spice-server did not resume at the ACK the way the
+    // pin requires (the kernel's timestamps; the reference's flags on the same ACK).
+    let pinnable = |s: &Stall| -> Result<Option<String>> {
+        let end = stall_end(&joined.recs, c.cookie, s.end_seq)?.ok_or_else(|| {
+            anyhow!(
+                "the joined run has no record of the ACK (seq {}) that ended a {:.0} ms \
+                 window stall of the reference",
+                s.end_seq,
+                s.ns as f64 / 1e6
+            )
+        })?;
+        let mid = msg_flags::PEER_MID_MESSAGE;
+        ensure!(
+            end.flags & mid == s.end_flags & mid,
+            "the ACK (seq {}) that ended a window stall: PEER_MID_MESSAGE {} in the joined \
+             run, {} in the reference",
+            s.end_seq,
+            end.flags & mid != 0,
+            s.end_flags & mid != 0
+        );
+        println!("stall end (seq {}): {end:?}", s.end_seq);
+        Ok(end.no_pin())
+    };
+    let mut blocked = Vec::new();
+    let mut expect_pin = false;
+    for s in r_stalls.iter().filter(|s| s.ns >= STALL_GAP_NS) {
+        // Stalls that ended before the joined run saw this socket are not its to pin.
+        let joined_from = joined
+            .recs
+            .iter()
+            .filter(|r| r.cookie == c.cookie)
+            .map(|r| r.ts_ns)
+            .min();
+        if joined_from.is_none_or(|t| t > s.end_ts) {
+            continue;
+        }
+        match pinnable(s)? {
+            Some(why) => blocked.push(format!("{:.0} ms stall: {why}", s.ns as f64 / 1e6)),
+            None => expect_pin = true,
+        }
+    }
+    if expect_pin {
         ensure!(
             first_exact.is_some(),
             "the interval never became exact, though the reference shows spice-server waiting \
-             {:.0} ms on the window",
-            longest as f64 / 1e6
+             {:.0} ms on the window and the joined run's records meet the stall pin's \
+             conditions at its end",
+            longest.map_or(0.0, |s| s.ns as f64 / 1e6)
         );
+    } else if !blocked.is_empty() {
+        println!("no stall could pin the count: {}", blocked.join("; "));
     }
     ensure!(
         j.window.map(i64::from) == Some(w)
