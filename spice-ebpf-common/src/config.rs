@@ -68,8 +68,8 @@ pub const LAYOUT_VERSION: u32 = 6;
 /// [`ring::DRAIN_INTERVAL_MS`]: no record waits longer than that.
 pub mod ring {
     /// Unread bytes in a ring at which a record forces a wake-up of the agent (and again
-    /// at every further multiple): with the 4 MiB `TAP_EVENTS` ring, at most one sixteenth
-    /// of it fills before the agent is woken (≈ 3,600 message records).
+    /// at every further multiple): with the 4 MiB `EVENTS` and `TAP_EVENTS` rings, at most
+    /// one sixteenth of one fills before the agent is woken (≈ 3,300 message records).
     pub const WAKEUP_BYTES: u64 = 256 << 10;
     /// Longest time, milliseconds, between two drains of the ring by the agent when no
     /// wake-up came: the latency bound of a record. The default sample period (100 ms):
