@@ -44,11 +44,19 @@ rm -f "$OUT"/*
 hz=$(getconf CLK_TCK)
 pids=()
 cleanup() {
+    trap - EXIT INT TERM
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    # Bounded: a child that does not end within 10 s is killed.
+    for _ in $(seq 100); do
+        jobs -pr | grep -q . || break
+        sleep 0.1
+    done
+    for p in $(jobs -pr); do kill -9 "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
     if [[ $MODE == daemon ]]; then "$OBS" daemon --pin-dir "$PINS" --unpin >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT
+trap 'cleanup; exit 143' INT TERM
 if ((INTERVAL == 0)); then
     msgs=${SATURATED_MSGS:-400000}
 else

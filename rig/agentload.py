@@ -30,12 +30,13 @@ CHILDREN = []
 
 
 def stop(_sig, _frame):
-    """SIGTERM: ends the children this process started, then itself."""
+    """SIGTERM: passes it on to the children this process started. The main flow, blocked in
+    their wait or their output, then reaps them and ends. (Waiting here instead would
+    deadlock: Popen.wait holds a lock the interrupted wait already holds, and the child would
+    stay a zombie.)"""
     for p in CHILDREN:
-        p.terminate()
-    for p in CHILDREN:
-        p.wait()
-    sys.exit(143)
+        if p.poll() is None:
+            p.terminate()
 
 
 def summary(out):
@@ -72,7 +73,8 @@ def wrap(cmd):
     """Runs `cmd` as a child with this process's stdin and stdout, and exits with its status."""
     p = subprocess.Popen(cmd)
     CHILDREN.append(p)
-    sys.exit(p.wait())
+    rc = p.wait()
+    sys.exit(128 - rc if rc < 0 else rc)
 
 
 if __name__ == "__main__":
