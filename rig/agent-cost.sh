@@ -4,7 +4,9 @@
 # between messages: ~900 messages/s each; 2 ms gives ~480/s). INTERVAL_MS 0: saturated
 # sessions of $SATURATED_MSGS messages each (default 400000), measured from the clients'
 # start until the servers are done plus 1 s (SECONDS is then the longest wait), the messages
-# counted by the servers themselves.
+# counted by the servers themselves. With $LOAD_PEER (a spice-peer with the `load` subcommand):
+# `spice-peer load --sessions SESSIONS --rate $RATE` (default 635 messages/s per session) on
+# port 17300 instead, wrapped by agentload.py (INTERVAL_MS is then ignored).
 #
 # rig/agentload.py starts SESSIONS `spice-peer server --set-ack --window 20 --interval-ms
 # INTERVAL_MS` as children of one process (the observer's target, as qemu is); the agent
@@ -42,24 +44,47 @@ rm -f "$OUT"/*
 hz=$(getconf CLK_TCK)
 pids=()
 cleanup() {
+    trap - EXIT INT TERM
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    # Bounded: a child that does not end within 10 s is killed.
+    for _ in $(seq 100); do
+        jobs -pr | grep -q . || break
+        sleep 0.1
+    done
+    for p in $(jobs -pr); do kill -9 "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
     if [[ $MODE == daemon ]]; then "$OBS" daemon --pin-dir "$PINS" --unpin >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT
+trap 'cleanup; exit 143' INT TERM
 if ((INTERVAL == 0)); then
     msgs=${SATURATED_MSGS:-400000}
 else
     # Enough messages per session to outlast the window at 1000 messages/s.
     msgs=$(( (SECS + WARM + 30) * 1000 / INTERVAL ))
 fi
-coproc SERVERS { exec "$HERE/agentload.py" servers "$N" $BASE "$INTERVAL" "$msgs" 2>"$OUT/servers.err"; }
+if [[ -n ${LOAD_PEER:-} ]]; then
+    # spice-peer load (N sessions of one display channel on port BASE, RATE messages/s each,
+    # its detached client process ACKing every 20), under agentload.py's wrapper.
+    coproc SERVERS { exec "$HERE/agentload.py" wrap "$LOAD_PEER" load --sessions "$N" \
+        --channels 1 --body-size 200 --rate "${RATE:-635}" --batch 1 --window 20 \
+        --duration $((SECS + WARM + 10)) --port $BASE --hold 2>"$OUT/servers.err"; }
+else
+    coproc SERVERS { exec "$HERE/agentload.py" servers "$N" $BASE "$INTERVAL" "$msgs" 2>"$OUT/servers.err"; }
+fi
 srv=$SERVERS_PID
 pids+=("$srv")
-# A copy of the coprocess's output: bash closes its own when the coprocess exits.
-exec {srvout}<&"${SERVERS[0]}"
-read -r word parent <&"$srvout" || { cat "$OUT/servers.err" >&2; exit 1; }
-[[ $word == pid && $parent == "$srv" ]] || { echo "agentload did not start: $word $parent" >&2; exit 1; }
+# Copies of the coprocess's pipes: bash closes its own when the coprocess exits.
+exec {srvout}<&"${SERVERS[0]}" {srvin}>&"${SERVERS[1]}"
+if [[ -n ${LOAD_PEER:-} ]]; then
+    read -r word _ server _ client <&"$srvout" || { cat "$OUT/servers.err" >&2; exit 1; }
+    [[ $word == hold ]] || { echo "spice-peer load did not start: $word" >&2; exit 1; }
+    pids+=("$client")
+    parent=$srv
+else
+    read -r word parent <&"$srvout" || { cat "$OUT/servers.err" >&2; exit 1; }
+    [[ $word == pid && $parent == "$srv" ]] || { echo "agentload did not start: $word $parent" >&2; exit 1; }
+fi
 
 if [[ $MODE == observe ]]; then
     "$OBS" observe --pid "$parent" --duration $((SECS + WARM + 10)) --no-progress \
@@ -91,6 +116,10 @@ grep -Fq "$ready" "$OUT/agent.log" || { echo "agent not ready:" >&2; cat "$OUT/a
 
 echo "$agent" >"$OUT/agent.pid"
 clients() {
+    if [[ -n ${LOAD_PEER:-} ]]; then
+        echo go >&"$srvin"
+        return
+    fi
     for i in $(seq 0 $((N - 1))); do
         "$SPICE_PEER" client --connect 127.0.0.1:$((BASE + i)) --timeout-ms 600000 >/dev/null 2>&1 &
         pids+=("$!")

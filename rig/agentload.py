@@ -9,6 +9,10 @@
 
 The clients (`spice-peer client --connect 127.0.0.1:BASEPORT+i`) are started by the caller,
 outside this process tree, as the VMs' clients are (rig/agent-cost.sh).
+  agentload.py wrap CMD [ARGS...]
+      runs CMD (e.g. `spice-peer load ... --hold`, whose client process detaches itself) as
+      this process's child with the same stdin and stdout: a process the daemon's relay
+      rule `name = "agentload"` finds, whose descendants are the load's server alone.
 
 $SPICE_PEER names the spice-peer binary (default target/release/spice-peer next to rig/).
 """
@@ -26,12 +30,13 @@ CHILDREN = []
 
 
 def stop(_sig, _frame):
-    """SIGTERM: ends the children this process started, then itself."""
+    """SIGTERM: passes it on to the children this process started. The main flow, blocked in
+    their wait or their output, then reaps them and ends. (Waiting here instead would
+    deadlock: Popen.wait holds a lock the interrupted wait already holds, and the child would
+    stay a zombie.)"""
     for p in CHILDREN:
-        p.terminate()
-    for p in CHILDREN:
-        p.wait()
-    sys.exit(143)
+        if p.poll() is None:
+            p.terminate()
 
 
 def summary(out):
@@ -64,9 +69,19 @@ def servers(n, base, interval, messages, body="200"):
     print("messages_sent", total, flush=True)
 
 
+def wrap(cmd):
+    """Runs `cmd` as a child with this process's stdin and stdout, and exits with its status."""
+    p = subprocess.Popen(cmd)
+    CHILDREN.append(p)
+    rc = p.wait()
+    sys.exit(128 - rc if rc < 0 else rc)
+
+
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, stop)
     if len(sys.argv) >= 6 and sys.argv[1] == "servers":
         servers(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:])
+    elif len(sys.argv) >= 3 and sys.argv[1] == "wrap":
+        wrap(sys.argv[2:])
     else:
         sys.exit(__doc__)

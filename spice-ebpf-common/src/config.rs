@@ -68,13 +68,18 @@ pub const LAYOUT_VERSION: u32 = 6;
 /// [`ring::DRAIN_INTERVAL_MS`]: no record waits longer than that.
 pub mod ring {
     /// Unread bytes in a ring at which a record forces a wake-up of the agent (and again
-    /// at every further multiple): with the 4 MiB `TAP_EVENTS` ring, at most one sixteenth
-    /// of it fills before the agent is woken (≈ 3,600 message records).
+    /// at every further multiple): with the 4 MiB `EVENTS` and `TAP_EVENTS` rings, at most
+    /// one sixteenth of one fills before the agent is woken (≈ 3,300 message records).
     pub const WAKEUP_BYTES: u64 = 256 << 10;
     /// Longest time, milliseconds, between two drains of the ring by the agent when no
-    /// wake-up came: the latency bound of a record. At 100 k messages/s a 10 ms interval
-    /// leaves about 80 KiB in the ring between drains.
-    pub const DRAIN_INTERVAL_MS: u64 = 10;
+    /// wake-up came: the latency bound of a record. The default sample period (100 ms):
+    /// every sample drains the ring before and after its reads anyway, and each drain that
+    /// no record asked for is a wake-up of the agent (measured on the 2-CPU VM of the rig,
+    /// 10 sessions × 900 messages/s: 10 ms cost the agent 1.1 % of a core at 115 wake-ups/s,
+    /// 100 ms 0.46 % at 27/s; `rig/agent-cost.sh`). At 6,350 messages/s (10 sessions × 635)
+    /// 100 ms leave about 50 KiB in the ring; faster streams wake the agent every
+    /// [`WAKEUP_BYTES`] before that.
+    pub const DRAIN_INTERVAL_MS: u64 = 100;
     /// Bytes a record of `len` bytes takes in a ring: its 8-byte header plus the record,
     /// rounded up to 8 (kernel/bpf/ringbuf.c `BPF_RINGBUF_HDR_SZ`, `round_up(len + hdr, 8)`).
     pub const fn slot_len(len: usize) -> u64 {

@@ -212,6 +212,8 @@ pub fn dump_tcp() -> anyhow::Result<Vec<DiagSocket>> {
 pub struct DiagQuery {
     socket: Socket,
     buf: Vec<u8>,
+    /// [`DiagQuery::sockets`]' answer slots, [`ANSWER_SLOT`] bytes each (grown, never shrunk).
+    answers: Vec<u8>,
     seq: u32,
 }
 
@@ -230,6 +232,7 @@ impl DiagQuery {
         Ok(Self {
             socket,
             buf: Vec::with_capacity(RECV_BUF_LEN),
+            answers: Vec::new(),
             seq: 1000,
         })
     }
@@ -327,15 +330,16 @@ impl DiagQuery {
         out.resize(base + socks.len(), None);
         let mut left = socks.len();
         let slot = ANSWER_SLOT;
-        self.buf.clear();
-        self.buf.resize(slot * socks.len(), 0);
+        if self.answers.len() < slot * socks.len() {
+            self.answers.resize(slot * socks.len(), 0);
+        }
         while left > 0 {
-            let n = recv_many(&self.socket, &mut self.buf, slot, left)?;
+            let n = recv_many(&self.socket, &mut self.answers, slot, left)?;
             for (i, &(len, flags)) in n.iter().enumerate() {
                 if flags & libc::MSG_TRUNC != 0 {
                     bail!("sock_diag answer truncated to {slot} bytes");
                 }
-                let raw = &self.buf[i * slot..i * slot + len];
+                let raw = &self.answers[i * slot..i * slot + len];
                 let message = NetlinkMessage::<SockDiagMessage>::deserialize(raw)
                     .map_err(|e| anyhow::anyhow!("sock_diag: undecodable answer: {e}"))?;
                 let k = message.header.sequence_number.wrapping_sub(first_seq) as usize;

@@ -1342,9 +1342,13 @@ impl Capture {
     /// Every entry of hash map `name` in as few `bpf(2)` calls as it takes
     /// ([`lookup_batch`]); `None` if batch reads are not available for it (the kernel's
     /// refusal is logged once and the map is read key by key from then on).
-    fn entries_batch<V: aya::Pod>(&mut self, name: &'static str) -> Option<Vec<(u64, V)>> {
+    fn entries_batch<V: aya::Pod>(
+        &mut self,
+        name: &'static str,
+        expected: usize,
+    ) -> Option<Vec<(u64, V)>> {
         let fd = self.batch_fd(name)?;
-        match lookup_batch::<u64, V>(fd) {
+        match lookup_batch::<u64, V>(fd, expected) {
             Ok(v) => Some(v),
             Err(e) => {
                 debug!("map {name}: batch read refused ({e}); reading it key by key");
@@ -1360,7 +1364,7 @@ impl Capture {
         if cookies.is_empty() {
             return StdHashMap::new();
         }
-        match self.entries_batch::<TcpSnapshot>("TCP_STATE") {
+        match self.entries_batch::<TcpSnapshot>("TCP_STATE", cookies.len()) {
             Some(all) => {
                 let want: std::collections::HashSet<u64> = cookies.iter().copied().collect();
                 all.into_iter().filter(|(c, _)| want.contains(c)).collect()
@@ -1382,9 +1386,10 @@ impl Capture {
         if cookies.is_empty() {
             return out;
         }
+        let n = cookies.len();
         let batches = self
-            .entries_batch::<SockState>("SOCKETS")
-            .and_then(|a| Some((a, self.entries_batch::<SockState>("SOCKETS")?)));
+            .entries_batch::<SockState>("SOCKETS", n)
+            .and_then(|a| Some((a, self.entries_batch::<SockState>("SOCKETS", n)?)));
         let Some((first, second)) = batches else {
             for &c in cookies {
                 if let Some(st) = self.sock_state(c) {
@@ -1668,18 +1673,22 @@ struct BpfBatchAttr {
 const BATCH_ENTRIES: usize = 128;
 
 /// Every entry of the BPF hash map behind `fd` (key `K`, value `V`), by
-/// `BPF_MAP_LOOKUP_BATCH`: one `bpf(2)` call per [`BATCH_ENTRIES`] entries instead of two per
+/// `BPF_MAP_LOOKUP_BATCH`: one `bpf(2)` call per [`BATCH_ENTRIES`] entries (fewer per call when
+/// about `expected` entries are expected: the arrays are sized for them) instead of two per
 /// entry (`BPF_MAP_GET_NEXT_KEY` and `BPF_MAP_LOOKUP_ELEM`). The kernel walks the buckets in
 /// order, copying each bucket's entries under the bucket's lock (kernel/bpf/hashtab.c
 /// `__htab_map_lookup_and_delete_batch`; the token is a `u32` bucket index), so entries
 /// added or removed during the walk may or may not appear, and a value a program changes in
 /// place during the copy may be torn, as with a single lookup. Errors: the kernel's (`EINVAL`
 /// or `ENOTSUPP` on kernels or map types without batch support).
-fn lookup_batch<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>) -> std::io::Result<Vec<(K, V)>> {
+fn lookup_batch<K: aya::Pod, V: aya::Pod>(
+    fd: BorrowedFd<'_>,
+    expected: usize,
+) -> std::io::Result<Vec<(K, V)>> {
     // SAFETY: `Pod` types are plain `repr(C)` data, for which all-zero bytes are a value.
     let zk: K = unsafe { std::mem::zeroed() };
     let zv: V = unsafe { std::mem::zeroed() };
-    let mut room = BATCH_ENTRIES;
+    let mut room = (expected + 16).next_power_of_two().min(BATCH_ENTRIES);
     let (mut keys, mut values) = (vec![zk; room], vec![zv; room]);
     let mut out = Vec::new();
     let (mut token, mut next) = (0u32, 0u32);
@@ -1799,7 +1808,7 @@ mod tests {
         let mut map: HashMap<MapData, u64, TcpSnapshot> = HashMap::create(4096, 0).unwrap();
         let fd = dup_map_fd(map.map()).expect("the map's descriptor among ours");
         assert!(
-            lookup_batch::<u64, TcpSnapshot>(fd.as_fd())
+            lookup_batch::<u64, TcpSnapshot>(fd.as_fd(), 0)
                 .unwrap()
                 .is_empty()
         );
@@ -1812,7 +1821,7 @@ mod tests {
             };
             map.insert(k * 1_000_003, v, 0).unwrap();
         }
-        let mut got = lookup_batch::<u64, TcpSnapshot>(fd.as_fd()).unwrap();
+        let mut got = lookup_batch::<u64, TcpSnapshot>(fd.as_fd(), 10).unwrap();
         got.sort_by_key(|(k, _)| *k);
         assert_eq!(got.len() as u64, n);
         for (i, (k, v)) in got.iter().enumerate() {
