@@ -240,11 +240,12 @@ pub fn mapped_libssl(pid: u32) -> Result<Vec<MappedLibrary>, ProcError> {
 
 /// The start time of process `pid` (`/proc/PID/stat` field 22, clock ticks after boot), to
 /// tell a reused pid from the process that had it. `None` when it is gone or unreadable.
+/// Called for every hooked process at every scan, so it is one `read` of the file and the
+/// discovery scan's parser ([`crate::host::discovery::parse_stat`]), not a full
+/// `procfs::process::Stat` (which opens `/proc/PID` first and parses all 52 fields).
 pub fn start_time(pid: u32) -> Option<u64> {
-    procfs::process::Process::new(pid as i32)
-        .and_then(|p| p.stat())
-        .ok()
-        .map(|s| s.starttime)
+    let raw = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    crate::host::discovery::parse_stat(&raw).map(|s| s.start_time)
 }
 
 /// Why a process's map could not be read.
