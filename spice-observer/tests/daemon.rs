@@ -101,7 +101,8 @@ fn dirs(c: &ChannelReport) -> Result<(&'static str, &'static str)> {
 }
 
 /// Compares one report row with the daemon's series of (vm, leg): totals bracketed by the two
-/// scrapes taken before and after observe's end (the counters only grow), in-flight within ±1.
+/// scrapes taken before and after observe's end (the counters only grow), in-flight within ±1
+/// plus what moved after observe's end.
 fn compare(before: &Scrape, after: &Scrape, c: &ChannelReport, vm: &str, leg: &str) -> Result<u64> {
     let id = c
         .channel_id
@@ -115,6 +116,8 @@ fn compare(before: &Scrape, after: &Scrape, c: &ChannelReport, vm: &str, leg: &s
     ];
     let (sent, recv) = dirs(c)?;
     let mut n = 0;
+    // Messages the daemon counted after observe's end, per direction (sent, received).
+    let mut later = [0u64; 2];
     for (metric, dir, v) in [
         ("spice_observer_messages_total", sent, c.messages_sent),
         ("spice_observer_messages_total", recv, c.messages_received),
@@ -130,13 +133,26 @@ fn compare(before: &Scrape, after: &Scrape, c: &ChannelReport, vm: &str, leg: &s
             "{metric} {with:?}: observe {v}, daemon {a} before and {b} after its end: {}",
             describe_ch(c)
         );
+        if metric == "spice_observer_messages_total" {
+            later[usize::from(dir == recv)] = b as u64 - v;
+        }
         n += 1;
     }
     if let Some(now) = c.in_flight_now {
+        // Within ±1 of observe's, widened by what moved after observe's end: each message sent
+        // since adds at most 1, each received (an ACK at most) takes at most W.
         let d = after.one("spice_observer_in_flight_now_messages", &l)?;
+        let w = u64::from(c.window.unwrap_or(0));
+        let (lo, hi) = (
+            now as f64 - (w * later[1]) as f64 - 1.0,
+            now as f64 + later[0] as f64 + 1.0,
+        );
         ensure!(
-            (d - now as f64).abs() <= 1.0,
-            "in flight: observe {now}, daemon {d}: {}",
+            lo <= d && d <= hi,
+            "in flight: observe {now}, daemon {d} (allowed {lo}..={hi}: {} sent and {} \
+             received after observe's end): {}",
+            later[0],
+            later[1],
             describe_ch(c)
         );
         ensure!(
