@@ -193,6 +193,24 @@ impl AckState {
         self.flow && self.mw > self.window.wrapping_mul(2)
     }
 
+    /// Waits on `cv` (notified by the reader thread) while the window is full
+    /// ([`Self::waiting_for_ack`]) and the reader still runs, until `deadline` at the latest;
+    /// gives the guard back, for the caller to look at why the wait ended.
+    pub(crate) fn wait_for_ack<'a>(
+        mut s: std::sync::MutexGuard<'a, AckState>,
+        cv: &std::sync::Condvar,
+        deadline: Instant,
+    ) -> std::sync::MutexGuard<'a, AckState> {
+        while s.waiting_for_ack() && !s.reader_done {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            s = cv.wait_timeout(s, left).unwrap().0;
+        }
+        s
+    }
+
     /// `begin_send_message` of one message (counted once a SET_ACK gave a window).
     pub(crate) fn message_started(&mut self) {
         if self.window > 0 {

@@ -766,13 +766,7 @@ fn stream_data(
             let mut s = lock.lock().unwrap();
             if s.waiting_for_ack() {
                 s.waits += 1;
-                while s.waiting_for_ack() && !s.reader_done {
-                    let left = end.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        break;
-                    }
-                    s = cv.wait_timeout(s, left).unwrap().0;
-                }
+                s = AckState::wait_for_ack(s, cv, end);
                 if s.waiting_for_ack() {
                     if s.reader_done {
                         return Err(proto_err("the client closed while the window was full"));

@@ -463,14 +463,7 @@ pub(crate) fn server_writer(
                             break; // send what the gate allowed so far
                         }
                         s.waits += 1;
-                        let deadline = Instant::now() + stall;
-                        while s.waiting_for_ack() && !s.reader_done {
-                            let left = deadline.saturating_duration_since(Instant::now());
-                            if left.is_zero() {
-                                break;
-                            }
-                            s = cv.wait_timeout(s, left).unwrap().0;
-                        }
+                        s = AckState::wait_for_ack(s, cv, Instant::now() + stall);
                         if s.waiting_for_ack() {
                             s.stalled_timeout = !s.reader_done;
                             break 'outer;
