@@ -1372,33 +1372,16 @@ fn unrelated(
             num(ref_ss)
         ),
     ));
-    let mut figs = ProgFigures::default();
-    figs.add(&ours_g);
-    programs.push(row(
-        "getppid loop, observer watching `sleep`",
-        "",
-        figs.text(),
-        "",
-    ));
-    let mut figs = ProgFigures::default();
-    figs.add(&ref_g);
-    programs.push(row(
-        "getppid loop, empty reference programs",
-        "",
-        figs.text(),
-        "",
-    ));
-    let mut figs = ProgFigures::default();
-    figs.add(&ours_i);
-    programs.push(row(
-        "iperf3, observer watching `sleep`",
-        "",
-        figs.text(),
-        "",
-    ));
-    let mut figs = ProgFigures::default();
-    figs.add(&ref_i);
-    programs.push(row("iperf3, empty reference programs", "", figs.text(), ""));
+    for (label, stats) in [
+        ("getppid loop, observer watching `sleep`", &ours_g),
+        ("getppid loop, empty reference programs", &ref_g),
+        ("iperf3, observer watching `sleep`", &ours_i),
+        ("iperf3, empty reference programs", &ref_i),
+    ] {
+        let mut figs = ProgFigures::default();
+        figs.add(stats);
+        programs.push(row(label, "", figs.text(), ""));
+    }
     if lost.iter().any(|&n| n != 0) {
         eprintln!("bench: the observer watching `sleep` reported events_lost {lost:?}");
     }
