@@ -518,7 +518,16 @@ fn restart_layout_mismatch_marks_restarted() -> Result<()> {
         Duration::ZERO,
     )?;
     ensure!(line.contains("layout version"), "{line}");
-    d.wait_found(&[(vm, xorg), ("socat", relay)])?;
+    // The old set's libssl links (about 100) go when their pins are removed, and the kernel
+    // unregisters their uprobes in the background: while it does, each new process's 16
+    // links took 0.4-1.4 s to attach here (5-30 ms otherwise), for socat's listener and each
+    // of its per-connection children in turn.
+    let t = Instant::now();
+    d.wait_found_within(&[(vm, xorg), ("socat", relay)], Duration::from_secs(30))?;
+    println!(
+        "after the reload, found both in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
     thread::sleep(Duration::from_millis(500));
     let s = Scrape::take(LISTEN)?;
     s.check_run(0.0)?;

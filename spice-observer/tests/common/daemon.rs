@@ -140,11 +140,17 @@ impl Daemon {
     /// Waits up to 5 s for each of `procs` (name as the daemon calls it, pid) to be found: a
     /// line `found … NAME (pid PID…` per process.
     pub fn wait_found(&mut self, procs: &[(&str, u32)]) -> Result<()> {
+        self.wait_found_within(procs, Duration::from_secs(5))
+    }
+
+    /// [`Daemon::wait_found`] with `timeout` per process. The error names the process.
+    pub fn wait_found_within(&mut self, procs: &[(&str, u32)], timeout: Duration) -> Result<()> {
         for (what, pid) in procs {
             self.wait_line(
                 |l| l.contains("found ") && l.contains(&format!("{what} (pid {pid}")),
-                Duration::from_secs(5),
-            )?;
+                timeout,
+            )
+            .with_context(|| format!("the daemon did not find {what} (pid {pid})"))?;
         }
         Ok(())
     }
