@@ -1555,8 +1555,11 @@ fn run_child_test(wrap: &[&str], ci: bool) -> Result<(bool, String)> {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    // Each line prefixed, so that the child's expected `test … FAILED` lines are not read
+    // (by a person or a CI log parser) as this run's own failures.
+    let shown: String = text.lines().map(|l| format!("child| {l}\n")).collect();
     eprintln!(
-        "--- {cmd:?} (CI {}) exited {}:\n{text}\n---",
+        "--- {cmd:?} (CI {}) exited {}:\n{shown}---",
         if ci { "true" } else { "unset" },
         out.status
     );
