@@ -19,6 +19,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod testlog;
 
 #[derive(Debug, Parser)]
 #[command(name = "xtask", about = "spice-observer developer commands")]
@@ -268,7 +269,7 @@ fn test(unit_only: bool, filter: &[String]) -> Result<()> {
         "--nocapture",
     ]);
     cmd.args(filter);
-    run(&mut cmd)
+    testlog::run_summarized(&mut cmd)
 }
 
 unsafe extern "C" {
