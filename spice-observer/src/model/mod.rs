@@ -1195,6 +1195,14 @@ impl Model {
                     }
                 } else {
                     ds.traced.read(k.pos, read_ns);
+                    // A direction that moved bytes but no message yet (a relay's leg that
+                    // has forwarded only the link reply) has its sequence base from the
+                    // kernel: the same `write_seq`/`copied_seq` less stream offset that the
+                    // message records carry, so its positions can be read before its first
+                    // message is.
+                    if ds.seq_base.is_none() && st.seq_init[d] != 0 {
+                        ds.seq_base = Some(st.seq_base[d]);
+                    }
                 }
             }
             if st
@@ -1467,6 +1475,28 @@ mod tests {
         let d = &m.sockets[&7].dirs[s];
         assert_eq!(crate::sampler::stream_pos(d, 8_999), None);
         assert_eq!(crate::sampler::stream_pos(d, 9_000), Some(70_100));
+    }
+
+    /// A direction that has moved bytes but carried no message yet (here the link reply only)
+    /// takes its sequence base from the kernel's read, so its stream positions are known;
+    /// a direction the kernel has not set stays without one.
+    #[test]
+    fn sequence_base_from_the_kernel_before_the_first_message() {
+        let mut f = Feed::new(channel::DISPLAY);
+        let s = dir::SEND as usize;
+        assert_eq!(f.socket().dirs[s].seq_base, None);
+        f.k.dir[s].pos = 178;
+        f.k.seq_init = [0, 0];
+        f.k.seq_init[s] = 1;
+        f.k.seq_base[s] = 4_000_000_000;
+        f.m.kernel_state(7, &f.k, 40);
+        let sock = f.socket();
+        assert_eq!(sock.dirs[s].seq_base, Some(4_000_000_000));
+        assert_eq!(sock.dirs[s ^ 1].seq_base, None);
+        assert_eq!(
+            crate::sampler::stream_pos(&sock.dirs[s], 4_000_000_178),
+            Some(178)
+        );
     }
 
     /// Marks of a long run stay few: those below the oldest message that can be in flight
