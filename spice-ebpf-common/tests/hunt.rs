@@ -149,10 +149,10 @@ fn relay_reads_lock_on_content_alone() {
         let mut pos = start;
         while pos < stream.len() {
             let mut n = (1 + rng.below(8192) as usize).min(stream.len() - pos);
-            if rng.below(4) == 0 {
-                if let Some(&e) = ends.iter().find(|&&e| e > pos && e <= pos + n) {
-                    n = e - pos;
-                }
+            if rng.below(4) == 0
+                && let Some(&e) = ends.iter().find(|&&e| e > pos && e <= pos + n)
+            {
+                n = e - pos;
             }
             got.extend(call(&mut st, &stream[pos..pos + n], lock_how::CONTENT, 0));
             pos += n;

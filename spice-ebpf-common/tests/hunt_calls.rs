@@ -67,11 +67,6 @@ fn sends(st: &mut DirState, calls: &[&[u8]]) -> Vec<MessageInfo> {
     out
 }
 
-/// Cuts `stream` into calls of `n` bytes.
-fn chunks(stream: &[u8], n: usize) -> Vec<&[u8]> {
-    stream.chunks(n).collect()
-}
-
 /// Control: one message per write locks (this passes today).
 #[test]
 fn one_message_per_write_locks() {
