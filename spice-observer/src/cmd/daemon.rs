@@ -687,6 +687,11 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                     if !first && !s.targets.iter().any(|x| x.pid == t.pid && x.start_time == t.start_time) {
                         continue;
                     }
+                    // Attaching one process's libssl hooks can take seconds (while the kernel
+                    // still unregisters an old set's uprobes, 0.4-1.4 s per process): the
+                    // records of the processes watched so far are applied between targets,
+                    // so a scan of many new targets never holds the ring that long.
+                    engine.drain();
                     // The libssl hooks first, so that the process's sockets are decided
                     // with them in place. (A retry of a watch that failed does not attach
                     // again each scan: the `follow` below hooks it once it is watched.)
