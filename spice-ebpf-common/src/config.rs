@@ -53,7 +53,7 @@ pub struct KernelConfig {
 /// ...), of the ring records and of [`KernelConfig`], and the meaning of their fields. Bump it
 /// with any such change: a new agent that finds another version pinned reloads the programs
 /// and marks the open channels `restarted` instead of misreading the old state.
-pub const LAYOUT_VERSION: u32 = 6;
+pub const LAYOUT_VERSION: u32 = 7;
 
 /// Ring-buffer wake-ups. A record submitted without flags wakes the agent (an `irq_work`,
 /// i.e. a self-IPI, then an epoll wake-up) whenever the agent has caught up with the ring,
@@ -125,6 +125,22 @@ pub mod watch {
     pub const ROUTE_PRIMARY: u8 = 2;
     /// [`route`] bit: records to `TAP_EVENTS`.
     pub const ROUTE_TAP: u8 = 1;
+
+    /// Entries of the kernel's `MAYBE_WATCHED` array, the filter in front of `WATCHED_TGIDS`
+    /// (a power of two). Entry [`filter_index`]`(tgid)` is set to 1 before any process with
+    /// that index is added to `WATCHED_TGIDS` (by an agent, or by the fork hook for a child)
+    /// and is never cleared: 0 means no such process is or was watched, decided by one array
+    /// load instead of a hash lookup. Processes that were watched once keep their entries, so
+    /// over a long run more unrelated processes fall through to the hash lookups (they are
+    /// then as cheap as without the filter, never treated wrongly). On a host whose
+    /// `kernel.pid_max` is at most this, every tgid has an entry of its own.
+    pub const FILTER_LEN: u32 = 1 << 16;
+
+    /// The `MAYBE_WATCHED` entry of process `tgid`.
+    #[inline(always)]
+    pub const fn filter_index(tgid: u32) -> u32 {
+        tgid & (FILTER_LEN - 1)
+    }
 }
 
 /// Values of the `PREEXISTING` map (key: socket cookie): a connection that was open before

@@ -9,7 +9,10 @@ use spice_ebpf_common::{
 
 use crate::{
     kernel::{konf, read_at},
-    maps::{PENDING_CALLS, TLS_CALLS, WATCHED_TGIDS, count, write_record},
+    maps::{
+        PENDING_CALLS, TLS_CALLS, WATCHED_TGIDS, count, maybe_watched, set_maybe_watched,
+        write_record,
+    },
 };
 
 /// Writes a FORK or EXIT record to the rings `route` names (the watch value's flags).
@@ -38,6 +41,9 @@ fn proc_event(kind_: u8, tgid: u32, pid: u32, route: u8) {
 #[inline(always)]
 pub fn on_fork(child: *const u8) {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if !maybe_watched(tgid) {
+        return;
+    }
     let Some(root) = WATCHED_TGIDS.get_ptr(&tgid) else {
         return;
     };
@@ -48,6 +54,8 @@ pub fn on_fork(child: *const u8) {
     if child_pid != child_tgid || child_tgid <= 0 {
         return; // a new thread: already covered by its tgid
     }
+    // The filter first: the child's hooks must never see its entry without it.
+    set_maybe_watched(child_tgid as u32);
     if WATCHED_TGIDS
         .insert(&(child_tgid as u32), &root, 0)
         .is_err()
@@ -64,6 +72,10 @@ pub fn on_exit() {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let pid = pid_tgid as u32;
+    // A process that never passed the filter has no entry in any of these maps.
+    if !maybe_watched(tgid) {
+        return;
+    }
     // Every thread's, watched or not: the entry outlives the call (PendingCall::live), and
     // a process may have been watched once.
     let _ = PENDING_CALLS.remove(&pid_tgid);

@@ -8,7 +8,7 @@ use spice_ebpf_common::event::dir;
 use crate::{
     capture::{Call, on_call},
     kernel::tcp_sock,
-    maps::PENDING_CALLS,
+    maps::{PENDING_CALLS, maybe_watched},
 };
 
 const MSG_PEEK: i32 = 2;
@@ -17,7 +17,12 @@ const MSG_PEEK: i32 = 2;
 #[inline(always)]
 pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
     let pid_tgid = bpf_get_current_pid_tgid();
-    // The one lookup for unwatched processes: no stashed call, not ours.
+    // Most processes are turned away here, by one array load: a call can be stashed only
+    // for a process that passed the same filter at sys_enter (its entry is never cleared).
+    if !maybe_watched((pid_tgid >> 32) as u32) {
+        return;
+    }
+    // No stashed call: not ours.
     let Some(p) = PENDING_CALLS.get_ptr_mut(&pid_tgid) else {
         return;
     };

@@ -71,8 +71,9 @@ pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd> {
 /// program. The object's
 /// global-data section (`.rodata`, holding [`KernelConfig`]) is not pinned: the programs hold
 /// it, and nothing reads it after the load.
-pub const MAP_NAMES: [&str; 11] = [
+pub const MAP_NAMES: [&str; 12] = [
     "WATCHED_TGIDS",
+    "MAYBE_WATCHED",
     "PENDING_CALLS",
     "SOCKETS",
     "TCP_STATE",
@@ -1255,6 +1256,7 @@ impl Capture {
     /// entry exists (`BPF_EXIST`: never re-creates an entry the exit hook just removed);
     /// `Ok(false)` then when it does not.
     pub fn set_watch_value(&mut self, tgid: u32, value: u32, only_existing: bool) -> Result<bool> {
+        self.mark_maybe_watched(tgid)?;
         let flags = if only_existing { BPF_EXIST } else { 0 };
         match self
             .hash::<u32, u32>("WATCHED_TGIDS")?
@@ -1268,6 +1270,17 @@ impl Capture {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Sets `tgid`'s entry of the kernel's `MAYBE_WATCHED` filter
+    /// ([`watch::FILTER_LEN`]), which every `WATCHED_TGIDS` entry needs before it is made:
+    /// the hooks turn away a process whose entry is 0 without looking further. Only ever set
+    /// to 1, by this and by the fork hook, so concurrent writers cannot undo each other.
+    fn mark_maybe_watched(&mut self, tgid: u32) -> Result<()> {
+        aya::maps::Array::<_, u8>::try_from(self.map_mut("MAYBE_WATCHED")?)?
+            .set(watch::filter_index(tgid), 1, 0)
+            .context("setting the MAYBE_WATCHED entry")?;
+        Ok(())
     }
 
     /// Removes `tgid`'s `WATCHED_TGIDS` entry (no error if it is gone).
@@ -1298,6 +1311,7 @@ impl Capture {
             bail!("refusing to watch the observer itself (pid {tgid})");
         }
         let tap = self.watch_value(tgid).unwrap_or(0) & watch::TAP;
+        self.mark_maybe_watched(tgid)?;
         self.hash::<u32, u32>("WATCHED_TGIDS")?.insert(
             tgid,
             (root & watch::ROOT_MASK) | watch::PRIMARY | tap,
