@@ -8,7 +8,7 @@ use std::{
     process::Command,
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 
 /// At most this many lines of one failure's message are kept.
 const MESSAGE_LINES: usize = 12;
@@ -153,9 +153,8 @@ pub fn run_summarized(cmd: &mut Command) -> Result<()> {
         if !report.is_empty() {
             let _ = writeln!(out, "\nfailing tests, each with its message:\n{report}");
         }
-        bail!("{cmd:?} failed: {status}");
     }
-    Ok(())
+    crate::check(status, cmd)
 }
 
 #[cfg(test)]
