@@ -53,7 +53,7 @@ pub struct KernelConfig {
 /// ...), of the ring records and of [`KernelConfig`], and the meaning of their fields. Bump it
 /// with any such change: a new agent that finds another version pinned reloads the programs
 /// and marks the open channels `restarted` instead of misreading the old state.
-pub const LAYOUT_VERSION: u32 = 7;
+pub const LAYOUT_VERSION: u32 = 8;
 
 /// Ring-buffer wake-ups. A record submitted without flags wakes the agent (an `irq_work`,
 /// i.e. a self-IPI, then an epoll wake-up) whenever the agent has caught up with the ring,
@@ -114,7 +114,7 @@ pub mod watch {
     pub const FLAGS: u32 = PRIMARY | TAP;
     /// The root pid of a value.
     pub const ROOT_MASK: u32 = !FLAGS;
-    /// The flags of a value as a byte ([`crate::event::PendingCall::watch`],
+    /// The flags of a value as a byte ([`crate::event::CallArgs::watch`],
     /// [`crate::event::SockState::watch`]): [`ROUTE_PRIMARY`] for [`PRIMARY`], [`ROUTE_TAP`]
     /// for [`TAP`].
     #[inline(always)]
@@ -183,56 +183,53 @@ pub mod counter {
     pub const RING_FULL: u32 = 0;
     /// A new socket could not be added to `SOCKETS` (map full).
     pub const SOCKET_MAP_FULL: u32 = 1;
-    /// A syscall's arguments could not be saved in `PENDING_CALLS` (map full).
-    pub const PENDING_MAP_FULL: u32 = 2;
     /// `bpf_probe_read_user` failed on a user buffer or iovec.
-    pub const USER_READ_FAULT: u32 = 3;
+    pub const USER_READ_FAULT: u32 = 2;
     /// Bytes moved on a tracked socket by a call the hooks could not read.
-    pub const UNTRACED_BYTES: u32 = 4;
+    pub const UNTRACED_BYTES: u32 = 3;
     /// A call held more boundaries than the kernel loop allows.
-    pub const LOOP_LIMIT: u32 = 5;
+    pub const LOOP_LIMIT: u32 = 4;
     /// `TCP_STATE` was full.
-    pub const TCP_MAP_FULL: u32 = 6;
+    pub const TCP_MAP_FULL: u32 = 5;
     /// A forked child could not be added to `WATCHED_TGIDS` (map full).
-    pub const WATCH_MAP_FULL: u32 = 7;
+    pub const WATCH_MAP_FULL: u32 = 6;
     /// Socket calls traced (self metric, not a loss).
-    pub const CALLS_TRACED: u32 = 8;
+    pub const CALLS_TRACED: u32 = 7;
     /// Messages framed (self metric, not a loss).
-    pub const MESSAGES_FRAMED: u32 = 9;
+    pub const MESSAGES_FRAMED: u32 = 8;
     /// sockops callbacks handled for enrolled sockets (self metric).
-    pub const SOCKOPS_UPDATES: u32 = 10;
+    pub const SOCKOPS_UPDATES: u32 = 9;
     /// A `TAP_EVENTS` record could not be reserved (that ring full): information lost for an
     /// `observe` beside the daemon, not for the daemon (not in [`is_loss`]; see [`is_tap_loss`]).
-    pub const TAP_RING_FULL: u32 = 11;
+    pub const TAP_RING_FULL: u32 = 10;
     /// Hunting candidates tried: a header validated at a call start of a direction that has
     /// lost (or never had) its message boundaries (self metric, not a loss).
-    pub const HUNT_CANDIDATES: u32 = 12;
+    pub const HUNT_CANDIDATES: u32 = 11;
     /// Locks: a hunting direction found its message boundaries again (self metric).
-    pub const LOCKS: u32 = 13;
+    pub const LOCKS: u32 = 12;
     /// Resyncs: a framed direction met a header that failed validation and went back to
     /// hunting (the bytes until the next lock are not framed; see `DirState::unframed`).
-    pub const RESYNCS: u32 = 14;
+    pub const RESYNCS: u32 = 13;
     /// Plaintext calls framed at the libssl hooks (SSL_write / SSL_read and their _ex forms
     /// that moved bytes on a TLS socket; self metric, not a loss).
-    pub const TLS_CALLS: u32 = 15;
+    pub const TLS_CALLS: u32 = 14;
     /// A libssl call moved plaintext, but no socket call was ever seen inside a call on the
     /// same `SSL *` (a memory BIO, or the mapping was evicted): its plaintext is not framed.
-    pub const TLS_UNMAPPED: u32 = 16;
+    pub const TLS_UNMAPPED: u32 = 15;
     /// A libssl call's arguments could not be saved in `TLS_CALLS` (map full).
-    pub const TLS_PENDING_FULL: u32 = 17;
+    pub const TLS_PENDING_FULL: u32 = 16;
     /// A TLS socket moved bytes outside every hooked libssl function (the hooks were
     /// detached, e.g. between two agents without pinned links): the plaintext of that
     /// direction may have moved unseen, so it goes back to hunting (a resync). A loss, like
     /// [`UNTRACED_BYTES`] on a plain socket.
-    pub const TLS_UNSEEN: u32 = 18;
+    pub const TLS_UNSEEN: u32 = 17;
     /// Number of counters.
-    pub const COUNT: u32 = 19;
+    pub const COUNT: u32 = 18;
 
     /// Names used in reports and JSON (`kernel_counters`), by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "ring_full",
         "socket_map_full",
-        "pending_map_full",
         "user_read_fault",
         "untraced_bytes",
         "loop_limit",

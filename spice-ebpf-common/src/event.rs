@@ -458,24 +458,18 @@ pub struct SockState {
     pub wire_pos: [u64; 2],
 }
 
-/// Arguments of the latest socket syscall of a thread, saved at `sys_enter` (map
-/// `PENDING_CALLS`, key: pid_tgid); [`PendingCall::live`] says whether a socket call still
-/// has to take it.
+/// Where one socket call's bytes are in user memory: read from the arguments of the syscall it
+/// runs in, or of the libssl call for TLS plaintext. Kernel-side only (the capture path's
+/// input); not a map value.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct PendingCall {
+pub struct CallArgs {
     /// One of [`call_kind`].
     pub kind: u8,
-    /// [`crate::config::watch::route`] of the tgid's `WATCHED_TGIDS` value at `sys_enter`:
-    /// which rings the call's records go to (copied here so that the capture path needs no
-    /// second lookup).
+    /// [`crate::config::watch::route`] of the tgid's `WATCHED_TGIDS` value, read once per
+    /// call: which rings the call's records go to.
     pub watch: u8,
-    /// 1 from `sys_enter` until the socket tracepoint that follows in the same thread takes
-    /// the call, then 0. The entry stays (one per thread, updated in place by each socket
-    /// syscall: two map updates per call cost more than the rest of the send path) until the
-    /// thread exits; a taken entry is never used again.
-    pub live: u8,
-    pub _pad: u8,
+    pub _pad: [u8; 2],
     pub fd: i32,
     /// User address of the buffer (single-buffer calls) or of the iovec array.
     pub ptr: u64,
@@ -483,7 +477,7 @@ pub struct PendingCall {
     pub len: u64,
 }
 
-/// [`PendingCall::kind`] values.
+/// [`CallArgs::kind`] values.
 pub mod call_kind {
     /// write, read, sendto, recvfrom: one buffer.
     pub const BUFFER: u8 = 1;
@@ -503,7 +497,6 @@ mod pod {
     // SAFETY: plain `repr(C)` data, no pointers, any bit pattern valid.
     unsafe impl aya::Pod for TcpSnapshot {}
     unsafe impl aya::Pod for SockState {}
-    unsafe impl aya::Pod for PendingCall {}
     unsafe impl aya::Pod for TlsCall {}
     unsafe impl aya::Pod for SslKey {}
 }

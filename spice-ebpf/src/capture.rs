@@ -11,8 +11,8 @@
 //! one thread at a time, so its send and receive calls do not run concurrently. A process that
 //! sent and received on one socket from two threads at the same instant could lose an update.
 //!
-//! Records go to the rings named by the call's [`PendingCall::watch`] (the flags of its
-//! process's `WATCHED_TGIDS` value, copied at `sys_enter`): `EVENTS` for the daemon or a
+//! Records go to the rings named by the call's [`CallArgs::watch`] (the flags of its
+//! process's `WATCHED_TGIDS` value, read at the call): `EVENTS` for the daemon or a
 //! standalone observe, `TAP_EVENTS` for an observe beside the daemon, or both
 //! ([`crate::maps::write_record`]). The kernel state is the same whichever rings get them.
 
@@ -25,7 +25,7 @@ use aya_ebpf::helpers::{
 use spice_ebpf_common::{
     config::{MAX_STEPS_PER_CALL, TCP_REFRESH_NS, counter, preexisting},
     event::{
-        EventHeader, HuntEvent, LinkEvent, LockEvent, MessageEvent, PendingCall, SockState,
+        CallArgs, EventHeader, HuntEvent, LinkEvent, LockEvent, MessageEvent, SockState,
         SocketEvent, TcpSnapshot, TlsCall, TlsEvent, TlsMarkEvent, UnparsedEvent, call_kind,
         carrier, dir as dirs, hdr_flags, kind, lock_how, msg_flags, tcp_source, tls_func,
     },
@@ -60,8 +60,8 @@ pub struct Call {
     pub dir: u8,
     /// Bytes the kernel took or returned, or a negative errno.
     pub ret: i32,
-    /// Where the bytes are in user memory.
-    pub args: PendingCall,
+    /// Where the bytes are in user memory, and the rings its records go to.
+    pub args: CallArgs,
 }
 
 /// State shared with the `bpf_loop` step callback (lives on the caller's stack).
@@ -457,7 +457,7 @@ fn store_tcp(tp: *const u8, cookie: u64, now: u64, send: bool) -> u32 {
 }
 
 /// Handles one traced socket call of the current thread, `pid_tgid` its
-/// `bpf_get_current_pid_tgid` (the hook has it already, from its `PENDING_CALLS` lookup).
+/// `bpf_get_current_pid_tgid` (the hook has it already, from its `WATCHED_TGIDS` lookup).
 pub fn on_call(call: &Call, pid_tgid: u64) {
     let tgid = (pid_tgid >> 32) as u32;
     let now = unsafe { bpf_ktime_get_ns() };
@@ -606,11 +606,10 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, tgid: u32) {
         cookie,
         dir: if send { dirs::SEND } else { dirs::RECV },
         ret,
-        args: PendingCall {
+        args: CallArgs {
             kind: call_kind::BUFFER,
             watch: tc.watch,
-            live: 0,
-            _pad: 0,
+            _pad: [0; 2],
             fd: 0,
             ptr: tc.buf,
             len: tc.num,
@@ -806,7 +805,7 @@ struct EmitCtx {
     window: *mut WindowState,
     /// [`SockState::msg_bytes`] of this direction.
     bytes: *mut u64,
-    /// The rings the records go to ([`PendingCall::watch`]).
+    /// The rings the records go to ([`CallArgs::watch`]).
     route: u8,
 }
 

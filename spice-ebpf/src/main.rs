@@ -14,22 +14,12 @@ mod maps;
 mod probes;
 
 use aya_ebpf::{
-    bindings::pt_regs,
     macros::{btf_tracepoint, raw_tracepoint, sock_ops, uprobe, uretprobe},
     programs::{
         BtfTracePointContext, ProbeContext, RawTracePointContext, RetProbeContext, SockOpsContext,
     },
 };
 use spice_ebpf_common::event::{dir, tls_func};
-
-/// Every syscall entry: stash socket-call arguments of watched processes.
-#[raw_tracepoint(tracepoint = "sys_enter")]
-pub fn spice_sys_enter(ctx: RawTracePointContext) -> i32 {
-    let regs: *const pt_regs = ctx.arg(0);
-    let id: u64 = ctx.arg(1);
-    probes::syscalls::on_sys_enter(regs, id);
-    0
-}
 
 /// Socket send result (`sock_send_length(sk, ret, flags)`).
 #[btf_tracepoint(function = "sock_send_length")]
@@ -135,10 +125,11 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
 #[unsafe(no_mangle)]
 static LICENSE: [u8; 4] = *b"GPL\0";
 
-// Reference programs for `cargo xtask bench` (`probes/reference.rs`): empty, on the same hooks
-// as `spice_sys_enter`, `spice_sock_send` and `spice_sock_recv`; never attached by the observer.
+// Reference programs for `cargo xtask bench` (`probes/reference.rs`): empty, on the hooks of
+// `spice_sock_send` and `spice_sock_recv`, and on `sys_enter`; never attached by the observer.
 
-/// Empty `raw_tracepoint/sys_enter`: the floor of [`spice_sys_enter`]'s cost.
+/// Empty `raw_tracepoint/sys_enter`: what any program on every syscall of the host would cost
+/// (the observer has none there).
 #[raw_tracepoint(tracepoint = "sys_enter")]
 pub fn spice_ref_sys_enter(_ctx: RawTracePointContext) -> i32 {
     probes::reference::nothing()

@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use spice_ebpf_common::{
     config::{counter, ring, watch},
-    event::{PendingCall, SockState, SslKey, TcpSnapshot, TlsCall},
+    event::{SockState, SslKey, TcpSnapshot, TlsCall},
 };
 
 /// Watched processes: tgid → the `--pid` it descends from, with the flags of who reads its
@@ -19,8 +19,8 @@ pub static WATCHED_TGIDS: HashMap<u32, u32> = HashMap::with_max_entries(4096, 0)
 /// The filter in front of `WATCHED_TGIDS` ([`watch::FILTER_LEN`]): entry
 /// `watch::filter_index(tgid)` is 1 once a process with that index was watched, never
 /// cleared. Checked first by every hook that asks "is this process ours?", so an unrelated
-/// process costs one array load there instead of a hash lookup (measured: a `PENDING_CALLS`
-/// miss alone took 130-230 ns per `sock_send_length` run under iperf3, an array load 15 ns).
+/// process costs one array load there instead of a hash lookup (measured: a hash miss alone
+/// took 130-230 ns per `sock_send_length` run under iperf3, an array load 15 ns).
 #[map]
 pub static MAYBE_WATCHED: Array<u8> = Array::with_max_entries(watch::FILTER_LEN, 0);
 
@@ -39,10 +39,6 @@ pub fn set_maybe_watched(tgid: u32) {
         unsafe { *p = 1 };
     }
 }
-
-/// Arguments of the socket syscall a watched thread is in: pid_tgid → call.
-#[map]
-pub static PENDING_CALLS: HashMap<u64, PendingCall> = HashMap::with_max_entries(16384, 0);
 
 /// The hooked libssl call a watched thread is in: pid_tgid → call (entry arguments, and the
 /// cookie of a socket a socket call inside it used). Written at the function's entry, taken

@@ -127,7 +127,6 @@ fn check_clean(report: &Report) -> Result<()> {
     for name in [
         "ring_full",
         "socket_map_full",
-        "pending_map_full",
         "user_read_fault",
         "loop_limit",
         "untraced_bytes",

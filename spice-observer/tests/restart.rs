@@ -292,7 +292,7 @@ fn restart_continues_counts_exactly() -> Result<()> {
                         .filter_map(|e| e.ok())
                         .map(|e| e.file_name().to_string_lossy().into_owned())
                         .collect();
-                    for name in ["SOCKETS", "LAYOUT", "EVENTS", "link_spice_sys_enter"] {
+                    for name in ["SOCKETS", "LAYOUT", "EVENTS", "link_spice_sock_send"] {
                         ensure!(
                             pinned.iter().any(|n| n == name),
                             "SIGUSR2: {name} not pinned any more: {pinned:?}"
@@ -721,7 +721,7 @@ fn restart_unpin_refused_while_running() -> Result<()> {
         .map(|e| e.map(|e| e.file_name()))
         .collect::<Result<_, _>>()?;
     ensure!(
-        before.iter().any(|n| n == "LAYOUT") && before.iter().any(|n| n == "link_spice_sys_enter"),
+        before.iter().any(|n| n == "LAYOUT") && before.iter().any(|n| n == "link_spice_sock_send"),
         "pins: {before:?}"
     );
     let (ok, out, err) = run_bin(&["--unpin"], &pins.path)?;

@@ -726,7 +726,7 @@ fn service_stop_post_unpins_only_on_stop() -> Result<()> {
     ];
     for (result, exit_code, status, removed) in cases {
         std::fs::create_dir_all(&pins)?;
-        std::fs::write(pins.join("link_spice_sys_enter"), "")?;
+        std::fs::write(pins.join("link_spice_sock_send"), "")?;
         std::fs::write(pins.join("SOCKETS"), "")?;
         let out = Command::new("/bin/sh")
             .arg("-c")

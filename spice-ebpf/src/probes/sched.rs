@@ -9,10 +9,7 @@ use spice_ebpf_common::{
 
 use crate::{
     kernel::{konf, read_at},
-    maps::{
-        PENDING_CALLS, TLS_CALLS, WATCHED_TGIDS, count, maybe_watched, set_maybe_watched,
-        write_record,
-    },
+    maps::{TLS_CALLS, WATCHED_TGIDS, count, maybe_watched, set_maybe_watched, write_record},
 };
 
 /// Writes a FORK or EXIT record to the rings `route` names (the watch value's flags).
@@ -76,9 +73,6 @@ pub fn on_exit() {
     if !maybe_watched(tgid) {
         return;
     }
-    // Every thread's, watched or not: the entry outlives the call (PendingCall::live), and
-    // a process may have been watched once.
-    let _ = PENDING_CALLS.remove(&pid_tgid);
     let Some(w) = WATCHED_TGIDS.get_ptr(&tgid) else {
         return;
     };

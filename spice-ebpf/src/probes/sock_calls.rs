@@ -8,33 +8,24 @@ use spice_ebpf_common::event::dir;
 use crate::{
     capture::{Call, on_call},
     kernel::tcp_sock,
-    maps::{PENDING_CALLS, maybe_watched},
+    maps::traced_route,
+    probes::syscalls::current_call,
 };
 
+/// recvmsg flags whose bytes are not the stream's next bytes: a peek leaves them queued, the
+/// error queue holds no stream data (include/linux/socket.h).
 const MSG_PEEK: i32 = 2;
+const MSG_ERRQUEUE: i32 = 0x2000;
 
 /// Handles a socket call result. `direction` is [`dir::SEND`] or [`dir::RECV`].
 #[inline(always)]
 pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
     let pid_tgid = bpf_get_current_pid_tgid();
-    // Most processes are turned away here, by one array load: a call can be stashed only
-    // for a process that passed the same filter at sys_enter (its entry is never cleared).
-    if !maybe_watched((pid_tgid >> 32) as u32) {
-        return;
-    }
-    // No stashed call: not ours.
-    let Some(p) = PENDING_CALLS.get_ptr_mut(&pid_tgid) else {
+    // Most processes are turned away by the array filter inside, with one load.
+    let Some(route) = traced_route((pid_tgid >> 32) as u32) else {
         return;
     };
-    // SAFETY: the thread's own entry (see PendingCall::live).
-    let args = unsafe {
-        if (*p).live == 0 {
-            return; // taken by an earlier socket call of the same syscall, or no socket call
-        }
-        (*p).live = 0;
-        *p
-    };
-    if direction == dir::RECV && flags & MSG_PEEK != 0 {
+    if direction == dir::RECV && flags & (MSG_PEEK | MSG_ERRQUEUE) != 0 {
         return;
     }
     // Also the TCP check: NULL unless an IPv4/IPv6 TCP socket.
@@ -50,7 +41,7 @@ pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
             cookie,
             dir: direction,
             ret,
-            args,
+            args: current_call(route),
         },
         pid_tgid,
     );

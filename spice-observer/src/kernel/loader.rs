@@ -1,7 +1,7 @@
 //! Loads and attaches the kernel programs, and gives typed access to their maps.
 //!
 //! Hook set `tracepoints` (the only one so far; fentry/fexit are refused and kprobes absent on
-//! the kernels this was built on): `raw_tracepoint/sys_enter`, `tp_btf/sock_send_length`,
+//! the kernels this was built on): `tp_btf/sock_send_length`,
 //! `tp_btf/sock_recv_length`, `tp_btf/sched_process_fork`, `tp_btf/sched_process_exit`,
 //! `tp_btf/inet_sock_set_state`, `tp_btf/tcp_destroy_sock`, plus `sock_ops` on the cgroup-v2 root when a cgroup2 mount
 //! exists (then the hook set is reported as `tracepoints+sockops`), plus the libssl uprobes
@@ -30,7 +30,7 @@ use aya::{
     Btf, Ebpf, EbpfLoader,
     maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf},
     programs::{
-        BtfTracePoint, ProbeKind, ProgramError, ProgramType, RawTracePoint, SockOps, UProbe,
+        BtfTracePoint, ProbeKind, ProgramError, ProgramType, SockOps, UProbe,
         links::{CgroupAttachMode, FdLink, PinnedLink},
         uprobe::{UProbeLink, UProbeScope},
     },
@@ -39,7 +39,7 @@ use aya::{
 use log::{debug, warn};
 use spice_ebpf_common::{
     config::{KernelConfig, LAYOUT_VERSION, counter, layout, watch},
-    event::{MessageEvent, PendingCall, SockState, TcpSnapshot},
+    event::{MessageEvent, SockState, TcpSnapshot},
 };
 
 use crate::btf::{KernelBtf, VMLINUX_BTF};
@@ -71,10 +71,9 @@ pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd> {
 /// program. The object's
 /// global-data section (`.rodata`, holding [`KernelConfig`]) is not pinned: the programs hold
 /// it, and nothing reads it after the load.
-pub const MAP_NAMES: [&str; 12] = [
+pub const MAP_NAMES: [&str; 11] = [
     "WATCHED_TGIDS",
     "MAYBE_WATCHED",
-    "PENDING_CALLS",
     "SOCKETS",
     "TCP_STATE",
     "WATCH_PORTS",
@@ -90,11 +89,10 @@ pub const MAP_NAMES: [&str; 12] = [
 const SOCKOPS: &str = "spice_sockops";
 
 /// Every program of the object that may be attached and pinned (`link_<name>`,
-/// `prog_<name>`): `raw_tracepoint/sys_enter`, the [`BTF_TRACEPOINTS`], sock_ops and the
+/// `prog_<name>`): the [`BTF_TRACEPOINTS`], sock_ops and the
 /// libssl uprobes ([`tls::PROGRAMS`]; pinned as `prog_<name>`; their links are per process,
 /// pinned by the daemon as `tls_…` ([`tls::PinName`])).
-const PROGRAMS: [&str; 14] = [
-    "spice_sys_enter",
+const PROGRAMS: [&str; 13] = [
     BTF_TRACEPOINTS[0].0,
     BTF_TRACEPOINTS[1].0,
     BTF_TRACEPOINTS[2].0,
@@ -110,12 +108,23 @@ const PROGRAMS: [&str; 14] = [
     tls::PROGRAMS[5].name,
 ];
 
+/// Pins that earlier versions made and this one does not ([`crate::kernel`]'s layout
+/// history): still this agent's, so that a reload or `--unpin` after an upgrade removes them
+/// rather than refusing the directory. `PENDING_CALLS` and `spice_sys_enter` went with layout
+/// version 8 (the socket tracepoints read the syscall's registers themselves).
+const RETIRED_PINS: [&str; 3] = [
+    "PENDING_CALLS",
+    "link_spice_sys_enter",
+    "prog_spice_sys_enter",
+];
+
 /// Whether `name` is a pin this agent makes in a pin directory: a map of [`MAP_NAMES`],
-/// `link_<program>` / `prog_<program>` of one of its programs, or the link of a libssl
-/// uprobe for one process ([`tls::PinName`]). Only such names are ever removed from a pin
-/// directory.
+/// `link_<program>` / `prog_<program>` of one of its programs, the link of a libssl
+/// uprobe for one process ([`tls::PinName`]), or one an earlier version made
+/// ([`RETIRED_PINS`]). Only such names are ever removed from a pin directory.
 pub fn is_owned_pin(name: &str) -> bool {
     MAP_NAMES.contains(&name)
+        || RETIRED_PINS.contains(&name)
         || name
             .strip_prefix("link_")
             .or_else(|| name.strip_prefix("prog_"))
@@ -752,15 +761,6 @@ fn require_tracepoint(
     )
 }
 
-/// Probes for a BPF program type (`kind` names it in messages, e.g. `raw_tracepoint`).
-fn require_program_type(kind: &str, ty: ProgramType, needed_by: &str) -> Result<()> {
-    require(
-        &format!("BPF program type `{kind}`"),
-        needed_by,
-        is_program_supported(ty).map_err(anyhow::Error::from),
-    )
-}
-
 /// The kernel refused to load program `name` (for `hook`): its errno and the verifier's log.
 /// A hard error (the kernel has the feature, it probed present): a rejection is a bug here.
 fn refused(name: &str, hook: &str, io_error: &std::io::Error, verifier_log: &str) -> anyhow::Error {
@@ -863,23 +863,6 @@ impl Capture {
         let btf = Btf::from_sys_fs().context("loading kernel BTF for tp_btf programs")?;
         const NEEDED_BY: &str = "the `tracepoints` hook set";
         let has_typedef = |name: &str| kbtf.has_typedef(name);
-
-        require_program_type("raw_tracepoint", ProgramType::RawTracePoint, NEEDED_BY)?;
-        require_tracepoint("sys_enter", NEEDED_BY, &has_typedef)?;
-        let prog: &mut RawTracePoint = ebpf
-            .program_mut("spice_sys_enter")
-            .ok_or_else(|| anyhow!("program spice_sys_enter missing from the object"))?
-            .try_into()?;
-        prog.load()
-            .map_err(|e| load_error("spice_sys_enter", "raw_tracepoint/sys_enter", e))?;
-        let id = prog
-            .attach("sys_enter")
-            .context("attaching raw_tracepoint/sys_enter")?;
-        programs.push(("spice_sys_enter".into(), prog.info()?.id()));
-        if pin.is_some() {
-            let link: FdLink = prog.take_link(id)?.into();
-            pin_link(link, "spice_sys_enter", &mut links)?;
-        }
 
         // No program-type probe for tp_btf: aya's probe for BPF_PROG_TYPE_TRACING attaches an
         // fentry trampoline, which the kernels this was built on refuse while tp_btf works.
@@ -1069,9 +1052,7 @@ impl Capture {
             )));
         }
         let sockops = layout[layout::HOOKS as usize] & layout::HOOK_SOCKOPS != 0;
-        let mut links: Vec<&str> = std::iter::once("spice_sys_enter")
-            .chain(BTF_TRACEPOINTS.iter().map(|(n, _)| *n))
-            .collect();
+        let mut links: Vec<&str> = BTF_TRACEPOINTS.iter().map(|(n, _)| *n).collect();
         if sockops {
             links.push(SOCKOPS);
         }
@@ -1592,32 +1573,6 @@ impl Capture {
         (e, r)
     }
 
-    /// Every `PENDING_CALLS` entry: (pid_tgid, call).
-    pub fn pending_calls(&mut self) -> Result<Vec<(u64, PendingCall)>> {
-        Ok(self
-            .hash::<u64, PendingCall>("PENDING_CALLS")?
-            .iter()
-            .filter_map(|e| e.ok())
-            .collect())
-    }
-
-    /// Rewrites the `PENDING_CALLS` entry `pid_tgid` if it still exists (`BPF_EXIST`: a call
-    /// that completed meanwhile is not re-created). Errors other than "gone" are returned.
-    pub fn update_pending_call(&mut self, pid_tgid: u64, call: PendingCall) -> Result<()> {
-        match self
-            .hash::<u64, PendingCall>("PENDING_CALLS")?
-            .insert(pid_tgid, call, BPF_EXIST)
-        {
-            Ok(()) => Ok(()),
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(e.into()),
-        }
-    }
-
     /// The ports in `WATCH_PORTS`.
     pub fn watch_ports(&mut self) -> Result<Vec<u16>> {
         Ok(self
@@ -1942,17 +1897,14 @@ mod tests {
                 call: "bpf_prog_load",
                 io_error: io::Error::from_raw_os_error(errno),
             });
-            let t = text(&load_error(
-                "spice_sys_enter",
-                "raw_tracepoint/sys_enter",
-                e,
-            ));
+            let t = text(&load_error("spice_sock_send", "tp_btf/sock_send_length", e));
             assert!(!t.contains(UNAVAILABLE), "{t}");
-            assert!(t.contains("raw_tracepoint/sys_enter"), "{t}");
+            assert!(t.contains("tp_btf/sock_send_length"), "{t}");
         }
     }
 
-    /// Only the agent's own names are its pins: its maps, link_/prog_ of its programs.
+    /// Only the agent's own names are its pins: its maps, link_/prog_ of its programs, and
+    /// the retired names of earlier versions (`link_spice_sys_enter` here).
     #[test]
     fn owned_pin_names() {
         for n in [
@@ -2055,7 +2007,7 @@ mod tests {
             return;
         }
         let kbtf = KernelBtf::open(path).unwrap();
-        for (_, tp) in BTF_TRACEPOINTS.iter().chain(&[("", "sys_enter")]) {
+        for (_, tp) in BTF_TRACEPOINTS {
             assert!(kbtf.has_typedef(&format!("btf_trace_{tp}")), "{tp}");
         }
         assert!(!kbtf.has_typedef("btf_trace_no_such_tracepoint_xyz"));

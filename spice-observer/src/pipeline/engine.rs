@@ -59,7 +59,7 @@ pub struct Watched {
 /// One program's kernel run-time statistics (bpf_prog_info run_time_ns / run_cnt).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProgramStats {
-    /// Program name in the object (`spice_sys_enter`, `spice_sock_send`, …).
+    /// Program name in the object (`spice_sock_send`, `spice_sock_recv`, …).
     pub name: String,
     /// Nanoseconds the program ran, cumulative since it was loaded (0 while stats are off).
     pub run_time_ns: u64,
@@ -803,9 +803,8 @@ impl Engine {
     }
 
     /// [`Engine::watch`] beside the daemon: see [`Engine::start_beside`]. The order makes the
-    /// counts exact: the flags are set first, then `PENDING_CALLS` entries of calls already
-    /// past `sys_enter` get the flag too (their records would otherwise go to `EVENTS` only),
-    /// then, once calls in progress have ended, the socket map is read: every message the map
+    /// counts exact: the flags are set first (each socket call reads them once), then, once
+    /// calls in progress have ended, the socket map is read: every message the map
     /// does not count yet has a `TAP_EVENTS` record, and the records of those it counts are
     /// skipped by their ordinal ([`crate::model::DirStats::restored_upto`]).
     fn watch_beside(&mut self, tgid: u32, tgids: Vec<u32>) -> Result<Watched> {
@@ -849,19 +848,8 @@ impl Engine {
                     .set_watch_value(t, (tgid & watch::ROOT_MASK) | watch::TAP, false)?;
             }
         }
-        // sys_enter runs take microseconds: after this, every call of these processes that
-        // entered without the flag has its PENDING_CALLS entry written.
-        std::thread::sleep(Duration::from_millis(20));
-        for (pid_tgid, mut call) in self.cap.pending_calls()? {
-            if tgids.contains(&((pid_tgid >> 32) as u32))
-                && call.live != 0
-                && call.watch & watch::ROUTE_TAP == 0
-            {
-                call.watch |= watch::ROUTE_TAP;
-                self.cap.update_pending_call(pid_tgid, call)?;
-            }
-        }
-        // A call that read its entry before the update has written its records by now.
+        // A socket call that read the old value (its route) before the update has written
+        // its records within microseconds; every later one sends them to TAP_EVENTS too.
         std::thread::sleep(Duration::from_millis(20));
         let socks = self.cap.sockets()?;
         let addrs = socket_addresses();
