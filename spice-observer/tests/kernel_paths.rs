@@ -72,6 +72,19 @@ fn observe(
     specs: Vec<Spec>,
     check: impl FnOnce(&Report, &[Done]) -> Result<()>,
 ) -> Result<()> {
+    observe_then(test, secs, specs, |report, done| {
+        check(report, done)?;
+        check_clean(report)
+    })
+}
+
+/// [`observe`] without its final [`check_clean`]: for runs that lose information on purpose.
+fn observe_then(
+    test: &str,
+    secs: f64,
+    specs: Vec<Spec>,
+    check: impl FnOnce(&Report, &[Done]) -> Result<()>,
+) -> Result<()> {
     let mut running = Vec::new();
     for sp in &specs {
         let server = Server::start(&sp.server).with_context(|| sp.name)?;
@@ -111,8 +124,7 @@ fn observe(
         "{test}: the peers took {took:?}, too close to the {secs} s observation"
     );
     let report = obs.finish_report()?;
-    check(&report, &done)?;
-    check_clean(&report)
+    check(&report, &done)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1259,6 +1271,75 @@ fn ack_window() -> Result<()> {
 /// with its reason. An out-of-range message type is a resync: that direction hunts from
 /// there (`sync_*` reason `bad_header`), the other stays framed. A good pair observed at the
 /// same time keeps exact counts.
+#[test]
+fn untraced_bytes_mark_their_direction_only() -> Result<()> {
+    const T: &str = "untraced_bytes_mark_their_direction_only";
+    if !privileged(T) {
+        return Ok(());
+    }
+    let specs = vec![
+        spec(
+            "sendfile",
+            &["--messages", "40", "--set-ack", "--window", "5", "--sendfile-after", "11"],
+            &["--messages", "3"],
+            true,
+        ),
+        spec(
+            "good",
+            &["--messages", "100", "--set-ack", "--window", "10"],
+            &["--messages", "10"],
+            true,
+        ),
+    ];
+    observe_then(T, 3.0, specs, |report, done| {
+        for x in done {
+            if x.name == "good" {
+                check_pair(report, x)?;
+                continue;
+            }
+            // The peer's own account: the first 11 messages by write, the rest by sendfile.
+            ensure!(
+                x.s.sent.sendfile_calls > 0 && x.s.sent.messages > 11,
+                "{}: the server sent {:?}",
+                x.name,
+                x.s.sent
+            );
+            // The server's send direction stops at the first sendfile, with the messages the
+            // writes carried; its receive direction stays framed and exact.
+            let c = only_channel(report, x.spid, "sendfile server")?;
+            let d = format!("sendfile server: {} ({:?})", describe_ch(c), c.unparsed_reason);
+            ensure!(
+                c.unparsed_reason.as_deref() == Some("untraced_bytes"),
+                "untraced_bytes expected: {d}"
+            );
+            ensure!(
+                c.messages_sent == 11
+                    && c.messages_received == x.s.received.messages
+                    && c.bytes_received == x.s.received.data_bytes,
+                "11 messages sent and the peer's {} received expected: {d}",
+                x.s.received.messages
+            );
+            // The client reads every byte with read(2): its end is framed in full.
+            let c = only_channel(report, x.cpid, "sendfile client")?;
+            ensure!(
+                c.unparsed_reason.is_none(),
+                "sendfile client: unparsed {:?}: {}",
+                c.unparsed_reason,
+                describe_ch(c)
+            );
+            check_counts(c, &x.c, "sendfile client")?;
+        }
+        // Counted once, as a loss, and nothing else lost.
+        let k = &report.kernel_counters;
+        ensure!(
+            k.get("untraced_bytes") == Some(&1) && report.events_lost == 1,
+            "untraced_bytes 1 and events_lost 1 expected: {} / {k:?}",
+            report.events_lost
+        );
+        Ok(())
+    })
+}
+
 #[test]
 fn unreadable_streams_and_refusals() -> Result<()> {
     const T: &str = "unreadable_streams_and_refusals";

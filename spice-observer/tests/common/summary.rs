@@ -107,6 +107,8 @@ pub struct SentSummary {
     /// Bytes of `--garbage-at` junk written into the data stream (in `data_bytes`, no
     /// message).
     pub junk_bytes: u64,
+    /// Calls made with sendfile(2) (`--sendfile-after`).
+    pub sendfile_calls: u64,
 }
 
 /// What the peer's receive calls moved.

@@ -78,6 +78,11 @@ pub(crate) struct Common {
     /// Bytes asked for per read call (upper bound with --recv-exact).
     #[arg(long, default_value_t = 65536)]
     pub(crate) recv_size: usize,
+    /// Once this side has sent N data messages (N ≥ 1), every later write goes out with
+    /// sendfile(2) from a memfd instead of --send-syscall: bytes on the socket that no hook can
+    /// read from a user buffer (an observer must mark that direction `untraced bytes`).
+    #[arg(long, value_name = "N")]
+    pub(crate) sendfile_after: Option<u64>,
     /// Iovecs per readv/recvmsg call (the buffer split evenly).
     #[arg(long, default_value_t = 1)]
     pub(crate) recv_iovs: usize,
@@ -303,6 +308,9 @@ impl Common {
         );
         if self.iov_split && !multi_iov {
             return Err("--iov-split needs --send-syscall writev or sendmsg".into());
+        }
+        if self.sendfile_after == Some(0) {
+            return Err("--sendfile-after must be at least 1 (the link phase is written as usual)".into());
         }
         if self.batch == 0 || self.batch > 300 {
             return Err("--batch must be 1..=300".into());

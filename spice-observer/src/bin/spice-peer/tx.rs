@@ -40,6 +40,10 @@ pub(crate) struct Tx {
     pub(crate) by_type: BTreeMap<u16, u64>,
     /// Bytes of `--garbage-at` junk written into the data stream (not messages).
     pub(crate) junk_bytes: u64,
+    /// `--sendfile-after`: writes go out with sendfile(2) once this many messages are sent.
+    pub(crate) sendfile_after: Option<u64>,
+    /// Calls made with sendfile(2).
+    pub(crate) sendfile_calls: u64,
 }
 
 impl Tx {
@@ -66,6 +70,8 @@ impl Tx {
             messages: 0,
             by_type: BTreeMap::new(),
             junk_bytes: 0,
+            sendfile_after: c.sendfile_after,
+            sendfile_calls: 0,
         }
     }
 
@@ -93,7 +99,12 @@ impl Tx {
                 thread::sleep(self.pause);
             }
             let rem = skip_segments(&all, done);
-            let r = sys_send(self.fd, self.how, &rem);
+            let r = if self.sendfile_after.is_some_and(|n| self.messages >= n) {
+                self.sendfile_calls += 1;
+                sys_sendfile(self.fd, &rem)
+            } else {
+                sys_send(self.fd, self.how, &rem)
+            };
             self.calls += 1;
             match r {
                 Ok(n) => {
@@ -229,6 +240,7 @@ impl Tx {
             "eagain": self.eagain,
             "short_writes": self.short_writes,
             "junk_bytes": self.junk_bytes,
+            "sendfile_calls": self.sendfile_calls,
         })
     }
 }
