@@ -23,7 +23,44 @@ use aya_build::{Package, Toolchain};
 /// The nightly toolchain whose LLVM (22.1.4) matches bpf-linker's LLVM 22.
 pub const EBPF_TOOLCHAIN: &str = "nightly-2026-05-19";
 
+/// The BPF instruction set the programs are generated for: v3 (32-bit ALU and jumps, and the
+/// atomic instructions, e.g. compare-and-exchange; Linux 5.12+ verifies all of it).
+pub const EBPF_CPU: &str = "v3";
+
+/// bpf-linker does the BPF code generation, with the `--cpu` rustc passes it (`-C
+/// target-cpu`, "generic" by default). aya-build sets the inner build's rustflags itself
+/// (`CARGO_ENCODED_RUSTFLAGS`, which overrides every other rustflags source), so the CPU is
+/// chosen by a linker wrapper instead: `OUT_DIR/bpf-linker-wrapper` runs bpf-linker with
+/// `--cpu generic` replaced by [`EBPF_CPU`], and the inner cargo finds it through
+/// `CARGO_TARGET_BPFEL_UNKNOWN_NONE_LINKER`.
+fn linker_wrapper(out: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = out.join("bpf-linker-wrapper");
+    let script = format!(
+        "#!/bin/sh\n# Written by spice-observer/build.rs: bpf-linker with --cpu {EBPF_CPU}.\n\
+         prev=\n\
+         for a in \"$@\"; do\n\
+         \x20 shift\n\
+         \x20 case \"$prev:$a\" in\n\
+         \x20   --cpu:generic) a={EBPF_CPU} ;;\n\
+         \x20   *:--cpu=generic) a=--cpu={EBPF_CPU} ;;\n\
+         \x20 esac\n\
+         \x20 set -- \"$@\" \"$a\"\n\
+         \x20 prev=$a\n\
+         done\n\
+         exec bpf-linker \"$@\"\n"
+    );
+    std::fs::write(&path, script)?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+    // SAFETY: the build script is single-threaded here; the variable is read by the inner
+    // cargo that aya-build starts.
+    unsafe { std::env::set_var("CARGO_TARGET_BPFEL_UNKNOWN_NONE_LINKER", &path) };
+    Ok(())
+}
+
 fn build() -> anyhow::Result<()> {
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    linker_wrapper(&out)?;
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../spice-ebpf");
     println!(
         "cargo:rerun-if-changed={}",
