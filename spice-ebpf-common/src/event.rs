@@ -453,6 +453,12 @@ pub struct SockState {
     /// [`carrier`]: whether `dir` frames the socket's bytes or its TLS plaintext.
     pub carrier: u8,
     pub _pad: [u8; 7],
+    /// 1 while a call applies a message to [`Self::window`], else 0: taken with a
+    /// compare-and-exchange, so that a send and a receive on two CPUs at once (a process
+    /// that reads and writes one socket from two threads) cannot lose an update. Never held
+    /// across a helper call; 0 in a fresh or restored entry. 64 bits: the BPF target's only
+    /// atomic width in Rust.
+    pub window_lock: u64,
     /// [`carrier::TLS`] sockets: TCP bytes moved by traced socket calls in each direction
     /// (indexed by [`dir`]); `dir[d].pos` then counts plaintext bytes. Zero otherwise.
     pub wire_pos: [u64; 2],

@@ -7,6 +7,9 @@
 //! entry points here and reuse `capture` unchanged.
 #![no_std]
 #![no_main]
+// The atomic intrinsics of `capture::take_window_lock` (the eBPF build uses a pinned nightly).
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 mod capture;
 mod kernel;
