@@ -279,6 +279,8 @@ fn time_syscalls(kind: SyscallKind, calls: u64) -> Result<(Duration, u64)> {
 struct LoadReport {
     server_pid: u32,
     window: u32,
+    /// Messages per write call.
+    batch: u64,
     ok: bool,
     channels: Vec<LoadChannel>,
 }
@@ -327,6 +329,11 @@ struct ObservedChannel {
     acks: u64,
     ack_syncs: u64,
     set_acks: u64,
+    /// The kernel window's peak, its starts above 2W and its ACKs that found fewer than W
+    /// messages counted (see [`compare`]).
+    in_flight_max: u64,
+    starts_while_stalled: u64,
+    ack_surplus: u64,
 }
 
 impl Observed {
@@ -350,6 +357,9 @@ impl Observed {
                     acks: c.acks,
                     ack_syncs: c.ack_syncs,
                     set_acks: c.set_acks,
+                    in_flight_max: c.in_flight_max.map_or(0, |m| m.max(0) as u64),
+                    starts_while_stalled: c.starts_while_stalled,
+                    ack_surplus: c.ack_surplus,
                 })
                 .collect(),
         }
@@ -357,7 +367,18 @@ impl Observed {
 }
 
 /// The observer's counts against the generator's, channel by channel: messages and bytes
-/// each way, ACKs and ACK_SYNCs, one SET_ACK of the generator's W, framing `mini`.
+/// each way, ACKs and ACK_SYNCs, one SET_ACK of the generator's W, framing `mini`; and its
+/// window against the generator's gate (spice-server's rule: no start once more than 2W are
+/// unacknowledged, so at most 2W+1 in flight).
+///
+/// The generator writes and reads each connection from two threads, so this checks that the
+/// two directions' concurrent updates of the kernel's window state lose nothing (before the
+/// window lock, a run of 10 messages per call reached 285 in flight). One effect of the two
+/// threads is legitimate: the kernel counts a write's messages when the call returns, and an
+/// ACK for them can be read on the other thread before that (loopback delivers during the
+/// call). Such an ACK finds fewer than W counted (the observer's `ack_surplus`), the count
+/// stops at 0, and it stays high by at most the messages of one call from then on. So: with
+/// no such ACK, at most 2W+1 and no start above 2W; with one, at most 2W+1 + the batch.
 fn compare(rep: &Observed, gen_: &LoadReport) -> Comparison {
     let mut exact = gen_.ok && rep.events_lost == 0;
     let mut rows = Vec::new();
@@ -412,6 +433,20 @@ fn compare(rep: &Observed, gen_: &LoadReport) -> Comparison {
         if c.window != Some(gen_.window) {
             diffs.push(format!("window {:?}, load {}", c.window, gen_.window));
         }
+        let gate = 2 * gen_.window as u64 + 1;
+        let (limit, starts_ok) = if c.ack_surplus == 0 {
+            (gate, c.starts_while_stalled == 0)
+        } else {
+            (gate + gen_.batch, true)
+        };
+        if c.in_flight_max > limit || !starts_ok {
+            diffs.push(format!(
+                "window: in flight up to {} ({} start(s) above 2W, {} early ACK(s)); the \
+                 generator's gate keeps it at {gate}, at most {limit} here: an update of the \
+                 kernel's window was lost",
+                c.in_flight_max, c.starts_while_stalled, c.ack_surplus
+            ));
+        }
         if !diffs.is_empty() {
             exact = false;
             problems.push(format!("{socket}: {}", diffs.join(", ")));
@@ -425,7 +460,10 @@ fn compare(rep: &Observed, gen_: &LoadReport) -> Comparison {
                          "messages_received": c.messages_received,
                          "bytes_received": c.bytes_received, "acks": c.acks,
                          "ack_syncs": c.ack_syncs, "set_acks": c.set_acks,
-                         "framing": c.framing, "window": c.window},
+                         "framing": c.framing, "window": c.window,
+                         "in_flight_max": c.in_flight_max,
+                         "starts_while_stalled": c.starts_while_stalled,
+                         "ack_surplus": c.ack_surplus},
             "equal": diffs.is_empty(),
         }));
     }
@@ -448,7 +486,7 @@ mod tests {
 
     fn load() -> LoadReport {
         serde_json::from_value(json!({
-            "server_pid": 7, "window": 20, "ok": true,
+            "server_pid": 7, "window": 20, "batch": 1, "ok": true,
             "channels": [{
                 "session": 0, "channel_id": 0,
                 "local_addr": "127.0.0.1:1", "peer_addr": "127.0.0.1:2",
@@ -475,6 +513,9 @@ mod tests {
                 acks: 2,
                 ack_syncs: 1,
                 set_acks: 1,
+                in_flight_max: 41,
+                starts_while_stalled: 0,
+                ack_surplus: 0,
             }],
             ..Default::default()
         }
@@ -509,6 +550,29 @@ mod tests {
         assert_eq!(c.json["channels"][0]["observed"], false);
         let mut o = observed();
         o.channels[0].framing = "hunting".into();
+        assert!(!compare(&o, &load()).exact);
+        // The window past the generator's gate (2W+1 = 41): a lost update of the kernel's
+        // window state.
+        let mut o = observed();
+        o.channels[0].in_flight_max = 42;
+        assert!(!compare(&o, &load()).exact);
+        let mut o = observed();
+        o.channels[0].starts_while_stalled = 3;
+        let c = compare(&o, &load());
+        assert!(!c.exact);
+        assert!(
+            c.json["problems"][0]
+                .as_str()
+                .unwrap()
+                .contains("3 start(s) above 2W")
+        );
+        // An ACK read before its messages' write returned: 2W+1 + one call's messages.
+        let mut o = observed();
+        o.channels[0].ack_surplus = 1;
+        o.channels[0].starts_while_stalled = 3;
+        o.channels[0].in_flight_max = 42;
+        assert!(compare(&o, &load()).exact);
+        o.channels[0].in_flight_max = 43;
         assert!(!compare(&o, &load()).exact);
         let mut g = load();
         g.ok = false;
