@@ -1280,7 +1280,15 @@ fn untraced_bytes_mark_their_direction_only() -> Result<()> {
     let specs = vec![
         spec(
             "sendfile",
-            &["--messages", "40", "--set-ack", "--window", "5", "--sendfile-after", "11"],
+            &[
+                "--messages",
+                "40",
+                "--set-ack",
+                "--window",
+                "5",
+                "--sendfile-after",
+                "11",
+            ],
             &["--messages", "3"],
             true,
         ),
@@ -1307,7 +1315,11 @@ fn untraced_bytes_mark_their_direction_only() -> Result<()> {
             // The server's send direction stops at the first sendfile, with the messages the
             // writes carried; its receive direction stays framed and exact.
             let c = only_channel(report, x.spid, "sendfile server")?;
-            let d = format!("sendfile server: {} ({:?})", describe_ch(c), c.unparsed_reason);
+            let d = format!(
+                "sendfile server: {} ({:?})",
+                describe_ch(c),
+                c.unparsed_reason
+            );
             ensure!(
                 c.unparsed_reason.as_deref() == Some("untraced_bytes"),
                 "untraced_bytes expected: {d}"

@@ -310,7 +310,9 @@ impl Common {
             return Err("--iov-split needs --send-syscall writev or sendmsg".into());
         }
         if self.sendfile_after == Some(0) {
-            return Err("--sendfile-after must be at least 1 (the link phase is written as usual)".into());
+            return Err(
+                "--sendfile-after must be at least 1 (the link phase is written as usual)".into(),
+            );
         }
         if self.batch == 0 || self.batch > 300 {
             return Err("--batch must be 1..=300".into());
