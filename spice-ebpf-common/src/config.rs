@@ -46,6 +46,11 @@ pub struct KernelConfig {
     /// `struct task_struct`: `pid` and `tgid` (i32 each).
     pub task_pid: u32,
     pub task_tgid: u32,
+    /// `struct sock`: `sk_socket` (`struct socket *`), and `struct socket`: `file`
+    /// (`struct file *`): a socket the kernel made for itself (`sock_create_kern`: NFS, CIFS,
+    /// iSCSI, ...) has no file, and its calls are not the calling syscall's.
+    pub sk_socket: u32,
+    pub socket_file: u32,
 }
 
 /// Version of everything a restarted agent reuses from pinned kernel state: the layouts of
@@ -53,7 +58,7 @@ pub struct KernelConfig {
 /// ...), of the ring records and of [`KernelConfig`], and the meaning of their fields. Bump it
 /// with any such change: a new agent that finds another version pinned reloads the programs
 /// and marks the open channels `restarted` instead of misreading the old state.
-pub const LAYOUT_VERSION: u32 = 8;
+pub const LAYOUT_VERSION: u32 = 9;
 
 /// Ring-buffer wake-ups. A record submitted without flags wakes the agent (an `irq_work`,
 /// i.e. a self-IPI, then an epoll wake-up) whenever the agent has caught up with the ring,

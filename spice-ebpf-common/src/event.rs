@@ -489,8 +489,11 @@ pub mod call_kind {
     pub const BUFFER: u8 = 1;
     /// writev, readv, sendmsg, recvmsg: an iovec array.
     pub const IOVEC: u8 = 2;
-    /// sendfile, splice, sendmmsg, recvmmsg, io_uring_enter, preadv2/pwritev2: bytes the
-    /// hooks cannot read; a socket call under one marks the direction unparsed.
+    /// Bytes the hooks cannot read from the call's arguments, and a socket call under one
+    /// marks the direction unparsed (`untraced_bytes`): sendfile, splice, sendmmsg, recvmmsg,
+    /// io_uring_enter, preadv2/pwritev2 or any other syscall, a compat (32-bit) task, an
+    /// io_uring worker (no syscall), a `MSG_TRUNC` receive (the bytes are discarded, not
+    /// copied).
     pub const UNSUPPORTED: u8 = 3;
 }
 

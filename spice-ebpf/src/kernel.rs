@@ -28,6 +28,8 @@ pub static CONFIG: KernelConfig = KernelConfig {
     tcp_total_retrans: 0,
     task_pid: 0,
     task_tgid: 0,
+    sk_socket: 0,
+    socket_file: 0,
 };
 
 /// Reads one config field without letting the compiler constant-fold the zero initialiser.
@@ -91,6 +93,24 @@ pub fn fill_tcp_transport(tp: *const u8, out: &mut TcpSnapshot) {
     out.srtt_us = tcp_u32(tp, konf!(tcp_srtt_us)) >> 3;
     out.packets_out = tcp_u32(tp, konf!(tcp_packets_out));
     out.total_retrans = tcp_u32(tp, konf!(tcp_total_retrans));
+}
+
+/// Whether `sk` (a BTF-typed `struct sock *`, a `tp_btf` argument) belongs to a user's
+/// socket file: `sk->sk_socket->file` is set. A socket the kernel made for itself
+/// (`sock_create_kern`, net/socket.c: NFS and CIFS clients, iSCSI) has none; its calls can
+/// run in a watched thread (a synchronous NFS RPC sends from the caller's context) but move
+/// no byte of the syscall being made. Plain loads from BTF pointers (see [`tcp_u32`]); a
+/// null `sk_socket` reads as a null file.
+#[inline(always)]
+pub fn user_socket(sk: *const u8) -> bool {
+    let sock =
+        unsafe { core::ptr::read_volatile(sk.add(konf!(sk_socket) as usize) as *const *const u8) };
+    if sock.is_null() {
+        return false;
+    }
+    let file =
+        unsafe { core::ptr::read_volatile(sock.add(konf!(socket_file) as usize) as *const u64) };
+    file != 0
 }
 
 /// `write_seq` (send) or `copied_seq` (recv) of `tp` ([`tcp_sock`]).

@@ -3,11 +3,11 @@
 //! calling task, with the `struct sock *` and the byte count the kernel took or returned.
 
 use aya_ebpf::helpers::{bpf_get_current_pid_tgid, generated::bpf_get_socket_cookie};
-use spice_ebpf_common::event::dir;
+use spice_ebpf_common::event::{call_kind, dir};
 
 use crate::{
     capture::{Call, on_call},
-    kernel::tcp_sock,
+    kernel::{tcp_sock, user_socket},
     maps::traced_route,
     probes::syscalls::current_call,
 };
@@ -16,6 +16,9 @@ use crate::{
 /// error queue holds no stream data (include/linux/socket.h).
 const MSG_PEEK: i32 = 2;
 const MSG_ERRQUEUE: i32 = 0x2000;
+/// A TCP receive with this flag discards the bytes instead of copying them
+/// (`tcp_recvmsg_locked`): they are the stream's, but not in the user buffer.
+const MSG_TRUNC: i32 = 0x20;
 
 /// Handles a socket call result. `direction` is [`dir::SEND`] or [`dir::RECV`].
 #[inline(always)]
@@ -30,10 +33,14 @@ pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
     }
     // Also the TCP check: NULL unless an IPv4/IPv6 TCP socket.
     let tp = tcp_sock(sk);
-    if tp.is_null() {
+    if tp.is_null() || !user_socket(sk) {
         return;
     }
     let cookie = unsafe { bpf_get_socket_cookie(sk as *mut _) };
+    let mut args = current_call(route);
+    if direction == dir::RECV && flags & MSG_TRUNC != 0 {
+        args.kind = call_kind::UNSUPPORTED;
+    }
     on_call(
         &Call {
             sk,
@@ -41,7 +48,7 @@ pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
             cookie,
             dir: direction,
             ret,
-            args: current_call(route),
+            args,
         },
         pid_tgid,
     );

@@ -46,9 +46,16 @@ macro_rules! reg {
 /// records go to the rings `route` names ([`CallArgs::watch`]).
 ///
 /// [`call_kind::UNSUPPORTED`] when its bytes cannot be read from the arguments: sendfile,
-/// splice, sendmmsg, recvmmsg, io_uring, preadv2/pwritev2 and any other syscall; a compat
-/// (32-bit) syscall; or no syscall at all: an io_uring worker (`copy_thread` gives it a copy
-/// of its creator's registers with `ip` 0, arch/x86/kernel/process.c), a kernel thread.
+/// splice, sendmmsg, recvmmsg, io_uring_enter, preadv2/pwritev2 and any other syscall; a
+/// compat (32-bit) syscall; or no syscall at all: an io_uring worker (`copy_thread` gives it
+/// a copy of its creator's registers with `ip` 0, arch/x86/kernel/process.c). Only calls on
+/// a user's socket get here ([`crate::kernel::user_socket`]): a kernel socket's call in a
+/// watched thread (NFS) is not the syscall's.
+///
+/// Not told apart: io_uring work that the task runs on its way out of another syscall
+/// (task_work, without `IORING_SETUP_DEFER_TASKRUN`) takes that syscall's registers. If that
+/// syscall is one of the read/write family above, its buffer is taken for the io_uring
+/// call's. spice-server and the relays do not use io_uring for sockets.
 #[inline(always)]
 pub fn current_call(route: u8) -> CallArgs {
     let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;
@@ -60,7 +67,8 @@ pub fn current_call(route: u8) -> CallArgs {
         ptr: 0,
         len: 0,
     };
-    if reg!(regs, cs) != USER_CS || reg!(regs, rip) == 0 {
+    // The low 16 bits: with FRED the slot's upper bits carry other fields.
+    if reg!(regs, cs) & 0xffff != USER_CS || reg!(regs, rip) == 0 {
         return call;
     }
     let id = reg!(regs, orig_rax);

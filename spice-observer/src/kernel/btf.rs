@@ -115,6 +115,8 @@ impl KernelBtf {
             tcp_total_retrans: tp("total_retrans")?,
             task_pid: task("pid")?,
             task_tgid: task("tgid")?,
+            sk_socket: sk("sk_socket")?,
+            socket_file: self.offset("socket", "file")?,
         })
     }
 }
@@ -141,5 +143,6 @@ mod tests {
             "tcp_sock members sit after inet_connection_sock"
         );
         assert_ne!(c.task_pid, c.task_tgid);
+        assert!(c.sk_socket > 0 && c.socket_file > 0, "{c:?}");
     }
 }
