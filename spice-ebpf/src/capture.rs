@@ -51,6 +51,9 @@ use crate::{
 
 const EAGAIN: i32 = 11;
 
+/// Map update flag: create only (include/uapi/linux/bpf.h).
+const BPF_NOEXIST: u64 = 1;
+
 /// The hunting type table ([`spice_ebpf_common::protocol::HUNT_TYPES`]) in the program's
 /// read-only data: one load per candidate header.
 static HUNT_TABLE: [u32; HUNT_TYPES_LEN] = HUNT_TYPES;
@@ -298,7 +301,13 @@ struct LockTry {
 /// One try of [`take_window_lock`]: returns 1 (stop) once the lock is taken.
 extern "C" fn try_window_lock(_index: u64, ctx: *mut c_void) -> i64 {
     let c = unsafe { &mut *(ctx as *mut LockTry) };
+    // Read before trying (test and test-and-set): a plain read leaves the holder's cache
+    // line shared instead of taking it away at every try.
     // SAFETY: `lock` points into the socket's SOCKETS value.
+    if unsafe { core::ptr::read_volatile(c.lock) } != 0 {
+        return 0;
+    }
+    // SAFETY: as above.
     let (_, ok) = unsafe {
         atomic_cxchg::<u64, { AtomicOrdering::Acquire }, { AtomicOrdering::Relaxed }>(c.lock, 0, 1)
     };
@@ -429,9 +438,20 @@ fn socket_state(call: &Call, tgid: u32, now: u64) -> Option<*mut SockState> {
         return Some(s);
     }
     let zero = ZERO_SOCK.get_ptr(0)?;
-    if SOCKETS.insert(&call.cookie, unsafe { &*zero }, 0).is_err() {
-        count(counter::SOCKET_MAP_FULL);
-        return None;
+    // BPF_NOEXIST: two threads' first calls on one socket at once must not replace each
+    // other's entry (the first would go on updating a freed one); the one that loses uses
+    // the winner's.
+    if SOCKETS
+        .insert(&call.cookie, unsafe { &*zero }, BPF_NOEXIST)
+        .is_err()
+    {
+        return match SOCKETS.get_ptr_mut(&call.cookie) {
+            Some(s) => Some(s),
+            None => {
+                count(counter::SOCKET_MAP_FULL);
+                None
+            }
+        };
     }
     let s = SOCKETS.get_ptr_mut(&call.cookie)?;
     let state = unsafe { &mut *s };
