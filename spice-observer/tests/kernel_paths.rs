@@ -1266,11 +1266,12 @@ fn ack_window() -> Result<()> {
     })
 }
 
-/// Streams the observer cannot or must not frame: garbage, TLS and WebSocket starts, SASL,
-/// link refusals (error reply, bad result, error after the reply). Each is reported unparsed
-/// with its reason. An out-of-range message type is a resync: that direction hunts from
-/// there (`sync_*` reason `bad_header`), the other stays framed. A good pair observed at the
-/// same time keeps exact counts.
+/// Bytes no hook can read from a user buffer: a server that switches to sendfile(2) after 11
+/// messages (`spice-peer --sendfile-after`) has its send direction marked `untraced_bytes`
+/// with those 11 counted, while its receive direction, the client's end and a good pair
+/// beside it stay exact. sendfile reaches `sock_sendmsg` (and the tracepoint) since Linux 6.5
+/// (`MSG_SPLICE_PAGES`); before, it went through `sendpage` and only the sequence check of a
+/// later traced call would see the bytes.
 #[test]
 fn untraced_bytes_mark_their_direction_only() -> Result<()> {
     const T: &str = "untraced_bytes_mark_their_direction_only";
@@ -1352,6 +1353,11 @@ fn untraced_bytes_mark_their_direction_only() -> Result<()> {
     })
 }
 
+/// Streams the observer cannot or must not frame: garbage, TLS and WebSocket starts, SASL,
+/// link refusals (error reply, bad result, error after the reply). Each is reported unparsed
+/// with its reason. An out-of-range message type is a resync: that direction hunts from
+/// there (`sync_*` reason `bad_header`), the other stays framed. A good pair observed at the
+/// same time keeps exact counts.
 #[test]
 fn unreadable_streams_and_refusals() -> Result<()> {
     const T: &str = "unreadable_streams_and_refusals";

@@ -35,9 +35,9 @@ pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
             [(*sock).dir[0].pos, (*sock).dir[1].pos]
         }
     };
-    // The rings of the owning process's watch now (no PendingCall here: the one lookup of
-    // this path, made only for tracked sockets); after the process exited (its entry gone),
-    // those of the call that created the socket.
+    // The rings of the owning process's watch now (no socket call here to carry them: the one
+    // lookup of this path, made only for tracked sockets); after the process exited (its
+    // entry gone), those of the call that created the socket.
     let route = match WATCHED_TGIDS.get_ptr(&tgid) {
         Some(w) => watch::route(unsafe { *w }),
         None => unsafe { (*sock).watch },

@@ -108,8 +108,7 @@ const PROGRAMS: [&str; 13] = [
     tls::PROGRAMS[5].name,
 ];
 
-/// Pins that earlier versions made and this one does not ([`crate::kernel`]'s layout
-/// history): still this agent's, so that a reload or `--unpin` after an upgrade removes them
+/// Pins that earlier versions made and this one does not: still this agent's, so that a reload or `--unpin` after an upgrade removes them
 /// rather than refusing the directory. `PENDING_CALLS` and `spice_sys_enter` went with layout
 /// version 8 (the socket tracepoints read the syscall's registers themselves).
 const RETIRED_PINS: [&str; 3] = [
@@ -197,8 +196,8 @@ pub fn refuse_foreign(dir: &Path) -> Result<()> {
     let more = foreign.len().saturating_sub(shown.len());
     bail!(
         "pin directory {} holds {} entr{} that {} not spice-observer's: {}{}; spice-observer \
-         only ever removes its own pins (its maps, the link_/prog_ files of its programs and \
-         the tls_ links of its libssl uprobes) and leaves these alone: pick a dedicated directory for --pin-dir / `pin_dir` (default \
+         only ever removes its own pins (its maps, the link_/prog_ files of its programs, \
+         the tls_ links of its libssl uprobes and the names earlier versions used) and leaves these alone: pick a dedicated directory for --pin-dir / `pin_dir` (default \
          {}), or move these entries away",
         dir.display(),
         foreign.len(),
@@ -1904,10 +1903,13 @@ mod tests {
     }
 
     /// Only the agent's own names are its pins: its maps, link_/prog_ of its programs, and
-    /// the retired names of earlier versions (`link_spice_sys_enter` here).
+    /// the retired names of earlier versions.
     #[test]
     fn owned_pin_names() {
         for n in [
+            "PENDING_CALLS",
+            "link_spice_sys_enter",
+            "prog_spice_sys_enter",
             "LAYOUT",
             "SOCKETS",
             "link_spice_exit",
