@@ -528,18 +528,18 @@ mod tests {
         assert_eq!(c.json["channels"][0]["equal"], true);
     }
 
+    /// The first problem `compare` finds in `o`, which must not be exact.
+    fn first_problem(o: &Observed) -> String {
+        let c = compare(o, &load());
+        assert!(!c.exact, "{}", c.json);
+        c.json["problems"][0].as_str().unwrap().to_string()
+    }
+
     #[test]
     fn every_difference_fails() {
         let mut o = observed();
         o.channels[0].messages_sent = 40;
-        let c = compare(&o, &load());
-        assert!(!c.exact);
-        assert!(
-            c.json["problems"][0]
-                .as_str()
-                .unwrap()
-                .contains("messages_sent: load 41, observer 40")
-        );
+        assert!(first_problem(&o).contains("messages_sent: load 41, observer 40"));
         let mut o = observed();
         o.events_lost = 1;
         assert!(!compare(&o, &load()).exact);
@@ -558,14 +558,7 @@ mod tests {
         assert!(!compare(&o, &load()).exact);
         let mut o = observed();
         o.channels[0].starts_while_stalled = 3;
-        let c = compare(&o, &load());
-        assert!(!c.exact);
-        assert!(
-            c.json["problems"][0]
-                .as_str()
-                .unwrap()
-                .contains("3 start(s) above 2W")
-        );
+        assert!(first_problem(&o).contains("3 start(s) above 2W"));
         // An ACK read before its messages' write returned: 2W+1 + one call's messages.
         let mut o = observed();
         o.channels[0].ack_surplus = 1;
