@@ -41,12 +41,14 @@ use spice_ebpf_common::{
         UnparsedReason,
     },
     protocol::{HUNT_TYPES, HUNT_TYPES_LEN},
-    window::WindowState,
 };
 
 use crate::{
     kernel::{self, AF_INET, AF_INET6, konf, read_at},
-    maps::{PREEXISTING, SOCKETS, TCP_STATE, TLS_CALLS, ZERO_SOCK, count, write_record},
+    maps::{
+        CALL_SCRATCH, PREEXISTING, SOCKETS, TCP_STATE, TLS_CALLS, TLS_SCRATCH, ZERO_SOCK, count,
+        write_record,
+    },
 };
 
 const EAGAIN: i32 = 11;
@@ -74,12 +76,10 @@ pub struct Call {
     pub args: CallArgs,
 }
 
-/// State shared with the `bpf_loop` step callback (lives on the caller's stack).
+/// The framing loop's position within one call's bytes, shared with the `bpf_loop` step
+/// callback ([`CallScratch::lp`]).
 #[repr(C)]
-struct LoopCtx {
-    st: *mut DirState,
-    ec: EmitCtx,
-    peer: PeerView,
+pub struct LoopCtx {
     call_start: u64,
     call_end: u64,
     iov_ptr: u64,
@@ -88,6 +88,55 @@ struct LoopCtx {
     cur_start: u64,
     cur_base: u64,
     cur_len: u64,
+}
+
+/// One call's working state while it is framed: what [`run_call`] hands to [`frame`],
+/// [`peek_eagain`] and the step callback. It lives in a map value, not on the stack, because
+/// the verifier limits the stack of a whole call chain (program, `on_call`, `frame`, the
+/// `bpf_loop` callback and the functions it calls) to 512 bytes (`MAX_BPF_STACK`,
+/// `check_max_stack_depth` in kernel/bpf/verifier.c). Programs on tracepoints get a private
+/// stack per function on Linux 6.13+ (x86-64), which lifts that limit for them, but uprobe
+/// programs do not (seen on 6.18) and older kernels have none: with these structures on the
+/// stack, `spice_ssl_ret`'s chain took 544–752 bytes and the socket tracepoints' 720–736.
+/// Now the deepest chain is about 480.
+///
+/// Where it lives: the socket tracepoints run with preemption off (`__DO_TRACE`,
+/// include/linux/tracepoint.h) and nothing that uses it runs in interrupt context, so one
+/// per-CPU entry ([`crate::maps::CALL_SCRATCH`]) serves them; a uprobe program runs
+/// preemptible (`bpf_prog_run_array_uprobe`, include/linux/bpf.h: `migrate_disable` only), so
+/// the libssl return takes an entry of its thread ([`crate::maps::TLS_SCRATCH`]). A hook set
+/// whose programs can be preempted (fentry/fexit trampolines also only disable migration)
+/// must take a per-thread entry too.
+///
+/// No pointer is kept in it: the verifier tracks a pointer's type through registers and
+/// stack slots, not through map values (a pointer loaded back from one is a plain number),
+/// so the socket and direction go to the callback in [`LoopRefs`], on the stack.
+#[repr(C)]
+pub struct CallScratch {
+    ec: EmitCtx,
+    peer: PeerView,
+    span: Span,
+    lp: LoopCtx,
+    /// The step's framing output (an [`Output`], emitted before the next step), as words:
+    /// BTF cannot describe a data-carrying enum in a map value.
+    out: [u64; OUTPUT_WORDS],
+    /// The first bytes of a buffer a send could not take ([`peek_eagain`]).
+    peek: [u8; BUF_LEN],
+}
+
+/// [`CallScratch::out`]'s length in 8-byte words.
+const OUTPUT_WORDS: usize = core::mem::size_of::<Output>() / 8;
+// store_output copies whole words.
+const _: () = assert!(core::mem::size_of::<Output>() % 8 == 0);
+
+/// What the `bpf_loop` context slot holds (on [`frame`]'s stack; `bpf_loop` takes a stack
+/// pointer, ARG_PTR_TO_STACK_OR_NULL): the call's scratch entry, its socket's `SOCKETS`
+/// value and the direction being framed.
+#[repr(C)]
+struct LoopRefs {
+    sc: *mut CallScratch,
+    sock: *mut SockState,
+    st: *mut DirState,
 }
 
 #[inline(always)]
@@ -108,7 +157,7 @@ fn header(kind_: u8, dir: u8, cookie: u64, tgid: u32, now: u64) -> EventHeader {
 ///
 /// Dispatches to enum-free functions: BTF cannot describe `Output` in a BPF function signature.
 #[inline(always)]
-fn emit(ec: &EmitCtx, out: &Output, st: &DirState, peer: &PeerView) {
+fn emit(ec: &EmitCtx, sock: *mut SockState, out: &Output, st: &DirState, peer: &PeerView) {
     match out {
         Output::None => {}
         Output::Message(m) => {
@@ -121,7 +170,12 @@ fn emit(ec: &EmitCtx, out: &Output, st: &DirState, peer: &PeerView) {
             if peer.mid_message {
                 flags |= msg_flags::PEER_MID_MESSAGE;
             }
-            emit_message(ec, m, flags, st.role, message_channel_type(st, peer))
+            emit_message(
+                ec,
+                sock,
+                m,
+                message_meta(flags, st.role, message_channel_type(st, peer)),
+            )
         }
         Output::Link(l) => emit_link(&ec.hdr, ec.route, l),
         Output::Unparsed { reason, detail, at } => {
@@ -132,6 +186,13 @@ fn emit(ec: &EmitCtx, out: &Output, st: &DirState, peer: &PeerView) {
             emit_hunt(&ec.hdr, ec.route, st)
         }
     }
+}
+
+/// [`emit_message`]'s message flags, role and channel type in one argument (a BPF function
+/// takes at most five).
+#[inline(always)]
+fn message_meta(flags: u8, role: u8, channel_type: u8) -> u32 {
+    flags as u32 | (role as u32) << 8 | (channel_type as u32) << 16
 }
 
 /// Writes the record of a hunt `st` just began ([`DirState::hunt`]: reason, detail and start
@@ -213,23 +274,25 @@ fn message_channel_type(st: &DirState, peer: &PeerView) -> u8 {
 ///
 /// Records are written in place in the ring: the BPF stack is 512 bytes for the whole chain.
 #[inline(never)]
-fn emit_message(ec: &EmitCtx, m: &MessageInfo, flags: u8, role: u8, channel_type: u8) {
+fn emit_message(ec: &EmitCtx, sock: *mut SockState, m: &MessageInfo, meta: u32) {
     if m.already_reported {
         return;
     }
+    let (flags, role, channel_type) = (meta as u8, (meta >> 8) as u8, (meta >> 16) as u8);
     count(counter::MESSAGES_FRAMED);
-    let locked = take_window_lock(ec.lock);
-    // SAFETY: both point into the socket's SOCKETS value, looked up by on_call for this call;
-    // neither overlaps the DirState being framed.
-    let w = unsafe { &mut *ec.window };
+    // SAFETY: `sock` is the socket's SOCKETS value, looked up for this call; the window, the
+    // lock and the byte totals do not overlap the DirState being framed.
+    let lock = unsafe { &mut (*sock).window_lock as *mut u64 };
+    let locked = take_window_lock(lock);
+    let w = unsafe { &mut (*sock).window };
     let fx = w.apply(role, ec.hdr.ts_ns, channel_type, m.msg_type, m.prefix);
     let (mw, in_flight) = (w.messages_window, w.count);
     if locked {
-        release_window_lock(ec.lock);
+        release_window_lock(lock);
     } else {
         count(counter::WINDOW_LOCK_BUSY);
     }
-    unsafe { *ec.bytes += m.hdr_len as u64 + m.size as u64 };
+    unsafe { (*sock).msg_bytes[(ec.hdr.dir & 1) as usize] += m.hdr_len as u64 + m.size as u64 };
     write_record::<MessageEvent>(ec.route, |p| unsafe {
         (*p).hdr = ec.hdr;
         (*p).hdr.kind = kind::MESSAGE;
@@ -349,21 +412,33 @@ fn emit_unparsed(hdr: &EventHeader, route: u8, reason: u8, detail: u32, at: u64)
 /// One step of the per-call loop: resolve the element, move to the iovec holding the next
 /// wanted byte, or read (part of) the element and complete it. Returns 1 to stop.
 extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
-    let c = unsafe { &mut *(ctx as *mut LoopCtx) };
-    let st = unsafe { &mut *c.st };
+    // The verifier requires a callback's return in [0, 1]. LLVM returns some paths' bools
+    // straight from a byte it loaded (0..=255 to the verifier); the volatile read and the
+    // mask keep the bound explicit.
+    let r = step_body(ctx);
+    unsafe { core::ptr::read_volatile(&r) & 1 }
+}
+
+/// The body of [`step`]: 1 to stop the loop, 0 to go on.
+#[inline(always)]
+fn step_body(ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is `frame`'s LoopRefs; all three outlive the loop.
+    let r = unsafe { &*(ctx as *const LoopRefs) };
+    let (sc, sock, st) = unsafe { (&mut *r.sc, r.sock, &mut *r.st) };
+    let (c, ec, peer) = (&mut sc.lp, &sc.ec, &sc.peer);
     if st.is_unparsed() || st.need().0 >= c.call_end {
         return 1;
     }
     // Resolve the element only once its first byte is in this call (see DirState::prepare).
-    let out = st.prepare(&c.peer);
-    emit_stop(&c.ec.hdr, c.ec.route, &out);
+    let out = st.prepare(peer);
+    emit_stop(&ec.hdr, ec.route, &out);
     if st.is_unparsed() {
         return 1;
     }
     let (at, remaining) = st.need();
     if at < c.call_start {
         let out = st.stop(UnparsedReason::Internal, 0);
-        emit_stop(&c.ec.hdr, c.ec.route, &out);
+        emit_stop(&ec.hdr, ec.route, &out);
         return 1;
     }
     if at >= c.cur_start + c.cur_len {
@@ -372,7 +447,7 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
         c.cur_iov += 1;
         if c.cur_iov >= c.iov_cnt {
             let out = st.stop(UnparsedReason::Internal, 1);
-            emit_stop(&c.ec.hdr, c.ec.route, &out);
+            emit_stop(&ec.hdr, ec.route, &out);
             return 1;
         }
         let mut iov = [0u64; 2];
@@ -381,7 +456,7 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
         if rc != 0 {
             count(counter::USER_READ_FAULT);
             let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
-            emit_stop(&c.ec.hdr, c.ec.route, &out);
+            emit_stop(&ec.hdr, ec.route, &out);
             return 1;
         }
         c.cur_base = iov[0];
@@ -405,29 +480,62 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     if rc != 0 {
         count(counter::USER_READ_FAULT);
         let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
-        emit_stop(&c.ec.hdr, c.ec.route, &out);
+        emit_stop(&ec.hdr, ec.route, &out);
         return 1;
     }
     st.have = have + n;
     if st.have >= st.want_len {
+        // The hunting checks return their output here rather than emit it themselves, so
+        // that `hunt_complete`'s frame and the emitting functions' are never on the stack at
+        // once (the 512-byte limit is on the whole chain: see [`LoopCtx`]).
+        let out = sc.out.as_mut_ptr() as *mut c_void;
         if st.phase == Phase::Hunt as u8 {
-            hunt_complete(c);
+            hunt_complete(st, out);
         } else {
-            let out = st.complete(&c.peer);
-            emit(&c.ec, &out, st, &c.peer);
+            complete(st, peer, out);
         }
+        // SAFETY: one of the two wrote an Output there.
+        emit(ec, sock, unsafe { &*(out as *const Output) }, st, peer);
     }
     0
 }
 
-/// A hunting direction's candidate header is complete: validate it, and at a lock report the
-/// first counted message ([`DirState::complete_hunt`]). A function of its own so that the
-/// verifier walks the hunting checks once, apart from the framing of [`step`].
+/// A hunting direction's candidate header is complete: validate it; at a lock the output is
+/// the first counted message ([`DirState::complete_hunt`]). A function of its own so that the
+/// verifier walks the hunting checks once, apart from the framing of [`step`]. `out` is an
+/// [`Output`] of the caller's, passed untyped: BTF cannot describe `Output` in a BPF
+/// function signature (see [`emit`]).
 #[inline(never)]
-fn hunt_complete(c: &mut LoopCtx) {
-    let st = unsafe { &mut *c.st };
-    let out = st.complete_hunt_with(&HUNT_TABLE);
-    emit(&c.ec, &out, st, &c.peer);
+fn hunt_complete(st: &mut DirState, out: *mut c_void) {
+    // SAFETY: `out` is the caller's CallScratch::out: OUTPUT_WORDS words, 8-aligned (Output's
+    // alignment is at most 8).
+    // SAFETY: the caller passes its own `Output`.
+    store_output(&st.complete_hunt_with(&HUNT_TABLE), out);
+}
+
+/// A framing direction's element is complete ([`DirState::complete`]); its output goes to
+/// `out`, as in [`hunt_complete`]. A function of its own: written in place by inlined code,
+/// the enum's bytes went out through a register LLVM had reused for a pointer, which the
+/// verifier refuses ("32-bit pointer arithmetic prohibited").
+#[inline(never)]
+fn complete(st: &mut DirState, peer: &PeerView, out: *mut c_void) {
+    store_output(&st.complete(peer), out);
+}
+
+/// Copies `o` to `out` ([`CallScratch::out`]) word by word through memory. Storing the enum
+/// directly lets LLVM assemble its words from registers, including never-written ones for the
+/// bytes a variant leaves out, which the verifier refuses ("!read_ok"); the volatile loads
+/// read the stack copy instead (uninitialised padding bytes there are readable for a
+/// CAP_PERFMON loader, `allow_uninit_stack`).
+#[inline(always)]
+fn store_output(o: &Output, out: *mut c_void) {
+    let src = o as *const Output as *const u64;
+    let dst = out as *mut u64;
+    for i in 0..OUTPUT_WORDS {
+        // SAFETY: `src` is an Output of OUTPUT_WORDS words at most (size rounded up to 8,
+        // within its 8-aligned stack slot); `dst` the caller's CallScratch::out.
+        unsafe { core::ptr::write_volatile(dst.add(i), core::ptr::read_volatile(src.add(i))) };
+    }
 }
 
 /// Returns the tracked state of the socket, creating it (and announcing the socket) on first
@@ -588,7 +696,11 @@ pub fn on_call(call: &Call, pid_tgid: u64) {
     }
 
     let seq_now = store_tcp(call.tp, call.cookie, now, call.dir == dirs::SEND);
-    run_call(sock, call, tgid, now, Some(seq_now));
+    // A one-entry per-CPU array: the lookup cannot fail.
+    let Some(sc) = CALL_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    run_call(sock, call, tgid, now, Some(seq_now), unsafe { &mut *sc });
 }
 
 /// The carrier part of a socket call on a socket that is not known to be plain: decides the
@@ -664,12 +776,28 @@ fn plain_tls_call(call: &Call, pid_tgid: u64) {
     }
 }
 
+/// The calling thread's [`CallScratch`] entry in [`TLS_SCRATCH`], made at its first
+/// framed libssl call (the new entry's bytes are copied from this CPU's [`CALL_SCRATCH`]
+/// entry: every field is written before it is read). `None` if the map is full.
+#[inline(always)]
+fn tls_scratch(pid_tgid: u64) -> Option<*mut CallScratch> {
+    if let Some(sc) = TLS_SCRATCH.get_ptr_mut(&pid_tgid) {
+        return Some(sc);
+    }
+    let template = CALL_SCRATCH.get_ptr(0)?;
+    TLS_SCRATCH
+        .insert(&pid_tgid, unsafe { &*template }, BPF_NOEXIST)
+        .ok()?;
+    TLS_SCRATCH.get_ptr_mut(&pid_tgid)
+}
+
 /// Frames the plaintext one hooked libssl call moved on TLS socket `cookie`: `moved` bytes
 /// (≤ 0: none, e.g. SSL_ERROR_WANT_WRITE) at `tc.buf`. Then writes a [`TlsMarkEvent`]: the
 /// plaintext up to here is in the TCP stream up to the socket's `write_seq` (send) or
 /// `copied_seq` (recv) as its last socket call left it in `TCP_STATE`.
 #[inline(always)]
-pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, tgid: u32) {
+pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, pid_tgid: u64) {
+    let tgid = (pid_tgid >> 32) as u32;
     let Some(sp) = SOCKETS.get_ptr_mut(&cookie) else {
         if moved > 0 {
             count(counter::TLS_UNMAPPED);
@@ -712,7 +840,19 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, tgid: u32) {
             len: tc.num,
         },
     };
-    run_call(sock, &call, tgid, now, None);
+    let Some(sc) = tls_scratch(pid_tgid) else {
+        // No working space for this thread: the plaintext cannot be framed, so the direction
+        // stops rather than lose its place silently.
+        count(counter::TLS_PENDING_FULL);
+        let st = &mut sock.dir[(call.dir & 1) as usize];
+        if !st.is_unparsed() {
+            let out = st.stop(UnparsedReason::Internal, 2);
+            let hdr = header(kind::MESSAGE, call.dir, cookie, tgid, now);
+            emit_stop(&hdr, tc.watch, &out);
+        }
+        return;
+    };
+    run_call(sock, &call, tgid, now, None, unsafe { &mut *sc });
     if ret <= 0 {
         return;
     }
@@ -743,12 +883,17 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, tgid: u32) {
 /// `write_seq` / `copied_seq` after the call, checked against the bytes traced) or a TLS
 /// socket's plaintext (`seq_now` `None`: plaintext has no TCP sequence of its own).
 #[inline(always)]
-fn run_call(sock: &mut SockState, call: &Call, tgid: u32, now: u64, seq_now: Option<u32>) {
+fn run_call(
+    sock: &mut SockState,
+    call: &Call,
+    tgid: u32,
+    now: u64,
+    seq_now: Option<u32>,
+    sc: &mut CallScratch,
+) {
     let d = (call.dir & 1) as usize;
-    let peer = sock.dir[d ^ 1].view();
-    let window = &mut sock.window as *mut WindowState;
-    let lock = &mut sock.window_lock as *mut u64;
-    let bytes = &mut sock.msg_bytes[d] as *mut u64;
+    sc.peer = sock.dir[d ^ 1].view();
+    let sockp = sock as *mut SockState;
     let st = &mut sock.dir[d];
     let mut hdr = header(kind::MESSAGE, call.dir, call.cookie, tgid, now);
     if seq_now.is_none() {
@@ -762,19 +907,23 @@ fn run_call(sock: &mut SockState, call: &Call, tgid: u32, now: u64, seq_now: Opt
             } else {
                 0
             };
-            peek_eagain(
-                st,
-                &peer,
-                call,
-                &EmitCtx {
-                    hdr,
-                    seq_base: base,
-                    window,
-                    bytes,
-                    lock,
-                    route: call.args.watch,
-                },
-            );
+            sc.ec = EmitCtx {
+                hdr,
+                seq_base: base,
+                route: call.args.watch,
+            };
+            // The message is emitted here, not inside: the two frames are never on the stack
+            // at once (see CallScratch).
+            if peek_eagain(st, call, sc) != 0
+                && let Output::Message(m) = unsafe { &*(sc.out.as_ptr() as *const Output) }
+            {
+                let meta = message_meta(
+                    msg_flags::EAGAIN_START,
+                    st.role,
+                    message_channel_type(st, &sc.peer),
+                );
+                emit_message(&sc.ec, sockp, m, meta);
+            }
         }
         return;
     }
@@ -813,19 +962,16 @@ fn run_call(sock: &mut SockState, call: &Call, tgid: u32, now: u64, seq_now: Opt
     }
     if !st.is_unparsed() {
         let candidates = st.candidates;
-        let ec = EmitCtx {
+        sc.ec = EmitCtx {
             hdr,
             seq_base: sock.seq_base[d],
-            window,
-            bytes,
-            lock,
             route: call.args.watch,
         };
-        let span = Span {
+        sc.span = Span {
             start: call_start,
             end: call_end,
         };
-        frame(st, &peer, call, &ec, &span);
+        frame(st, call, sc, sockp);
         if st.candidates != candidates {
             count(counter::HUNT_CANDIDATES);
         }
@@ -892,21 +1038,15 @@ fn offer_call_start(st: &mut DirState, call: &Call, at: u64, moved: u64) {
     }
 }
 
-/// What writing a message record needs besides the message: the record header, the
-/// direction's TCP sequence number of stream offset 0, and where the socket's window and this
-/// direction's byte total live (in its `SOCKETS` value). Plain pointers: BPF functions take at
-/// most five arguments, and BTF cannot describe a reference to a data-carrying enum.
+/// What writing a record needs besides the output and the socket: the record header (its
+/// `dir` is the direction framed), the direction's TCP sequence number of stream offset 0,
+/// and the rings. Kept in [`CallScratch`]; the socket's window, lock and byte totals are
+/// reached through its `SOCKETS` value, passed beside it.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct EmitCtx {
     hdr: EventHeader,
     seq_base: u32,
-    /// [`SockState::window`].
-    window: *mut WindowState,
-    /// [`SockState::msg_bytes`] of this direction.
-    bytes: *mut u64,
-    /// [`SockState::window_lock`].
-    lock: *mut u64,
     /// The rings the records go to ([`CallArgs::watch`]).
     route: u8,
 }
@@ -919,8 +1059,8 @@ struct Span {
 
 /// Runs the framing loop over one call's bytes.
 #[inline(never)]
-fn frame(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx, span: &Span) {
-    let (call_start, call_end) = (span.start, span.end);
+fn frame(st: &mut DirState, call: &Call, sc: &mut CallScratch, sock: *mut SockState) {
+    let (call_start, call_end) = (sc.span.start, sc.span.end);
     let (iov_ptr, iov_cnt, cur_base, cur_len) = if call.args.kind == call_kind::IOVEC {
         let mut iov = [0u64; 2];
         let rc = unsafe {
@@ -933,17 +1073,14 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx, span: &S
         if rc != 0 {
             count(counter::USER_READ_FAULT);
             let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
-            emit_stop(&ec.hdr, ec.route, &out);
+            emit_stop(&sc.ec.hdr, sc.ec.route, &out);
             return;
         }
         (call.args.ptr, call.args.len, iov[0], iov[1])
     } else {
         (0, 1, call.args.ptr, call.args.len)
     };
-    let mut ctx = LoopCtx {
-        st: st as *mut DirState,
-        ec: *ec,
-        peer: *peer,
+    sc.lp = LoopCtx {
         call_start,
         call_end,
         iov_ptr,
@@ -953,11 +1090,16 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx, span: &S
         cur_base,
         cur_len,
     };
+    let mut refs = LoopRefs {
+        sc: sc as *mut CallScratch,
+        sock,
+        st: st as *mut DirState,
+    };
     let steps = unsafe {
         bpf_loop(
             MAX_STEPS_PER_CALL,
             step as *mut c_void,
-            &mut ctx as *mut LoopCtx as *mut c_void,
+            &mut refs as *mut LoopRefs as *mut c_void,
             0,
         )
     };
@@ -966,19 +1108,22 @@ fn frame(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx, span: &S
         if at < call_end {
             count(counter::LOOP_LIMIT);
             let out = st.stop(UnparsedReason::LoopLimit, 0);
-            emit_stop(&ec.hdr, ec.route, &out);
+            emit_stop(&sc.ec.hdr, sc.ec.route, &out);
         }
     }
 }
 
 /// A send that moved nothing (EAGAIN) at a message boundary: spice-server has counted the
-/// message already, and its header is in the rejected buffer. Report it now, once, and apply
-/// it to the window now (the later write that carries it finds it `already_reported`).
+/// message already, and its header is in the rejected buffer. Returns 1 with the message in
+/// `out` ([`CallScratch::out`]) for the caller to report now, once, and apply to the window
+/// now (the later write that carries it finds it `already_reported`); 0 if there is none.
+/// Reads the buffer's first bytes into [`CallScratch::peek`].
 #[inline(never)]
-fn peek_eagain(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx) {
+fn peek_eagain(st: &mut DirState, call: &Call, sc: &mut CallScratch) -> i32 {
+    let peer = &sc.peer;
     let _ = st.prepare(peer);
     if st.is_unparsed() {
-        return;
+        return 0;
     }
     let (base, len) = if call.args.kind == call_kind::IOVEC {
         let mut iov = [0u64; 2];
@@ -990,33 +1135,35 @@ fn peek_eagain(st: &mut DirState, peer: &PeerView, call: &Call, ec: &EmitCtx) {
             )
         };
         if rc != 0 {
-            return;
+            return 0;
         }
         (iov[0], iov[1])
     } else {
         (call.args.ptr, call.args.len)
     };
     if len < MAX_WANT as u64 && len < st.want_len as u64 {
-        return;
+        return 0;
     }
     let avail = if len < MAX_WANT as u64 {
         len as u32
     } else {
         MAX_WANT
     };
-    let mut first = [0u8; BUF_LEN];
     let rc = unsafe {
         bpf_probe_read_user(
-            first.as_mut_ptr() as *mut c_void,
+            sc.peek.as_mut_ptr() as *mut c_void,
             avail & 31,
             base as *const c_void,
         )
     };
     if rc != 0 {
-        return;
+        return 0;
     }
-    if let Some(m) = st.peek(&first, avail, peer) {
-        let channel_type = message_channel_type(st, peer);
-        emit_message(ec, &m, msg_flags::EAGAIN_START, st.role, channel_type);
+    match st.peek(&sc.peek, avail, peer) {
+        Some(m) => {
+            store_output(&Output::Message(m), sc.out.as_mut_ptr() as *mut c_void);
+            1
+        }
+        None => 0,
     }
 }

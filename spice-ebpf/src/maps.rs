@@ -10,6 +10,8 @@ use spice_ebpf_common::{
     event::{SockState, SslKey, TcpSnapshot, TlsCall},
 };
 
+use crate::capture::CallScratch;
+
 /// Watched processes: tgid → the `--pid` it descends from, with the flags of who reads its
 /// records (`spice_ebpf_common::config::watch`). Filled by the agents, extended by the fork
 /// hook (children inherit the value). The one lookup that decides whether a syscall is ours.
@@ -46,6 +48,18 @@ pub fn set_maybe_watched(tgid: u32) {
 /// (a plain hash: an LRU insert costs more on every call).
 #[map]
 pub static TLS_CALLS: HashMap<u64, TlsCall> = HashMap::with_max_entries(16384, 0);
+
+/// Each thread's working space for framing a libssl call's plaintext
+/// ([`crate::capture::CallScratch`]; per thread because a uprobe program can be preempted):
+/// pid_tgid → scratch, made at the thread's first framed call, removed at its exit with its
+/// `TLS_CALLS` entry. Not pinned: nothing outside one program run reads it.
+#[map]
+pub static TLS_SCRATCH: HashMap<u64, CallScratch> = HashMap::with_max_entries(16384, 0);
+
+/// The socket tracepoints' working space for one call ([`crate::capture::CallScratch`]): one
+/// per-CPU entry (they run with preemption off). Not pinned.
+#[map]
+pub static CALL_SCRATCH: PerCpuArray<CallScratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// `SSL *` of a watched process → the cookie of the socket its calls move bytes on, learned
 /// from the socket calls made inside libssl calls on it. LRU: `SSL_free` is not hooked.

@@ -9,7 +9,10 @@ use spice_ebpf_common::{
 
 use crate::{
     kernel::{konf, read_at},
-    maps::{TLS_CALLS, WATCHED_TGIDS, count, maybe_watched, set_maybe_watched, write_record},
+    maps::{
+        TLS_CALLS, TLS_SCRATCH, WATCHED_TGIDS, count, maybe_watched, set_maybe_watched,
+        write_record,
+    },
 };
 
 /// Writes a FORK or EXIT record to the rings `route` names (the watch value's flags).
@@ -79,6 +82,7 @@ pub fn on_exit() {
     let route = watch::route(unsafe { *w });
     // A thread that exits inside a hooked libssl call never reaches its return.
     let _ = TLS_CALLS.remove(&pid_tgid);
+    let _ = TLS_SCRATCH.remove(&pid_tgid);
     if pid == tgid {
         let _ = WATCHED_TGIDS.remove(&tgid);
         proc_event(kind::EXIT, tgid, tgid, route);

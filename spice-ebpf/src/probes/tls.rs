@@ -107,5 +107,5 @@ pub fn on_return(ctx: &RetProbeContext) {
         }
         return;
     }
-    capture::on_plaintext(cookie, &tc, moved, tgid);
+    capture::on_plaintext(cookie, &tc, moved, pid_tgid);
 }
