@@ -943,6 +943,20 @@ impl DirState {
         avail: u32,
         peer: &PeerView,
     ) -> Option<MessageInfo> {
+        let mut t = *self;
+        self.peek_in(&mut t, first, avail, peer)
+    }
+
+    /// [`Self::peek`] with the trial state in `t` (overwritten; any contents) instead of a
+    /// copy on the stack: the kernel programs keep it in a map value, since a `DirState` is
+    /// a large share of the BPF stack.
+    pub fn peek_in(
+        &mut self,
+        t: &mut DirState,
+        first: &[u8; BUF_LEN],
+        avail: u32,
+        peer: &PeerView,
+    ) -> Option<MessageInfo> {
         // Only at a message boundary: the rejected call must start where a header is due.
         if self.phase != Phase::DataHeader as u8 || self.have != 0 || self.pos != self.want_at {
             return None;
@@ -953,7 +967,7 @@ impl DirState {
         if self.announced_at == self.want_at {
             return None;
         }
-        let mut t = *self;
+        *t = *self;
         t.buf = *first;
         for _ in 0..2 {
             if avail < t.want_len {

@@ -122,6 +122,8 @@ pub struct CallScratch {
     out: [u64; OUTPUT_WORDS],
     /// The first bytes of a buffer a send could not take ([`peek_eagain`]).
     peek: [u8; BUF_LEN],
+    /// [`peek_eagain`]'s trial framing state ([`DirState::peek_in`]).
+    trial: DirState,
 }
 
 /// [`CallScratch::out`]'s length in 8-byte words.
@@ -339,8 +341,10 @@ fn release_window_lock(lock: *mut u64) {
     unsafe { core::ptr::write_volatile(lock, 0) };
 }
 
-/// The rest of [`take_window_lock`]'s tries.
-#[inline(never)]
+/// The rest of [`take_window_lock`]'s tries. Inlined: a frame of its own would add a
+/// 32-byte step to the deepest call chain on kernels that round frames to 32 bytes (before
+/// the JIT's 16-byte rounding), see [`CallScratch`].
+#[inline(always)]
 fn spin_window_lock(lock: *mut u64) -> bool {
     let mut ctx = LockTry { lock, taken: 0 };
     unsafe {
@@ -529,11 +533,20 @@ fn complete(st: &mut DirState, peer: &PeerView, out: *mut c_void) {
 /// CAP_PERFMON loader, `allow_uninit_stack`).
 #[inline(always)]
 fn store_output(o: &Output, out: *mut c_void) {
-    let src = o as *const Output as *const u64;
-    let dst = out as *mut u64;
-    for i in 0..OUTPUT_WORDS {
-        // SAFETY: `src` is an Output of OUTPUT_WORDS words at most (size rounded up to 8,
-        // within its 8-aligned stack slot); `dst` the caller's CallScratch::out.
+    store_words(o, out as *mut u64);
+}
+
+/// [`store_output`] for any value of whole 8-byte words that fits in
+/// [`CallScratch::out`] (an [`Output`] or a [`MessageInfo`]).
+#[inline(always)]
+fn store_words<T: Copy>(v: &T, dst: *mut u64) {
+    const {
+        assert!(core::mem::size_of::<T>() % 8 == 0 && core::mem::size_of::<T>() <= 8 * OUTPUT_WORDS)
+    };
+    let src = v as *const T as *const u64;
+    for i in 0..core::mem::size_of::<T>() / 8 {
+        // SAFETY: `src` is a T of whole words (its stack slot is 8-aligned, T's alignment is
+        // at most 8); `dst` is a CallScratch::out, at least as long.
         unsafe { core::ptr::write_volatile(dst.add(i), core::ptr::read_volatile(src.add(i))) };
     }
 }
@@ -663,11 +676,15 @@ fn store_tcp(tp: *const u8, cookie: u64, now: u64, send: bool) -> u32 {
 
 /// Handles one traced socket call of the current thread, `pid_tgid` its
 /// `bpf_get_current_pid_tgid` (the hook has it already, from its `WATCHED_TGIDS` lookup).
-pub fn on_call(call: &Call, pid_tgid: u64) {
+///
+/// `SEND`: the hook sees sends (then a send that failed with EAGAIN is handled too). The
+/// receive hook's instance has no EAGAIN path, so its program does not contain
+/// [`peek_eagain`], whose frame would otherwise be on its deepest call chain.
+pub fn on_call<const SEND: bool>(call: &Call, pid_tgid: u64) {
     let tgid = (pid_tgid >> 32) as u32;
     let now = unsafe { bpf_ktime_get_ns() };
     count(counter::CALLS_TRACED);
-    let eagain_send = call.dir == dirs::SEND && call.ret == -EAGAIN;
+    let eagain_send = SEND && call.dir == dirs::SEND && call.ret == -EAGAIN;
     if call.ret <= 0 && !eagain_send {
         // Errors, EOF and zero-length calls move nothing. Do not (re)create state: this also
         // keeps a socket read after its close from being announced again.
@@ -700,7 +717,7 @@ pub fn on_call(call: &Call, pid_tgid: u64) {
     let Some(sc) = CALL_SCRATCH.get_ptr_mut(0) else {
         return;
     };
-    run_call(sock, call, tgid, now, Some(seq_now), unsafe { &mut *sc });
+    run_call::<SEND>(sock, call, tgid, now, Some(seq_now), unsafe { &mut *sc });
 }
 
 /// The carrier part of a socket call on a socket that is not known to be plain: decides the
@@ -852,7 +869,7 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, pid_tgid: u64) {
         }
         return;
     };
-    run_call(sock, &call, tgid, now, None, unsafe { &mut *sc });
+    run_call::<true>(sock, &call, tgid, now, None, unsafe { &mut *sc });
     if ret <= 0 {
         return;
     }
@@ -882,8 +899,10 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, pid_tgid: u64) {
 /// Frames one call's bytes on socket state `sock`: the socket's own bytes (`seq_now`: its
 /// `write_seq` / `copied_seq` after the call, checked against the bytes traced) or a TLS
 /// socket's plaintext (`seq_now` `None`: plaintext has no TCP sequence of its own).
+/// `PEEK`: a call that moved nothing may be a send refused with EAGAIN ([`peek_eagain`]);
+/// false in the receive hook's instance.
 #[inline(always)]
-fn run_call(
+fn run_call<const PEEK: bool>(
     sock: &mut SockState,
     call: &Call,
     tgid: u32,
@@ -901,7 +920,7 @@ fn run_call(
     }
 
     if call.ret <= 0 {
-        if call.args.kind != call_kind::UNSUPPORTED {
+        if PEEK && call.args.kind != call_kind::UNSUPPORTED {
             let base = if sock.seq_init[d] != 0 {
                 sock.seq_base[d]
             } else {
@@ -914,9 +933,9 @@ fn run_call(
             };
             // The message is emitted here, not inside: the two frames are never on the stack
             // at once (see CallScratch).
-            if peek_eagain(st, call, sc) != 0
-                && let Output::Message(m) = unsafe { &*(sc.out.as_ptr() as *const Output) }
-            {
+            if peek_eagain(st, call, sc) != 0 {
+                // SAFETY: peek_eagain stored a MessageInfo there (smaller than an Output).
+                let m = unsafe { &*(sc.out.as_ptr() as *const MessageInfo) };
                 let meta = message_meta(
                     msg_flags::EAGAIN_START,
                     st.role,
@@ -1058,7 +1077,7 @@ struct Span {
 }
 
 /// Runs the framing loop over one call's bytes.
-#[inline(never)]
+#[inline(always)]
 fn frame(st: &mut DirState, call: &Call, sc: &mut CallScratch, sock: *mut SockState) {
     let (call_start, call_end) = (sc.span.start, sc.span.end);
     let (iov_ptr, iov_cnt, cur_base, cur_len) = if call.args.kind == call_kind::IOVEC {
@@ -1126,10 +1145,11 @@ fn peek_eagain(st: &mut DirState, call: &Call, sc: &mut CallScratch) -> i32 {
         return 0;
     }
     let (base, len) = if call.args.kind == call_kind::IOVEC {
-        let mut iov = [0u64; 2];
+        // The first iovec goes through the scratch buffer, not a zeroed stack array: that
+        // would be a call of the BPF `memset` function, one more frame on this chain.
         let rc = unsafe {
             bpf_probe_read_user(
-                iov.as_mut_ptr() as *mut c_void,
+                sc.peek.as_mut_ptr() as *mut c_void,
                 16,
                 call.args.ptr as *const c_void,
             )
@@ -1137,7 +1157,9 @@ fn peek_eagain(st: &mut DirState, call: &Call, sc: &mut CallScratch) -> i32 {
         if rc != 0 {
             return 0;
         }
-        (iov[0], iov[1])
+        let iov = sc.peek.as_ptr() as *const u64;
+        // SAFETY: the 16 bytes just read.
+        unsafe { (iov.read_unaligned(), iov.add(1).read_unaligned()) }
     } else {
         (call.args.ptr, call.args.len)
     };
@@ -1159,9 +1181,9 @@ fn peek_eagain(st: &mut DirState, call: &Call, sc: &mut CallScratch) -> i32 {
     if rc != 0 {
         return 0;
     }
-    match st.peek(&sc.peek, avail, peer) {
+    match st.peek_in(&mut sc.trial, &sc.peek, avail, peer) {
         Some(m) => {
-            store_output(&Output::Message(m), sc.out.as_mut_ptr() as *mut c_void);
+            store_words(&m, sc.out.as_mut_ptr());
             1
         }
         None => 0,

@@ -41,15 +41,18 @@ pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
     if direction == dir::RECV && flags & MSG_TRUNC != 0 {
         args.kind = call_kind::UNSUPPORTED;
     }
-    on_call(
-        &Call {
-            sk,
-            tp,
-            cookie,
-            dir: direction,
-            ret,
-            args,
-        },
-        pid_tgid,
-    );
+    let call = Call {
+        sk,
+        tp,
+        cookie,
+        dir: direction,
+        ret,
+        args,
+    };
+    // `direction` is a constant in each program: one instance each.
+    if direction == dir::SEND {
+        on_call::<true>(&call, pid_tgid);
+    } else {
+        on_call::<false>(&call, pid_tgid);
+    }
 }
