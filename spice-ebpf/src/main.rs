@@ -17,9 +17,10 @@ mod maps;
 mod probes;
 
 use aya_ebpf::{
-    macros::{btf_tracepoint, raw_tracepoint, sock_ops, uprobe, uretprobe},
+    macros::{btf_tracepoint, fentry, kprobe, raw_tracepoint, sock_ops, uprobe, uretprobe},
     programs::{
-        BtfTracePointContext, ProbeContext, RawTracePointContext, RetProbeContext, SockOpsContext,
+        BtfTracePointContext, FEntryContext, ProbeContext, RawTracePointContext, RetProbeContext,
+        SockOpsContext,
     },
 };
 use spice_ebpf_common::event::{dir, tls_func};
@@ -148,4 +149,22 @@ pub fn spice_ref_sock_send(_ctx: BtfTracePointContext) -> i32 {
 #[btf_tracepoint(function = "sock_recv_length")]
 pub fn spice_ref_sock_recv(_ctx: BtfTracePointContext) -> i32 {
     probes::reference::nothing()
+}
+
+// Probe programs for `spice-observer doctor` (`probes/reference.rs`): empty, each on a hook of
+// a program family another hook set would use, loaded and attached once to learn whether the
+// kernel allows that family; never attached by the observer.
+
+/// Empty `fentry/tcp_sendmsg`: does this kernel load and attach BPF trampolines (hook set
+/// `fentry`)?
+#[fentry(function = "tcp_sendmsg")]
+pub fn spice_probe_fentry(_ctx: FEntryContext) -> i32 {
+    probes::reference::nothing()
+}
+
+/// Empty `kprobe` (attached to `tcp_sendmsg`): does this kernel have kprobes (hook set
+/// `kprobes`)?
+#[kprobe]
+pub fn spice_probe_kprobe(_ctx: ProbeContext) -> u32 {
+    probes::reference::nothing() as u32
 }

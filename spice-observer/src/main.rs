@@ -85,6 +85,12 @@ enum Command {
     /// config file (sample_ms, scan_ms and [discovery] apply at once; listen and bpf_stats
     /// need a restart).
     Daemon(spice_observer::cmd::daemon::DaemonArgs),
+    /// Say what this host supports, one line per item: kernel BTF, lockdown, cgroup v2,
+    /// tracefs, bpffs, bpf_stats, the capabilities present, each hook set (loaded, allowed by
+    /// the kernel but not built yet, refused with the kernel's error, or absent) and the
+    /// libssl of running QEMU processes. Exits 1 when no framing hook set loads. Run as root
+    /// for the hook set probes.
+    Doctor(spice_observer::cmd::doctor::DoctorArgs),
     /// Helpers of `cargo xtask bench` (program statistics, empty reference programs,
     /// syscall loops, count comparison).
     #[command(hide = true)]
@@ -135,6 +141,7 @@ fn main() -> Result<()> {
             rt.block_on(observe::run(opts))
         }
         Command::Daemon(args) => spice_observer::cmd::daemon::run(args),
+        Command::Doctor(args) => spice_observer::cmd::doctor::run(args),
         Command::Bench(args) => spice_observer::cmd::bench::run(args),
     }
 }

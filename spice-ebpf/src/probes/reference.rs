@@ -5,6 +5,9 @@
 //! program on that hook costs: the kernel's dispatch into a BPF program and back, plus what
 //! `bpf_stats` itself adds. The observer never attaches them (`observe` and `daemon` load only
 //! the programs they name); the hidden `spice-observer bench reference` attaches them alone.
+//! `spice-observer doctor` uses the same empty body for its probe programs
+//! (`spice_probe_fentry`, `spice_probe_kprobe`, and `spice_ref_sys_enter` for raw
+//! tracepoints): attached for a moment to learn whether the kernel allows that family.
 
 /// The whole body of a reference program: nothing, return 0.
 #[inline(always)]

@@ -3,5 +3,6 @@
 
 pub mod bench;
 pub mod daemon;
+pub mod doctor;
 pub mod observe;
 pub mod service;
