@@ -114,6 +114,13 @@ fn doctor(pre: &[&str], bin: &Path) -> Result<(Option<i32>, Report, String)> {
     ))
 }
 
+fn check_line<'a>(r: &'a Report, item: &str) -> Result<&'a spice_observer::cmd::doctor::Check> {
+    r.checks
+        .iter()
+        .find(|c| c.item == item)
+        .with_context(|| format!("no `{item}` line in {r:#?}"))
+}
+
 fn hook_set<'a>(r: &'a Report, name: &str) -> Result<&'a spice_observer::cmd::doctor::HookSet> {
     r.hook_sets
         .iter()
@@ -158,17 +165,9 @@ fn doctor_as_root_names_what_loads_and_leaves_nothing_behind() -> Result<()> {
         "kprobes {kp:?}, but register_kprobe is {}in /proc/kallsyms",
         if has_kprobes { "" } else { "not " }
     );
-    let caps = r
-        .checks
-        .iter()
-        .find(|c| c.item == "capabilities")
-        .context("no capabilities line")?;
+    let caps = check_line(&r, "capabilities")?;
     ensure!(caps.status == Status::Ok, "{caps:?}");
-    let btf = r
-        .checks
-        .iter()
-        .find(|c| c.item == "kernel BTF")
-        .context("no BTF line")?;
+    let btf = check_line(&r, "kernel BTF")?;
     ensure!(
         (btf.status == Status::Ok) == Path::new("/sys/kernel/btf/vmlinux").exists(),
         "{btf:?}"
@@ -236,11 +235,7 @@ fn doctor_without_capabilities_refuses_and_says_why() -> Result<()> {
         "stderr: {stderr}"
     );
     ensure!(r.framing_hook_set.is_none(), "{r:#?}");
-    let caps = r
-        .checks
-        .iter()
-        .find(|c| c.item == "capabilities")
-        .context("no capabilities line")?;
+    let caps = check_line(&r, "capabilities")?;
     ensure!(
         caps.status == Status::No && caps.detail.contains("present: none"),
         "{caps:?}"

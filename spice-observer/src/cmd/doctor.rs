@@ -153,17 +153,22 @@ pub fn run(args: DoctorArgs) -> Result<()> {
 /// Takes every probe of the report.
 pub fn probe() -> Report {
     let uts = uname();
+    let mounts: Mounts = procfs::process::Process::myself()
+        .and_then(|p| p.mountinfo())
+        .map_err(|e| e.to_string());
     let mut checks = vec![
         btf_check(),
         lockdown_check(),
         cgroup_check(),
         mount_check(
+            &mounts,
             "tracefs",
             "tracefs",
             Status::Info,
             "not needed by the tracepoints hook set",
         ),
         mount_check(
+            &mounts,
             "bpffs",
             "bpf",
             Status::Warn,
@@ -375,16 +380,18 @@ fn cgroup_check() -> Check {
     }
 }
 
-fn mount_check(item: &str, fs_type: &str, missing: Status, why: &str) -> Check {
-    let mounts = procfs::process::Process::myself()
-        .and_then(|p| p.mountinfo())
-        .map(|m| {
-            m.into_iter()
-                .filter(|m| m.fs_type == fs_type)
-                .map(|m| m.mount_point.display().to_string())
-                .collect::<Vec<_>>()
-        });
-    match mounts {
+/// This process's mounts (`/proc/self/mountinfo`), read once for every mount line; the error
+/// as text.
+type Mounts = std::result::Result<procfs::process::MountInfos, String>;
+
+fn mount_check(mounts: &Mounts, item: &str, fs_type: &str, missing: Status, why: &str) -> Check {
+    let points = mounts.as_ref().map(|m| {
+        m.iter()
+            .filter(|m| m.fs_type == fs_type)
+            .map(|m| m.mount_point.display().to_string())
+            .collect::<Vec<_>>()
+    });
+    match points {
         Ok(v) if !v.is_empty() => check(item, Status::Ok, v.join(", ")),
         Ok(_) => check(item, missing, format!("not mounted: {why}")),
         Err(e) => check(item, missing, format!("reading /proc/self/mountinfo: {e}")),
@@ -502,6 +509,17 @@ fn probe_object() -> Result<aya::Ebpf> {
         .map_err(|e| anyhow::Error::new(e).context("loading the eBPF object"))
 }
 
+/// Program `name` of a [`probe_object`], as its program type `T`.
+fn probe_program<'a, T>(ebpf: &'a mut aya::Ebpf, name: &str) -> Result<&'a mut T>
+where
+    &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+{
+    let p = ebpf
+        .program_mut(name)
+        .ok_or_else(|| anyhow!("program {name} missing from the object"))?;
+    Ok(p.try_into()?)
+}
+
 /// A probe program's load or attach error, as the kernel gave it: the syscall's errno, and
 /// the verifier's log only when it said something.
 fn prog_error(what: &str, e: ProgramError) -> anyhow::Error {
@@ -545,10 +563,7 @@ fn raw_syscalls() -> HookSet {
         "syscalls",
         || {
             let mut ebpf = probe_object()?;
-            let p: &mut RawTracePoint = ebpf
-                .program_mut("spice_ref_sys_enter")
-                .ok_or_else(|| anyhow!("program spice_ref_sys_enter missing from the object"))?
-                .try_into()?;
+            let p: &mut RawTracePoint = probe_program(&mut ebpf, "spice_ref_sys_enter")?;
             p.load()
                 .map_err(|e| prog_error("loading raw_tracepoint program", e))?;
             for tp in ["sys_enter", "sys_exit"] {
@@ -568,10 +583,7 @@ fn fentry() -> HookSet {
         || {
             let mut ebpf = probe_object()?;
             let btf = Btf::from_sys_fs().context("loading kernel BTF")?;
-            let p: &mut FEntry = ebpf
-                .program_mut("spice_probe_fentry")
-                .ok_or_else(|| anyhow!("program spice_probe_fentry missing from the object"))?
-                .try_into()?;
+            let p: &mut FEntry = probe_program(&mut ebpf, "spice_probe_fentry")?;
             p.load("tcp_sendmsg", &btf)
                 .map_err(|e| prog_error("loading fentry/tcp_sendmsg", e))?;
             p.attach()
@@ -591,10 +603,7 @@ fn kprobes() -> HookSet {
         "kprobes",
         || {
             let mut ebpf = probe_object()?;
-            let p: &mut KProbe = ebpf
-                .program_mut("spice_probe_kprobe")
-                .ok_or_else(|| anyhow!("program spice_probe_kprobe missing from the object"))?
-                .try_into()?;
+            let p: &mut KProbe = probe_program(&mut ebpf, "spice_probe_kprobe")?;
             p.load()
                 .map_err(|e| prog_error("loading kprobe program", e))?;
             p.attach("tcp_sendmsg", 0)
