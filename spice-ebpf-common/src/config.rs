@@ -13,8 +13,9 @@
 pub struct KernelConfig {
     /// The observer's own tgid: never traced.
     pub self_tgid: u32,
-    /// 1 to mark sockets that carried data before observation started (`PREEXISTING`).
-    pub _reserved: u32,
+    /// Bytes of records one CPU submits to a ring between two wake-ups it forces
+    /// ([`ring::wakeup_bytes_per_cpu`] of the machine's possible CPUs).
+    pub ring_wakeup_bytes: u32,
     /// `struct sock`: `__sk_common.skc_family` (u16).
     pub skc_family: u32,
     /// `struct sock`: `__sk_common.skc_num` (u16, local port, host order).
@@ -58,7 +59,7 @@ pub struct KernelConfig {
 /// ...), of the ring records and of [`KernelConfig`], and the meaning of their fields. Bump it
 /// with any such change: a new agent that finds another version pinned reloads the programs
 /// and marks the open channels `restarted` instead of misreading the old state.
-pub const LAYOUT_VERSION: u32 = 9;
+pub const LAYOUT_VERSION: u32 = 10;
 
 /// Ring-buffer wake-ups. A record submitted without flags wakes the agent (an `irq_work`,
 /// i.e. a self-IPI, then an epoll wake-up) whenever the agent has caught up with the ring,
@@ -67,15 +68,31 @@ pub const LAYOUT_VERSION: u32 = 9;
 /// messages of 200 B: `perf record -a -g` put 83 % of `spice_sock_send`'s samples under
 /// `bpf_ringbuf_submit` → `irq_work_queue` → `native_write_msr`, the self-IPI; bpf_stats
 /// went from 5.1–8.1 µs to 1.2 µs per run without it). So the programs submit with
-/// `BPF_RB_NO_WAKEUP`, force a wake-up
-/// only when a record makes the unread data cross a multiple of [`ring::WAKEUP_BYTES`]
-/// (`bpf_ringbuf_query(BPF_RB_AVAIL_DATA)`), and the agent also drains the rings every
-/// [`ring::DRAIN_INTERVAL_MS`]: no record waits longer than that.
+/// `BPF_RB_NO_WAKEUP` and force a wake-up each time one CPU has submitted
+/// [`KernelConfig::ring_wakeup_bytes`] to a ring since its last forced one (a per-CPU count,
+/// `RING_PENDING`, read and written with plain loads and stores: no helper call, where asking
+/// the ring for its unread bytes, `bpf_ringbuf_query`, cost one per record), and the agent
+/// also drains the rings every [`ring::DRAIN_INTERVAL_MS`]: no record waits longer than that.
 pub mod ring {
-    /// Unread bytes in a ring at which a record forces a wake-up of the agent (and again
-    /// at every further multiple): with the 4 MiB `EVENTS` and `TAP_EVENTS` rings, at most
-    /// one sixteenth of one fills before the agent is woken (≈ 3,300 message records).
+    /// Unread bytes in a ring by which a wake-up is due, all CPUs together: with the 4 MiB
+    /// `EVENTS` and `TAP_EVENTS` rings, one sixteenth of one (≈ 3,300 message records).
+    /// Each CPU forces a wake-up after its share ([`wakeup_bytes_per_cpu`]), so that even
+    /// with every CPU submitting at once at most this much is unread before one comes.
     pub const WAKEUP_BYTES: u64 = 256 << 10;
+    /// Smallest per-CPU share of [`WAKEUP_BYTES`]: on a machine with many CPUs, a wake-up at
+    /// most every ~180 message records per CPU.
+    pub const MIN_WAKEUP_BYTES_PER_CPU: u64 = 16 << 10;
+    /// [`KernelConfig::ring_wakeup_bytes`] on a machine with `possible_cpus` CPUs:
+    /// [`WAKEUP_BYTES`] shared among them, at least [`MIN_WAKEUP_BYTES_PER_CPU`].
+    pub const fn wakeup_bytes_per_cpu(possible_cpus: u32) -> u32 {
+        let cpus = if possible_cpus == 0 { 1 } else { possible_cpus as u64 };
+        let share = WAKEUP_BYTES / cpus;
+        if share < MIN_WAKEUP_BYTES_PER_CPU {
+            MIN_WAKEUP_BYTES_PER_CPU as u32
+        } else {
+            share as u32
+        }
+    }
     /// Longest time, milliseconds, between two drains of the ring by the agent when no
     /// wake-up came: the latency bound of a record. The default sample period (100 ms):
     /// every sample drains the ring before and after its reads anyway, and each drain that
@@ -90,17 +107,15 @@ pub mod ring {
     pub const fn slot_len(len: usize) -> u64 {
         (len as u64 + 8).div_ceil(8) * 8
     }
-    /// Flags for submitting a record whose slot takes `slot` bytes when `avail` bytes were
-    /// unread just before it was reserved: `BPF_RB_FORCE_WAKEUP` (2) if it crosses a
-    /// multiple of [`WAKEUP_BYTES`], else `BPF_RB_NO_WAKEUP` (1)
+    /// Flags for submitting a record whose slot takes `slot` bytes on a CPU that has
+    /// submitted `pending` bytes to the ring since its last forced wake-up, with its share
+    /// `every` ([`KernelConfig::ring_wakeup_bytes`]), and the new `pending`:
+    /// `BPF_RB_FORCE_WAKEUP` (2) and 0 once the share is reached, else `BPF_RB_NO_WAKEUP` (1)
     /// (include/uapi/linux/bpf.h).
     #[inline(always)]
-    pub const fn submit_flags(avail: u64, slot: u64) -> u64 {
-        if (avail + slot) / WAKEUP_BYTES != avail / WAKEUP_BYTES {
-            2
-        } else {
-            1
-        }
+    pub const fn submit_flags(pending: u64, slot: u64, every: u64) -> (u64, u64) {
+        let next = pending + slot;
+        if next >= every { (2, 0) } else { (1, next) }
     }
 }
 
@@ -170,7 +185,7 @@ pub mod layout {
     pub const VERSION: u32 = 0;
     /// `size_of::<SockState>()` (map `SOCKETS` values).
     pub const SOCK_STATE_SIZE: u32 = 1;
-    /// `size_of::<TcpSnapshot>()` (map `TCP_STATE` values).
+    /// `size_of::<TcpSnapshot>()` (inside `SOCKETS` values, and in `CLOSE` records).
     pub const TCP_SNAPSHOT_SIZE: u32 = 2;
     /// `size_of::<MessageEvent>()` (ring records).
     pub const MESSAGE_EVENT_SIZE: u32 = 3;
@@ -194,7 +209,9 @@ pub mod counter {
     pub const UNTRACED_BYTES: u32 = 3;
     /// A call held more boundaries than the kernel loop allows.
     pub const LOOP_LIMIT: u32 = 4;
-    /// `TCP_STATE` was full.
+    /// Retired, always 0: counted a full `TCP_STATE` map until layout 10, when a socket's
+    /// TCP state moved into its `SOCKETS` entry ([`SOCKET_MAP_FULL`] counts that map full).
+    /// Kept so that the other counters keep their indexes and names.
     pub const TCP_MAP_FULL: u32 = 5;
     /// A forked child could not be added to `WATCHED_TGIDS` (map full).
     pub const WATCH_MAP_FULL: u32 = 6;
@@ -301,18 +318,35 @@ unsafe impl aya::Pod for KernelConfig {}
 
 #[cfg(test)]
 mod tests {
-    use super::ring::{WAKEUP_BYTES, slot_len, submit_flags};
+    use super::ring::{
+        MIN_WAKEUP_BYTES_PER_CPU, WAKEUP_BYTES, slot_len, submit_flags, wakeup_bytes_per_cpu,
+    };
 
     #[test]
     fn ring_slots_and_wakeups() {
         // A 72-byte MessageEvent takes 80 bytes; a 4-byte record 16.
         assert_eq!(slot_len(72), 80);
         assert_eq!(slot_len(4), 16);
-        // No wake-up below the threshold, one when a record crosses it, none right after,
-        // one again at the next multiple.
-        assert_eq!(submit_flags(0, 80), 1);
-        assert_eq!(submit_flags(WAKEUP_BYTES - 40, 80), 2);
-        assert_eq!(submit_flags(WAKEUP_BYTES, 80), 1);
-        assert_eq!(submit_flags(2 * WAKEUP_BYTES - 1, 80), 2);
+        // A CPU's share: the threshold split among the CPUs, with a floor.
+        assert_eq!(wakeup_bytes_per_cpu(2) as u64, WAKEUP_BYTES / 2);
+        assert_eq!(wakeup_bytes_per_cpu(0) as u64, WAKEUP_BYTES);
+        assert_eq!(wakeup_bytes_per_cpu(1024) as u64, MIN_WAKEUP_BYTES_PER_CPU);
+        // No wake-up below the share; one (and the count back to 0) when a record reaches
+        // it; none right after.
+        let every = 1000;
+        assert_eq!(submit_flags(0, 80, every), (1, 80));
+        assert_eq!(submit_flags(880, 80, every), (1, 960));
+        assert_eq!(submit_flags(960, 80, every), (2, 0));
+        assert_eq!(submit_flags(0, 80, every), (1, 80));
+        // Every record forces one when no share was set (a config of 0).
+        assert_eq!(submit_flags(0, 80, 0), (2, 0));
+        // Over a stream of records, one forced wake-up per share's worth of bytes.
+        let (mut pending, mut wakeups) = (0, 0);
+        for _ in 0..10_000 {
+            let (f, next) = submit_flags(pending, 80, every);
+            pending = next;
+            wakeups += (f == 2) as u32;
+        }
+        assert_eq!(wakeups, 10_000 * 80 / 1040);
     }
 }

@@ -382,7 +382,8 @@ pub struct CloseEvent {
     pub pos: [u64; 2],
 }
 
-/// TCP state of one socket as last read by a kernel hook (map `TCP_STATE`, key: cookie).
+/// TCP state of one socket as last read by a kernel hook ([`SockState::tcp`] in map
+/// `SOCKETS`, key: cookie; the `CLOSE` record's state at the close).
 ///
 /// Fields are `struct tcp_sock` members (include/linux/tcp.h) in their kernel units.
 /// notsent = `write_seq - snd_nxt`, receive queue = `rcv_nxt - copied_seq` (both bytes).
@@ -462,6 +463,12 @@ pub struct SockState {
     /// [`carrier::TLS`] sockets: TCP bytes moved by traced socket calls in each direction
     /// (indexed by [`dir`]); `dir[d].pos` then counts plaintext bytes. Zero otherwise.
     pub wire_pos: [u64; 2],
+    /// The socket's TCP state, updated in place: `write_seq` (send) or `copied_seq` (recv) at
+    /// every socket call, the members that move with ACKs and transmissions at most every
+    /// [`crate::config::TCP_REFRESH_NS`] by the calls and at every sockops callback of an
+    /// enrolled connection. `ts_ns` 0: not read yet. Part of the socket's entry, not a map of
+    /// its own, so that a call makes one hash lookup for both (layout 10).
+    pub tcp: TcpSnapshot,
 }
 
 /// Where one socket call's bytes are in user memory: read from the arguments of the syscall it

@@ -899,6 +899,12 @@ impl DirState {
 
     #[inline(always)]
     fn finish_message(&mut self, prefix: [u32; 2]) -> Output {
+        Output::Message(self.finish(prefix))
+    }
+
+    /// [`Self::finish_message`]'s message.
+    #[inline(always)]
+    fn finish(&mut self, prefix: [u32; 2]) -> MessageInfo {
         let at = self.want_at;
         self.msg_count += 1;
         let already_reported = self.announced_at == at && at != 0;
@@ -924,7 +930,59 @@ impl DirState {
             hdr_len as u32,
             Phase::DataHeader,
         );
-        Output::Message(out)
+        out
+    }
+
+    /// The fast path of a call that begins with a whole data header, `hdr` holding its first
+    /// [`Self::hdr_len`] bytes (the rest of the array is ignored): [`Self::header_whole`] when
+    /// the state's next header is at the call's start (`want_at == pos`); `None` otherwise.
+    ///
+    /// Most calls of spice-server and of a relay begin at a message boundary; the kernel then
+    /// frames the first message without its per-element loop, and runs the loop only for
+    /// elements further in the call. [`feed_call`] does the same, so every host test of the
+    /// framing goes through it.
+    #[inline(always)]
+    pub fn header_at_call_start(&mut self, hdr: &[u8; BUF_LEN]) -> Option<MessageInfo> {
+        if self.want_at != self.pos {
+            return None;
+        }
+        self.header_whole(hdr)
+    }
+
+    /// Frames the message whose whole data header the caller read in one piece into `hdr`
+    /// (its first [`Self::hdr_len`] bytes; the rest is ignored), from stream offset
+    /// `want_at`: with the state at a message boundary (phase [`Phase::DataHeader`], header
+    /// length decided, nothing of the header read, no lock to report), as
+    /// [`Self::complete`] would after reading the header into [`Self::buf`], and returns it.
+    /// `None`, with the state unchanged, for anything else, and for a header the general
+    /// path must handle: one that fails validation (it starts the hunt) or a message whose
+    /// first body words are reported (SET_ACK, ACK_SYNC, main INIT: the general path reads
+    /// them). The kernel's element loop uses it for every header that lies whole in one
+    /// buffer of the call, [`feed_call`] for every one in one segment.
+    #[inline(always)]
+    pub fn header_whole(&mut self, hdr: &[u8; BUF_LEN]) -> Option<MessageInfo> {
+        if self.phase != Phase::DataHeader as u8
+            || self.hdr_len == 0
+            || self.want_len != self.hdr_len as u32
+            || self.have != 0
+            || self.lock_pending != 0
+        {
+            return None;
+        }
+        let (msg_type, size) = if self.hdr_len == FULL_HEADER_LEN {
+            (le_u16(hdr, 8), le_u32(hdr, 10))
+        } else {
+            (le_u16(hdr, 0), le_u32(hdr, 2))
+        };
+        if msg_type == 0 || msg_type > MAX_MESSAGE_TYPE || size > MAX_MESSAGE_SIZE {
+            return None;
+        }
+        if prefix_len(Role::from_u8(self.role), self.channel_type, msg_type, size) != 0 {
+            return None;
+        }
+        self.msg_type = msg_type;
+        self.msg_size = size;
+        Some(self.finish([0, 0]))
     }
 
     /// Reads a message start from the bytes of a send call that moved nothing (EAGAIN).
@@ -1006,10 +1064,35 @@ pub fn feed_call<F: FnMut(Output)>(
     hdr: u8,
     mut emit: F,
 ) {
+    feed_call_with(st, peer, segments, anchor, hdr, true, &mut emit)
+}
+
+/// [`feed_call`], with the first-message fast path ([`DirState::header_at_call_start`]) on
+/// or off (`fast`): the kernel's path and the element loop alone, for tests that hold them
+/// against each other. The fast path takes the header from the first segment only, as the
+/// kernel takes it from the first buffer or iovec.
+pub fn feed_call_with<F: FnMut(Output)>(
+    st: &mut DirState,
+    peer: &PeerView,
+    segments: &[&[u8]],
+    anchor: u8,
+    hdr: u8,
+    fast: bool,
+    mut emit: F,
+) {
     let call_start = st.pos;
     st.hunt_call_start(call_start, anchor, hdr);
     let total: u64 = segments.iter().map(|s| s.len() as u64).sum();
     let call_end = call_start + total;
+    let first = segments.first().copied().unwrap_or(&[]);
+    let hl = st.hdr_len as usize;
+    if fast && hl != 0 && first.len() >= hl && !st.is_unparsed() {
+        let mut buf = [0u8; BUF_LEN];
+        buf[..hl].copy_from_slice(&first[..hl]);
+        if let Some(m) = st.header_at_call_start(&buf) {
+            emit(Output::Message(m));
+        }
+    }
     let mut seg_i = 0usize;
     let mut seg_start = call_start;
     loop {
@@ -1039,6 +1122,16 @@ pub fn feed_call<F: FnMut(Output)>(
         let n = (remaining as usize)
             .min(seg.len() - off)
             .min((call_end - at) as usize);
+        // A whole header in this segment: framed from one read, as the kernel does.
+        let hl = st.hdr_len as usize;
+        if fast && st.have == 0 && hl != 0 && remaining as usize == hl && n == hl {
+            let mut buf = [0u8; BUF_LEN];
+            buf[..hl].copy_from_slice(&seg[off..off + hl]);
+            if let Some(m) = st.header_whole(&buf) {
+                emit(Output::Message(m));
+                continue;
+            }
+        }
         let have = st.have as usize;
         st.buf[have..have + n].copy_from_slice(&seg[off..off + n]);
         st.have += n as u32;

@@ -925,3 +925,125 @@ fn random_splits_frame_like_one_call() {
         assert_eq!(msgs(&whole.1).len(), n, "round {round}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The first-message fast path (DirState::header_at_call_start) against the element loop
+// ---------------------------------------------------------------------------------------------
+
+/// `st` without its element buffer: the fast path reads a header without copying it there,
+/// and nothing reads the buffer of an element already complete.
+fn without_buf(st: &DirState) -> String {
+    let mut s = *st;
+    s.buf = [0; BUF_LEN];
+    format!("{s:?}")
+}
+
+/// A random server → client stream and a random client → server one, each cut into calls at
+/// random places (often at message boundaries, as spice-server writes; sometimes with the
+/// header in its own iovec, as its writev does; sometimes mid-header), fed twice: with the
+/// fast path and with the element loop alone. Every call's outputs and every state must be
+/// the same. The streams include messages whose first body words are reported (SET_ACK,
+/// ACK_SYNC), zero-length bodies, and headers that fail validation (type 0, a size over the
+/// limit), which start the hunt.
+#[test]
+fn fast_path_frames_as_the_element_loop_does() {
+    use spice_ebpf_common::event::lock_how;
+    use spice_ebpf_common::framing::feed_call_with;
+    let mut rng = Rng(0x5eed_fa57);
+    let mut fast_msgs = 0usize;
+    for round in 0..200 {
+        let sess = if round % 2 == 0 {
+            display_session()
+        } else {
+            Session::new_full(channel::DISPLAY, 0)
+        };
+        let kind = if round % 2 == 0 {
+            HeaderKind::Mini
+        } else {
+            HeaderKind::Full
+        };
+        let mut a = Sock::default();
+        a.link(&sess);
+        let mut b = Sock::default();
+        b.link(&sess);
+        for dir in [S2C, C2S] {
+            let mut w = MessageWriter::new(kind);
+            let mut bytes = Vec::new();
+            let mut bounds = vec![0usize];
+            let mut hdr_ends = Vec::new();
+            for _ in 0..60 {
+                let r = rng.below(100);
+                let msg = if dir == S2C && r < 8 {
+                    wire::set_ack(kind, 1 + rng.below(5) as u32, 20)
+                } else if dir == C2S && r < 8 {
+                    wire::ack_sync(kind, 1 + rng.below(5) as u32)
+                } else if r < 10 {
+                    // Fails validation: type 0 (the loop hunts from here).
+                    w.message(0, &[0; 3])
+                } else {
+                    let body = vec![0xa5u8; rng.below(300) as usize];
+                    w.message(100 + rng.below(200) as u16, &body)
+                };
+                hdr_ends.push(bytes.len() + if kind == HeaderKind::Mini { 6 } else { 18 });
+                bytes.extend(msg);
+                bounds.push(bytes.len());
+            }
+            // Cut points: message boundaries, header ends, and random bytes.
+            let mut cuts = Vec::new();
+            for (i, &e) in bounds.iter().enumerate().skip(1) {
+                match rng.below(4) {
+                    0 => {}
+                    1 => cuts.push(e),
+                    2 => cuts.push(hdr_ends[i - 1].min(e)),
+                    _ => cuts.push(bounds[i - 1] + rng.below((e - bounds[i - 1]) as u64 + 1) as usize),
+                }
+            }
+            cuts.push(bytes.len());
+            cuts.sort_unstable();
+            cuts.dedup();
+            let mut start = 0usize;
+            for &end in &cuts {
+                if end <= start {
+                    continue;
+                }
+                let call = &bytes[start..end];
+                // Sometimes the header in an iovec of its own (spice-server's writev).
+                let split = if rng.below(3) == 0 {
+                    (1 + rng.below(call.len() as u64) as usize).min(call.len())
+                } else {
+                    call.len()
+                };
+                let segs: Vec<&[u8]> = if split < call.len() {
+                    vec![&call[..split], &call[split..]]
+                } else {
+                    vec![call]
+                };
+                let (mut oa, mut ob) = (Vec::new(), Vec::new());
+                if dir == S2C {
+                    let (pa, pb) = (a.c2s.view(), b.c2s.view());
+                    feed_call_with(&mut a.s2c, &pa, &segs, lock_how::CONTENT, 0, true, |o| {
+                        oa.push(o)
+                    });
+                    feed_call_with(&mut b.s2c, &pb, &segs, lock_how::CONTENT, 0, false, |o| {
+                        ob.push(o)
+                    });
+                    assert_eq!(without_buf(&a.s2c), without_buf(&b.s2c), "round {round} s2c at {start}");
+                } else {
+                    let (pa, pb) = (a.s2c.view(), b.s2c.view());
+                    feed_call_with(&mut a.c2s, &pa, &segs, lock_how::CONTENT, 0, true, |o| {
+                        oa.push(o)
+                    });
+                    feed_call_with(&mut b.c2s, &pb, &segs, lock_how::CONTENT, 0, false, |o| {
+                        ob.push(o)
+                    });
+                    assert_eq!(without_buf(&a.c2s), without_buf(&b.c2s), "round {round} c2s at {start}");
+                }
+                assert_eq!(oa, ob, "round {round} dir {dir} call {start}..{end}");
+                fast_msgs += oa.iter().filter(|o| matches!(o, Output::Message(_))).count();
+                start = end;
+            }
+        }
+    }
+    // The streams must have exercised the fast path (not only hunts).
+    assert!(fast_msgs > 5_000, "only {fast_msgs} messages framed");
+}

@@ -46,7 +46,7 @@ use spice_ebpf_common::{
 use crate::{
     kernel::{self, AF_INET, AF_INET6, konf, read_at},
     maps::{
-        CALL_SCRATCH, PREEXISTING, SOCKETS, TCP_STATE, TLS_CALLS, TLS_SCRATCH, ZERO_SOCK, count,
+        CALL_SCRATCH, PREEXISTING, SOCKETS, TLS_CALLS, TLS_SCRATCH, ZERO_SOCK, count,
         write_record,
     },
 };
@@ -120,7 +120,8 @@ pub struct CallScratch {
     /// The step's framing output (an [`Output`], emitted before the next step), as words:
     /// BTF cannot describe a data-carrying enum in a map value.
     out: [u64; OUTPUT_WORDS],
-    /// The first bytes of a buffer a send could not take ([`peek_eagain`]).
+    /// The first bytes of a buffer a send could not take ([`peek_eagain`]), or the header
+    /// [`first_message`] reads.
     peek: [u8; BUF_LEN],
     /// [`peek_eagain`]'s trial framing state ([`DirState::peek_in`]).
     trial: DirState,
@@ -477,6 +478,29 @@ fn step_body(ctx: *mut c_void) -> i64 {
     if call_left < n {
         n = call_left;
     }
+    // A whole data header in this buffer: framed from one read into the per-CPU scratch
+    // (DirState::header_whole), as the call's first message is ([`first_message`]).
+    if st.have == 0 && st.hdr_len != 0 && remaining == st.hdr_len as u32 && n == remaining as u64
+    {
+        let len = if st.hdr_len == 18 { 18 } else { 6 };
+        let src = (c.cur_base + off) as *const c_void;
+        let rc = unsafe { bpf_probe_read_user(sc.peek.as_mut_ptr() as *mut c_void, len, src) };
+        if rc == 0 {
+            if let Some(m) = st.header_whole(&sc.peek) {
+                let flags = if peer.mid_message {
+                    msg_flags::PEER_MID_MESSAGE
+                } else {
+                    0
+                };
+                let meta = message_meta(flags, st.role, message_channel_type(st, peer));
+                store_words(&m, sc.out.as_mut_ptr());
+                // SAFETY: the MessageInfo just stored (smaller than an Output).
+                let m = unsafe { &*(sc.out.as_ptr() as *const MessageInfo) };
+                emit_message(ec, sock, m, meta);
+                return 0;
+            }
+        }
+    }
     let n = (n as u32) & 31;
     let have = st.have & 31;
     let dst = unsafe { st.buf.as_mut_ptr().add(have as usize) } as *mut c_void;
@@ -641,28 +665,17 @@ fn announce_socket(sk: *const u8, hdr: &EventHeader, route: u8) {
     });
 }
 
-/// Updates the socket's `TCP_STATE` entry (in place) after a call and returns the sequence
-/// number after it in stream terms: `write_seq` (send) or `copied_seq` (recv). Those two
-/// only change through the application's own calls, which these hooks see, and the agent
-/// anchors every sample on them: the one of the call's direction is read at every call. The
-/// members that move with ACKs and transmissions are refreshed at most every
-/// [`TCP_REFRESH_NS`] per socket (`ts_ns` says when; sockops callbacks refresh them
-/// between calls on enrolled connections). `tp` is the socket's `struct tcp_sock *`.
-#[inline(never)]
-fn store_tcp(tp: *const u8, cookie: u64, now: u64, send: bool) -> u32 {
+/// Updates the socket's TCP state ([`SockState::tcp`], in place) after a call and returns
+/// the sequence number after it in stream terms: `write_seq` (send) or `copied_seq` (recv).
+/// Those two only change through the application's own calls, which these hooks see, and the
+/// agent anchors every sample on them: the one of the call's direction is read at every
+/// call. The members that move with ACKs and transmissions are refreshed at most every
+/// [`TCP_REFRESH_NS`] per socket (`ts_ns` says when, 0 before the first read; sockops
+/// callbacks refresh them between calls on enrolled connections). `tp` is the socket's
+/// `struct tcp_sock *`.
+#[inline(always)]
+fn store_tcp(tp: *const u8, snap: &mut TcpSnapshot, now: u64, send: bool) -> u32 {
     let seq = kernel::seq_after_call(tp, send);
-    let p = match TCP_STATE.get_ptr_mut(&cookie) {
-        Some(p) => p,
-        None => {
-            let mut snap = TcpSnapshot::default();
-            kernel::fill_tcp(tp, now, tcp_source::SOCKET_CALL, &mut snap);
-            if TCP_STATE.insert(&cookie, &snap, 0).is_err() {
-                count(counter::TCP_MAP_FULL);
-            }
-            return seq;
-        }
-    };
-    let snap = unsafe { &mut *p };
     if send {
         snap.write_seq = seq;
     } else {
@@ -712,7 +725,7 @@ pub fn on_call<const SEND: bool>(call: &Call, pid_tgid: u64) {
         plain_tls_call(call, pid_tgid);
     }
 
-    let seq_now = store_tcp(call.tp, call.cookie, now, call.dir == dirs::SEND);
+    let seq_now = store_tcp(call.tp, &mut sock.tcp, now, call.dir == dirs::SEND);
     // A one-entry per-CPU array: the lookup cannot fail.
     let Some(sc) = CALL_SCRATCH.get_ptr_mut(0) else {
         return;
@@ -775,7 +788,7 @@ fn tls_socket_call(sock: &mut SockState, call: &Call, pid_tgid: u64, tgid: u32, 
             }
         }
     }
-    let _ = store_tcp(call.tp, call.cookie, now, call.dir == dirs::SEND);
+    let _ = store_tcp(call.tp, &mut sock.tcp, now, call.dir == dirs::SEND);
     if call.ret > 0 {
         sock.wire_pos[d] += call.ret as u64;
     }
@@ -811,7 +824,7 @@ fn tls_scratch(pid_tgid: u64) -> Option<*mut CallScratch> {
 /// Frames the plaintext one hooked libssl call moved on TLS socket `cookie`: `moved` bytes
 /// (≤ 0: none, e.g. SSL_ERROR_WANT_WRITE) at `tc.buf`. Then writes a [`TlsMarkEvent`]: the
 /// plaintext up to here is in the TCP stream up to the socket's `write_seq` (send) or
-/// `copied_seq` (recv) as its last socket call left it in `TCP_STATE`.
+/// `copied_seq` (recv) as its last socket call left it in [`SockState::tcp`].
 #[inline(always)]
 pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, pid_tgid: u64) {
     let tgid = (pid_tgid >> 32) as u32;
@@ -873,17 +886,15 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, pid_tgid: u64) {
     if ret <= 0 {
         return;
     }
-    // No TCP state (the map was full when the socket's calls tried to add it): no position to
-    // give, so no mark (the host then cannot place this plaintext, rather than misplace it).
-    let Some(s) = TCP_STATE.get_ptr(&cookie) else {
+    // No TCP state yet (no socket call of this socket has been seen): no position to give,
+    // so no mark (the host then cannot place this plaintext, rather than misplace it).
+    if sock.tcp.ts_ns == 0 {
         return;
-    };
-    let seq = unsafe {
-        if send {
-            (*s).write_seq
-        } else {
-            (*s).copied_seq
-        }
+    }
+    let seq = if send {
+        sock.tcp.write_seq
+    } else {
+        sock.tcp.copied_seq
     };
     let plain_end = sock.dir[(call.dir & 1) as usize].pos;
     let mut hdr = header(kind::TLS_MARK, call.dir, cookie, tgid, now);
@@ -990,7 +1001,22 @@ fn run_call<const PEEK: bool>(
             start: call_start,
             end: call_end,
         };
-        frame(st, call, sc, sockp);
+        if first_message(st, call, sc, moved) {
+            // SAFETY: first_message stored a MessageInfo there (smaller than an Output).
+            let m = unsafe { &*(sc.out.as_ptr() as *const MessageInfo) };
+            let flags = if sc.peer.mid_message {
+                msg_flags::PEER_MID_MESSAGE
+            } else {
+                0
+            };
+            let meta = message_meta(flags, st.role, message_channel_type(st, &sc.peer));
+            emit_message(&sc.ec, sockp, m, meta);
+        }
+        // The element loop only when an element begins or continues in this call: most
+        // calls end with the message the fast path framed, or carry only body bytes.
+        if !st.is_unparsed() && st.need().0 < call_end {
+            frame(st, call, sc, sockp);
+        }
         if st.candidates != candidates {
             count(counter::HUNT_CANDIDATES);
         }
@@ -1129,6 +1155,74 @@ fn frame(st: &mut DirState, call: &Call, sc: &mut CallScratch, sock: *mut SockSt
             let out = st.stop(UnparsedReason::LoopLimit, 0);
             emit_stop(&sc.ec.hdr, sc.ec.route, &out);
         }
+    }
+}
+
+/// The fast path of a call that moved `moved` bytes starting at a message boundary
+/// ([`DirState::header_at_call_start`]): reads the whole header from the first buffer (or
+/// iovec) into [`CallScratch::peek`] with one read and, if the state accepts it, leaves the
+/// message in [`CallScratch::out`] for the caller to report, and returns true. False, with
+/// nothing changed, when the call does not begin with a whole header of a plain data
+/// message; the element loop ([`frame`]) then reads it, as it reads any later element of the
+/// call. A read that faults here is left to the loop too, which stops the direction with the
+/// fault's reason.
+///
+/// Cheaper than the loop's first step: no `bpf_loop` set-up and callback calls, no call of
+/// [`complete`], and the header lands in a per-CPU value rather than the socket's hash map
+/// value (`bpf_probe_read_user` checks its destination, `check_object_size` in
+/// include/linux/thread_info.h, which costs more for a slab object).
+///
+/// A function of its own: inlined, it grew the libssl return's frame past the 512-byte chain
+/// limit (see [`CallScratch`]); inlined into the socket tracepoints only (their frames have
+/// room), it made no difference measurable with bpf_stats (559-597 ns per send call against
+/// 568-590, alternating builds).
+#[inline(never)]
+fn first_message(st: &mut DirState, call: &Call, sc: &mut CallScratch, moved: u64) -> bool {
+    let hl = st.hdr_len as u64;
+    if st.phase != Phase::DataHeader as u8
+        || st.have != 0
+        || st.want_at != st.pos
+        || hl == 0
+        || moved < hl
+    {
+        return false;
+    }
+    let (base, len) = if call.args.kind == call_kind::BUFFER {
+        (call.args.ptr, call.args.len)
+    } else if call.args.kind == call_kind::IOVEC && call.args.len > 0 {
+        let rc = unsafe {
+            bpf_probe_read_user(
+                sc.peek.as_mut_ptr() as *mut c_void,
+                16,
+                call.args.ptr as *const c_void,
+            )
+        };
+        if rc != 0 {
+            return false;
+        }
+        let iov = sc.peek.as_ptr() as *const u64;
+        // SAFETY: the 16 bytes just read.
+        unsafe { (iov.read_unaligned(), iov.add(1).read_unaligned()) }
+    } else {
+        return false;
+    };
+    if len < hl {
+        return false;
+    }
+    // A constant length per header kind: 6 (mini) or 18 (full).
+    let n = if hl == 18 { 18 } else { 6 };
+    let rc = unsafe {
+        bpf_probe_read_user(sc.peek.as_mut_ptr() as *mut c_void, n, base as *const c_void)
+    };
+    if rc != 0 {
+        return false;
+    }
+    match st.header_at_call_start(&sc.peek) {
+        Some(m) => {
+            store_words(&m, sc.out.as_mut_ptr());
+            true
+        }
+        None => false,
     }
 }
 

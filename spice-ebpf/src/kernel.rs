@@ -7,7 +7,7 @@ use spice_ebpf_common::{config::KernelConfig, event::TcpSnapshot};
 #[unsafe(no_mangle)]
 pub static CONFIG: KernelConfig = KernelConfig {
     self_tgid: 0,
-    _reserved: 0,
+    ring_wakeup_bytes: 0,
     skc_family: 0,
     skc_num: 0,
     skc_dport: 0,

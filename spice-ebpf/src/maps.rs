@@ -1,13 +1,12 @@
 //! Maps shared by the kernel programs. Sizes are upper bounds for one host.
 
-use aya_ebpf::bindings::BPF_RB_AVAIL_DATA;
 use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use spice_ebpf_common::{
     config::{counter, ring, watch},
-    event::{SockState, SslKey, TcpSnapshot, TlsCall},
+    event::{SockState, SslKey, TlsCall},
 };
 
 use crate::capture::CallScratch;
@@ -70,9 +69,6 @@ pub static SSL_SOCKETS: LruHashMap<SslKey, u64> = LruHashMap::with_max_entries(1
 #[map]
 pub static SOCKETS: HashMap<u64, SockState> = HashMap::with_max_entries(8192, 0);
 
-/// Latest TCP state per tracked socket: cookie → snapshot. Read by the agent.
-#[map]
-pub static TCP_STATE: HashMap<u64, TcpSnapshot> = HashMap::with_max_entries(8192, 0);
 
 /// Local ports of the watched processes' listening sockets: sockops enrols new connections to
 /// or from these ports for RTT / retransmit / state callbacks.
@@ -100,6 +96,13 @@ pub static TAP_EVENTS: RingBuf = RingBuf::with_byte_size(4 << 20, 0);
 #[map]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
 
+/// Bytes of records this CPU submitted to `EVENTS` (entry 0) and `TAP_EVENTS` (entry 1)
+/// since it last forced a wake-up of that ring's reader ([`write_record`],
+/// `spice_ebpf_common::config::ring`). Not pinned: a fresh count after a reload only delays
+/// one wake-up.
+#[map]
+pub static RING_PENDING: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+
 /// One all-zero `SockState`: the template for new `SOCKETS` entries (too big for the stack).
 #[map]
 pub static ZERO_SOCK: Array<SockState> = Array::with_max_entries(1, 0);
@@ -121,21 +124,29 @@ pub static LAYOUT: Array<u32> =
 pub fn write_record<T: 'static>(route: u8, fill: impl Fn(*mut T)) {
     use spice_ebpf_common::config::watch::{ROUTE_PRIMARY, ROUTE_TAP};
     if route & ROUTE_PRIMARY != 0 {
-        write_one(&EVENTS, counter::RING_FULL, &fill);
+        write_one(&EVENTS, counter::RING_FULL, 0, &fill);
     }
     if route & ROUTE_TAP != 0 {
-        write_one(&TAP_EVENTS, counter::TAP_RING_FULL, &fill);
+        write_one(&TAP_EVENTS, counter::TAP_RING_FULL, 1, &fill);
     }
 }
 
-/// [`write_record`] for one ring; `full` is the counter of a failed reserve.
+/// [`write_record`] for one ring; `full` is the counter of a failed reserve, `pending` the
+/// ring's entry in [`RING_PENDING`].
 #[inline(always)]
-fn write_one<T: 'static>(rb: &RingBuf, full: u32, fill: &impl Fn(*mut T)) {
-    let avail = rb.query(BPF_RB_AVAIL_DATA as u64);
+fn write_one<T: 'static>(rb: &RingBuf, full: u32, pending: u32, fill: &impl Fn(*mut T)) {
     match rb.reserve::<T>(0) {
         Some(mut e) => {
             fill(e.as_mut_ptr());
-            e.submit(ring::submit_flags(avail, ring::slot_len(size_of::<T>())));
+            let mut flags = 1;
+            if let Some(p) = RING_PENDING.get_ptr_mut(pending) {
+                let every = crate::kernel::konf!(ring_wakeup_bytes) as u64;
+                let (f, next) =
+                    ring::submit_flags(unsafe { *p }, ring::slot_len(size_of::<T>()), every);
+                unsafe { *p = next };
+                flags = f;
+            }
+            e.submit(flags);
         }
         None => count(full),
     }

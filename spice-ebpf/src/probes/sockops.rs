@@ -1,7 +1,10 @@
 //! sock_ops on the cgroup-v2 root: new connections to or from a watched listening port are
 //! enrolled for RTT, retransmit and state callbacks (include/uapi/linux/bpf.h
-//! `BPF_SOCK_OPS_*_CB_FLAG`), which keep `TCP_STATE` fresh between the process's own calls:
-//! snd_una and cwnd move with every ACK even while spice-server is blocked.
+//! `BPF_SOCK_OPS_*_CB_FLAG`), which keep the socket's TCP state (`SockState::tcp` in
+//! `SOCKETS`) fresh between the process's own calls: snd_una and cwnd move with every ACK even
+//! while spice-server is blocked. A connection is enrolled when it is established; its state
+//! is kept once its first traced call has made its `SOCKETS` entry (before that, no record
+//! refers to it).
 
 use aya_ebpf::{
     bindings::{
@@ -17,7 +20,7 @@ use spice_ebpf_common::{
     event::{TcpSnapshot, tcp_source},
 };
 
-use crate::maps::{TCP_STATE, WATCH_PORTS, count};
+use crate::maps::{SOCKETS, WATCH_PORTS, count};
 
 macro_rules! field {
     ($ops:expr, $f:ident) => {
@@ -60,17 +63,11 @@ pub fn on_sock_ops(ctx: &SockOpsContext) {
                 | BPF_SOCK_OPS_RETRANS_CB_FLAG
                 | BPF_SOCK_OPS_STATE_CB_FLAG;
             let _ = ctx.set_cb_flags(flags as i32);
-            let cookie = unsafe { bpf_get_socket_cookie(ctx.ops as *mut _) };
-            let mut snap = TcpSnapshot::default();
-            update(ops, &mut snap);
-            if TCP_STATE.insert(&cookie, &snap, 0).is_err() {
-                count(counter::TCP_MAP_FULL);
-            }
         }
         BPF_SOCK_OPS_RTT_CB | BPF_SOCK_OPS_RETRANS_CB | BPF_SOCK_OPS_STATE_CB => {
             let cookie = unsafe { bpf_get_socket_cookie(ctx.ops as *mut _) };
-            if let Some(p) = TCP_STATE.get_ptr_mut(&cookie) {
-                update(ops, unsafe { &mut *p });
+            if let Some(p) = SOCKETS.get_ptr_mut(&cookie) {
+                update(ops, unsafe { &mut (*p).tcp });
                 count(counter::SOCKOPS_UPDATES);
             }
         }

@@ -11,7 +11,7 @@ use spice_ebpf_common::{
 
 use crate::{
     kernel::{fill_tcp, tcp_sock},
-    maps::{SOCKETS, TCP_STATE, WATCHED_TGIDS, write_record},
+    maps::{SOCKETS, WATCHED_TGIDS, write_record},
 };
 
 const TCP_CLOSE: i32 = 7;
@@ -67,5 +67,4 @@ pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
 pub fn on_destroy(sk: *const u8) {
     let cookie = unsafe { bpf_get_socket_cookie(sk as *mut _) };
     let _ = SOCKETS.remove(&cookie);
-    let _ = TCP_STATE.remove(&cookie);
 }

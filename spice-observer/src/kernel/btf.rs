@@ -87,14 +87,18 @@ impl KernelBtf {
             .any(|t| matches!(t, TypeVariant::Typedef(td) if td.name().as_deref() == Some(name)))
     }
 
-    /// Fills every offset of [`KernelConfig`]; `self_tgid` is set to this process.
+    /// Fills every offset of [`KernelConfig`]; `self_tgid` is set to this process and
+    /// `ring_wakeup_bytes` to the machine's share for its possible CPUs
+    /// (`/sys/devices/system/cpu/possible`, as per-CPU maps count them).
     pub fn kernel_config(&self) -> Result<KernelConfig> {
         let sk = |p: &str| self.offset("sock", p);
         let tp = |p: &str| self.offset("tcp_sock", p);
         let task = |p: &str| self.offset("task_struct", p);
         Ok(KernelConfig {
             self_tgid: std::process::id(),
-            _reserved: 0,
+            ring_wakeup_bytes: spice_ebpf_common::config::ring::wakeup_bytes_per_cpu(
+                aya::util::nr_cpus().map_or(1, |n| n as u32),
+            ),
             skc_family: sk("__sk_common.skc_family")?,
             skc_num: sk("__sk_common.skc_num")?,
             skc_dport: sk("__sk_common.skc_dport")?,

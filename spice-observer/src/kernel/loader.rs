@@ -71,11 +71,10 @@ pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd> {
 /// program. The object's
 /// global-data section (`.rodata`, holding [`KernelConfig`]) is not pinned: the programs hold
 /// it, and nothing reads it after the load.
-pub const MAP_NAMES: [&str; 11] = [
+pub const MAP_NAMES: [&str; 10] = [
     "WATCHED_TGIDS",
     "MAYBE_WATCHED",
     "SOCKETS",
-    "TCP_STATE",
     "WATCH_PORTS",
     "PREEXISTING",
     "EVENTS",
@@ -110,11 +109,13 @@ const PROGRAMS: [&str; 13] = [
 
 /// Pins that earlier versions made and this one does not: still this agent's, so that a reload or `--unpin` after an upgrade removes them
 /// rather than refusing the directory. `PENDING_CALLS` and `spice_sys_enter` went with layout
-/// version 8 (the socket tracepoints read the syscall's registers themselves).
-const RETIRED_PINS: [&str; 3] = [
+/// version 8 (the socket tracepoints read the syscall's registers themselves); `TCP_STATE`
+/// with layout version 10 (a socket's TCP state is part of its `SOCKETS` entry).
+const RETIRED_PINS: [&str; 4] = [
     "PENDING_CALLS",
     "link_spice_sys_enter",
     "prog_spice_sys_enter",
+    "TCP_STATE",
 ];
 
 /// Whether `name` is a pin this agent makes in a pin directory: a map of [`MAP_NAMES`],
@@ -1361,16 +1362,19 @@ impl Capture {
         }
     }
 
-    /// [`Capture::tcp_state`] of each of `cookies` that has an entry: the whole `TCP_STATE`
-    /// map in one batch read (a few `bpf(2)` calls for thousands of sockets), else key by key.
+    /// [`Capture::tcp_state`] of each of `cookies` that has one: the whole `SOCKETS` map in
+    /// one batch read (a few `bpf(2)` calls for thousands of sockets), else key by key.
     pub fn tcp_states(&mut self, cookies: &[u64]) -> StdHashMap<u64, TcpSnapshot> {
         if cookies.is_empty() {
             return StdHashMap::new();
         }
-        match self.entries_batch::<TcpSnapshot>("TCP_STATE", cookies.len()) {
+        match self.entries_batch::<SockState>("SOCKETS", cookies.len()) {
             Some(all) => {
                 let want: std::collections::HashSet<u64> = cookies.iter().copied().collect();
-                all.into_iter().filter(|(c, _)| want.contains(c)).collect()
+                all.into_iter()
+                    .filter(|(c, s)| want.contains(c) && s.tcp.ts_ns != 0)
+                    .map(|(c, s)| (c, s.tcp))
+                    .collect()
             }
             None => cookies
                 .iter()
@@ -1424,12 +1428,17 @@ impl Capture {
         out
     }
 
-    /// Latest TCP state a kernel hook read for `cookie`, if any.
+    /// Latest TCP state a kernel hook read for `cookie` ([`SockState::tcp`]), if any: `None`
+    /// when the socket has no `SOCKETS` entry or no state was read yet. One read of the entry:
+    /// its `write_seq` and `copied_seq` are aligned 32-bit words, never torn, and each other
+    /// member is as recent as that read.
     pub fn tcp_state(&mut self, cookie: u64) -> Option<TcpSnapshot> {
-        self.hash::<u64, TcpSnapshot>("TCP_STATE")
+        self.hash::<u64, SockState>("SOCKETS")
             .ok()?
             .get(&cookie, 0)
             .ok()
+            .map(|s| s.tcp)
+            .filter(|t| t.ts_ns != 0)
     }
 
     /// The kernel's state of socket `cookie` (`SOCKETS`: framing, byte totals and ACK window),
@@ -1602,11 +1611,10 @@ impl Capture {
         Ok(())
     }
 
-    /// Drops socket `cookie`'s kernel state (`SOCKETS`, `TCP_STATE`), as the destroy hook
-    /// does; no error if absent.
+    /// Drops socket `cookie`'s kernel state (its `SOCKETS` entry), as the destroy hook does;
+    /// no error if absent.
     pub fn forget_socket(&mut self, cookie: u64) -> Result<()> {
         let _ = self.hash::<u64, SockState>("SOCKETS")?.remove(&cookie);
-        let _ = self.hash::<u64, TcpSnapshot>("TCP_STATE")?.remove(&cookie);
         Ok(())
     }
 }

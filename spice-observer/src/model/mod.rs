@@ -714,7 +714,7 @@ pub struct Restored {
     /// Addresses from sock_diag (by cookie); `None` if the socket is no longer in the dump.
     pub local: Option<SocketAddr>,
     pub remote: Option<SocketAddr>,
-    /// The socket's `TCP_STATE` entry, if any.
+    /// The TCP state the kernel hooks keep in the socket's `SOCKETS` entry, if any.
     pub tcp: Option<TcpSnapshot>,
 }
 

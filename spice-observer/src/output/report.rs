@@ -262,7 +262,7 @@ pub struct ChainReport {
     pub samples: usize,
     pub samples_placed: usize,
     /// Placed samples where at least one stage boundary was clamped: the positions read
-    /// (sock_diag dump, `TCP_STATE` map) disagreed with the data path's
+    /// (sock_diag dump, the hooks' TCP state) disagreed with the data path's
     /// order or lay beyond the newest in-flight message's end ([`crate::model::chain::place`]).
     pub clamped_samples: usize,
     /// Most boundaries clamped in one sample (0 to 7).

@@ -40,7 +40,8 @@ pub struct LegLine {
     /// The socket, `laddr:port->raddr:port` as the process holding it sees it (the same
     /// string as `socket` in the JSON report).
     pub socket: String,
-    /// Sequence number after the last byte the process has written (`TCP_STATE` map).
+    /// Sequence number after the last byte the process has written (the kernel hooks' TCP
+    /// state in the socket's `SOCKETS` entry).
     pub write_seq: u32,
     /// Next sequence to send: `write_seq − tcpi_notsent_bytes` (sock_diag dump).
     pub snd_nxt: u32,
@@ -48,13 +49,13 @@ pub struct LegLine {
     pub snd_una: u32,
     /// Next sequence expected from the peer: `copied_seq + idiag_rqueue` (sock_diag dump).
     pub rcv_nxt: u32,
-    /// Sequence number after the last byte the process has read (`TCP_STATE` map).
+    /// Sequence number after the last byte the process has read (the same TCP state).
     pub copied_seq: u32,
 }
 
 /// The three sockets of a chain. Each is `null` when the chain has no such socket (no relay,
 /// leg not paired yet) or when its positions were not available at this sample (not in this
-/// network namespace's sock_diag dump, no `TCP_STATE` entry, no `tcp_info`).
+/// network namespace's sock_diag dump, no TCP state from the hooks, no `tcp_info`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Legs {
@@ -79,7 +80,8 @@ pub struct SampleLine {
     /// Seconds since the observation's start (`clock.monotonic_ns` of the JSON report),
     /// CLOCK_MONOTONIC, taken right before the sample's sock_diag dump.
     pub t_s: f64,
-    /// Seconds since the start, taken right after the sample's last `TCP_STATE` map read:
+    /// Seconds since the start, taken right after the sample's last read of the sockets' TCP
+    /// state (`SOCKETS` map):
     /// the positions were read between `t_s` and `t_end_s`.
     pub t_end_s: f64,
     /// spice-server's socket, `laddr:port->raddr:port` (as `socket` in the JSON report).

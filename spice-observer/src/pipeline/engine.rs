@@ -998,8 +998,8 @@ impl Engine {
 
     /// Waits until the ring wakes the agent or [`ring::DRAIN_INTERVAL_MS`] passed, whichever
     /// comes first, and applies the records waiting then to the model (cancel-safe: use in
-    /// `select!`). The kernel programs wake the agent only every [`ring::WAKEUP_BYTES`] of
-    /// unread records, so the interval bounds how long a record waits in the ring.
+    /// `select!`). The kernel programs wake the agent only about every [`ring::WAKEUP_BYTES`]
+    /// of records, so the interval bounds how long a record waits in the ring.
     pub async fn drain_ready(&mut self) -> Result<()> {
         let interval = Duration::from_millis(ring::DRAIN_INTERVAL_MS);
         match tokio::time::timeout(interval, self.ring.readable_mut()).await {

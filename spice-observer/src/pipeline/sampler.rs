@@ -5,8 +5,9 @@
 //! query per socket by its cookie and addresses, [`crate::sockdiag::DiagQuery`]:
 //! `idiag_wqueue` = write_seq − snd_una, `tcpi_notsent_bytes` = write_seq − snd_nxt,
 //! `idiag_rqueue` = rcv_nxt − copied_seq; `net/ipv4/tcp_diag.c` `tcp_diag_get_info`) and the
-//! kernel hooks' `TCP_STATE` map (`write_seq` and `copied_seq`, which change only in the
-//! application's own send and receive calls, all of which the hooks see). The map anchors the
+//! TCP state the kernel hooks keep in each socket's `SOCKETS` entry (`write_seq` and
+//! `copied_seq`, which change only in the application's own send and receive calls, all of
+//! which the hooks see). The map anchors the
 //! positions in each stream; sock_diag gives the queues at the moment of the sample.
 
 use std::{collections::HashMap, net::SocketAddr};
@@ -54,7 +55,7 @@ pub fn last_byte_seq(dir: &DirStats, end: u64) -> Option<u32> {
 
 /// The raw 32-bit TCP sequence numbers of one socket at one sample, as the sample used them.
 ///
-/// `write_seq` and `copied_seq` are the kernel hooks' `TCP_STATE` map entry (read right after
+/// `write_seq` and `copied_seq` are the kernel hooks' TCP state of the socket (read right after
 /// the sock_diag queries); the other three combine them with the sock_diag answer's queues
 /// (`net/ipv4/tcp_diag.c` `tcp_diag_get_info`, `tcp_get_info`):
 /// `snd_nxt` = write_seq − `tcpi_notsent_bytes`, `snd_una` = write_seq − `idiag_wqueue`,
@@ -183,7 +184,7 @@ pub struct ChainTake {
 pub struct Sample {
     /// CLOCK_MONOTONIC ns right before the first sock_diag query.
     pub t_ns: u64,
-    /// CLOCK_MONOTONIC ns right after the last `TCP_STATE` map read.
+    /// CLOCK_MONOTONIC ns right after the last read of the sockets' TCP state (`SOCKETS`).
     pub t_end_ns: u64,
     /// The sock_diag answers by cookie: the sockets [`Sampler::read`] queried that still
     /// exist and did not move during their query.
@@ -239,8 +240,8 @@ impl Sampler {
     /// chain not paired yet) and of the open sockets found by the dump at a watch (to tell
     /// when they are gone: they have no close record), each by a sock_diag query by cookie
     /// and addresses, all in a few system calls ([`sockdiag::DiagQuery::sockets`]; a socket
-    /// whose addresses are not known is not queried), then the `TCP_STATE` map entries of
-    /// every open socket, in one batch read ([`Capture::tcp_states`]). Returns `None` if a
+    /// whose addresses are not known is not queried), then the TCP state of every open
+    /// socket, in one batch read of `SOCKETS` ([`Capture::tcp_states`]). Returns `None` if a
     /// query failed (then no chain gets a sample).
     ///
     /// Apply the ring's records between `read` and [`place`]: then the model (spice-server's
