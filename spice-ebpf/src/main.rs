@@ -151,6 +151,13 @@ pub fn spice_ref_sock_recv(_ctx: BtfTracePointContext) -> i32 {
     probes::reference::nothing()
 }
 
+/// `tp_btf/sock_send_length` doing the least a traced send needs, none of the framing
+/// ([`probes::reference::floor`]): the floor of [`spice_sock_send`]'s cost with its work.
+#[btf_tracepoint(function = "sock_send_length")]
+pub fn spice_ref_floor(ctx: BtfTracePointContext) -> i32 {
+    probes::reference::floor(ctx.arg(0), ctx.arg(1))
+}
+
 // Probe programs for `spice-observer doctor` (`probes/reference.rs`): empty, each on a hook of
 // a program family another hook set would use, loaded and attached once to learn whether the
 // kernel allows that family; never attached by the observer.

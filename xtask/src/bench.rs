@@ -490,8 +490,18 @@ struct Reference {
 
 impl Reference {
     fn start(bins: &Bins, hooks: &str) -> Result<Reference> {
+        Reference::start_with(bins, hooks, &[])
+    }
+
+    /// `spice_ref_floor` (the least a traced send needs) with `pid` watched in its own maps.
+    fn start_floor(bins: &Bins, pid: u32) -> Result<Reference> {
+        Reference::start_with(bins, "floor", &["--pid", &pid.to_string()])
+    }
+
+    fn start_with(bins: &Bins, hooks: &str, extra: &[&str]) -> Result<Reference> {
         let mut child = Command::new(&bins.observer)
             .args(["bench", "reference", "--hooks", hooks])
+            .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -580,6 +590,8 @@ struct LoadRun {
     report_path: Option<PathBuf>,
     /// (program, Δrun_time_ns, Δrun_cnt) of the observer's programs over the streaming.
     stats: Vec<(String, u64, u64)>,
+    /// (Δrun_time_ns, Δrun_cnt) of `spice_ref_floor` over the same streaming ([`With::Stats`]).
+    floor: Option<(u64, u64)>,
     agent: Option<AgentSample>,
 }
 
@@ -620,6 +632,11 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
         _ => bail!("spice-peer load said {hold:?}"),
     };
     child.1 = Some(client);
+    // Before the observer, so that its programs are not counted as the observer's.
+    let floor = match with {
+        With::Stats => Some(Reference::start_floor(bins, server)?),
+        _ => None,
+    };
     let observer = match with {
         With::Without => None,
         _ => Some(Observer::start(bins, server, tag)?),
@@ -627,6 +644,10 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
     let s0 = match with {
         With::Stats => prog_stats(bins, "spice_")?,
         _ => Vec::new(),
+    };
+    let f0 = match &floor {
+        Some(f) => f.stats(bins)?,
+        None => Vec::new(),
     };
     // The agent's CPU and RSS: from here to the end of the streaming.
     let stop_sampling = Arc::new(AtomicBool::new(false));
@@ -647,6 +668,17 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
     let s1 = match with {
         With::Stats => prog_stats(bins, "spice_")?,
         _ => Vec::new(),
+    };
+    let floor = match floor {
+        Some(f) => {
+            let f1 = f.stats(bins)?;
+            f.stop()?;
+            stats_delta(&f0, &f1, &[])
+                .into_iter()
+                .find(|s| s.0 == FLOOR)
+                .map(|s| (s.1, s.2))
+        }
+        None => None,
     };
     let load: Value = serde_json::from_str(&line).context("parsing spice-peer load's JSON")?;
     let load_path = bins.tmp.join(format!("load-{tag}.json"));
@@ -673,6 +705,7 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
         report,
         report_path,
         stats,
+        floor,
         agent,
     })
 }
@@ -844,6 +877,8 @@ impl ProgFigures {
 
 /// The observer's kernel programs as the kernel names them (15 characters).
 const SOCK_SEND: &str = "spice_sock_send";
+/// The floor program: the least a traced send needs (`spice-ebpf/src/probes/reference.rs`).
+const FLOOR: &str = "spice_ref_floor";
 
 fn machine() -> String {
     let cpu = fs::read_to_string("/proc/cpuinfo")
@@ -949,6 +984,8 @@ pub(crate) fn bench(
         let (mut without, mut with) = (Vec::new(), Vec::new());
         let mut figs = ProgFigures::default();
         let (mut call_ns, mut msg_ns, mut calls_per_msg) = (Vec::new(), Vec::new(), Vec::new());
+        // ns per run of spice_sock_send and of the floor program, on the same calls.
+        let (mut send_run, mut floor_run) = (Vec::new(), Vec::new());
         for r in 0..plan.reps {
             eprintln!(
                 "bench: saturated sender, {name}: repeat {}/{}",
@@ -973,8 +1010,12 @@ pub(crate) fn bench(
                 req_u64(tot, "messages_sent")? as f64,
             );
             let send = c.stats.iter().find(|s| s.0 == SOCK_SEND);
-            if let Some((_, t, _)) = send {
+            if let Some((_, t, n)) = send {
                 call_ns.push(*t as f64 / calls);
+                if let Some((ft, fn_)) = c.floor.filter(|f| f.1 > 0 && *n > 0) {
+                    send_run.push(*t as f64 / *n as f64);
+                    floor_run.push(ft as f64 / fn_ as f64);
+                }
             }
             let all: u64 = c.stats.iter().map(|s| s.1).sum();
             msg_ns.push(all as f64 / msgs);
@@ -994,7 +1035,13 @@ pub(crate) fn bench(
                 "`spice_sock_send` per observed send call {}",
                 med_spread(&call_ns, " ns")
             ),
-            format!("all programs: {} per message", med_spread(&msg_ns, " ns")),
+            format!(
+                "all programs: {} per message; per run, `spice_sock_send` {} against the floor `spice_ref_floor` {} (×{})",
+                med_spread(&msg_ns, " ns"),
+                med_spread(&send_run, " ns"),
+                med_spread(&floor_run, " ns"),
+                num(median(&send_run) / median(&floor_run)),
+            ),
         ));
         programs.push(row(format!("saturated, {name}"), "", figs.text(), ""));
         per_call.push(call_ns);

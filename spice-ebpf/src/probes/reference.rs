@@ -14,3 +14,98 @@
 pub fn nothing() -> i32 {
     0
 }
+
+use aya_ebpf::helpers::{
+    bpf_get_current_pid_tgid, bpf_ktime_get_ns,
+    generated::{bpf_get_socket_cookie, bpf_probe_read_user},
+};
+use spice_ebpf_common::event::{EventHeader, MessageEvent, call_kind, kind};
+
+use crate::{
+    kernel::{konf, tcp_sock, tcp_u32},
+    maps::{EVENTS, SOCKETS, ZERO_SOCK, traced_route},
+    probes::syscalls::current_call,
+};
+
+/// Map update flag: create only (include/uapi/linux/bpf.h).
+const BPF_NOEXIST: u64 = 1;
+/// `BPF_RB_NO_WAKEUP` (include/uapi/linux/bpf.h).
+const BPF_RB_NO_WAKEUP: u64 = 1;
+
+/// The body of `spice_ref_floor` (`tp_btf/sock_send_length`): the least a send call on a
+/// traced socket needs, with none of the framing. The watched-process filter
+/// ([`traced_route`]: one array load, one hash lookup), the TCP socket check, the socket's
+/// cookie and one hash lookup of its state (`SOCKETS`, made at its first call), the
+/// syscall's buffer from its saved registers ([`current_call`]), the clock, one read of a
+/// 6-byte mini header at the buffer's start, `write_seq` stored in the state, and one
+/// 72-byte message record in the ring (`EVENTS`, drained by `bench reference`). Only
+/// single-buffer calls (write, send) are handled; anything else returns after the filter.
+///
+/// `bench reference --hooks floor --pid PID` attaches it on its own copy of the maps, with
+/// `PID` watched there, beside an observer watching the same process: its run time per run
+/// (`bpf_stats`) is the floor of `spice_sock_send`'s on the same calls, in the same run.
+#[inline(always)]
+pub fn floor(sk: *const u8, ret: i32) -> i32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let Some(route) = traced_route(tgid) else {
+        return 0;
+    };
+    let tp = tcp_sock(sk);
+    if ret <= 0 || tp.is_null() {
+        return 0;
+    }
+    let cookie = unsafe { bpf_get_socket_cookie(sk as *mut _) };
+    let args = current_call(route);
+    if args.kind != call_kind::BUFFER {
+        return 0;
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    let Some(s) = SOCKETS.get_ptr_mut(&cookie) else {
+        if let Some(zero) = ZERO_SOCK.get_ptr(0) {
+            let _ = SOCKETS.insert(&cookie, unsafe { &*zero }, BPF_NOEXIST);
+        }
+        return 0;
+    };
+    let mut hdr = [0u8; 8];
+    let rc = unsafe {
+        bpf_probe_read_user(
+            hdr.as_mut_ptr() as *mut core::ffi::c_void,
+            6,
+            args.ptr as *const core::ffi::c_void,
+        )
+    };
+    if rc != 0 {
+        return 0;
+    }
+    let seq = tcp_u32(tp, konf!(tcp_write_seq));
+    unsafe { (*s).tcp.write_seq = seq };
+    if let Some(mut e) = EVENTS.reserve::<MessageEvent>(0) {
+        let p = e.as_mut_ptr();
+        unsafe {
+            (*p).hdr = EventHeader {
+                kind: kind::MESSAGE,
+                dir: 0,
+                flags: 0,
+                _pad: 0,
+                tgid,
+                ts_ns: now,
+                cookie,
+            };
+            (*p).at = 0;
+            (*p).index = 0;
+            (*p).size = u32::from_le_bytes([hdr[2], hdr[3], hdr[4], hdr[5]]);
+            (*p).msg_type = u16::from_le_bytes([hdr[0], hdr[1]]);
+            (*p).hdr_len = 6;
+            (*p).flags = 0;
+            (*p).prefix = [0, 0];
+            (*p).seq = seq;
+            (*p).win_mw = 0;
+            (*p).win_count = 0;
+            (*p).win_effects = 0;
+            (*p)._pad = [0; 3];
+        }
+        e.submit(BPF_RB_NO_WAKEUP);
+    }
+    0
+}

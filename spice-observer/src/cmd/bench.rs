@@ -6,11 +6,14 @@
 //!   `BPF_PROG_GET_NEXT_ID` (aya's `loaded_programs()`, CAP_SYS_ADMIN), so it sees any
 //!   process's programs, the observer's included. The kernel keeps 15 characters of a name
 //!   (`BPF_OBJ_NAME_LEN`): `spice_ref_sys_enter` is listed as `spice_ref_sys_e`.
-//! * `reference [--hooks sys_enter,sock_send,sock_recv] [--duration SECS]`: loads the kernel
-//!   object and attaches only its empty reference programs (`spice-ebpf/src/probes/
-//!   reference.rs`), prints `attached {json}` (their ids), holds them until stdin reaches
-//!   EOF (or a line is read, or SECS pass), then prints their statistics as one JSON line
-//!   (counts since the load, i.e. since the attach).
+//! * `reference [--hooks sys_enter,sock_send,sock_recv,floor] [--pid PID] [--duration SECS]`:
+//!   loads the kernel object and attaches only its reference programs (`spice-ebpf/src/
+//!   probes/reference.rs`), prints `attached {json}` (their ids), holds them until stdin
+//!   reaches EOF (or a line is read, or SECS pass), then prints their statistics as one JSON
+//!   line (counts since the load, i.e. since the attach). `floor` is `spice_ref_floor`, the
+//!   least a send call on a traced socket needs (filter, socket state, header read, record):
+//!   it needs `--pid`, the process it treats as watched (in this load's own maps, which the
+//!   observer never sees), and its records are drained and dropped here.
 //! * `syscalls --kind getppid|pipe --calls N`: times N calls in this process (a process
 //!   nobody watches) and prints `{"kind","calls","elapsed_s","ns_per_call"}`; `pipe` is one
 //!   8-byte write and one 8-byte read on a pipe per call.
@@ -52,9 +55,12 @@ enum BenchCmd {
     },
     /// Attach only the empty reference programs and hold them.
     Reference {
-        /// Hooks to attach an empty program to.
+        /// Hooks to attach a reference program to.
         #[arg(long, value_enum, value_delimiter = ',', default_value = "sys_enter")]
         hooks: Vec<RefHook>,
+        /// The process `floor` treats as watched.
+        #[arg(long)]
+        pid: Option<u32>,
         /// Detach after this many seconds at the latest.
         #[arg(long, default_value_t = 600.0)]
         duration: f64,
@@ -83,6 +89,9 @@ enum RefHook {
     SockSend,
     #[value(name = "sock_recv")]
     SockRecv,
+    /// `spice_ref_floor` on `tp_btf/sock_send_length` (not empty: see the module doc).
+    #[value(name = "floor")]
+    Floor,
 }
 
 impl RefHook {
@@ -92,6 +101,7 @@ impl RefHook {
             RefHook::SysEnter => ("spice_ref_sys_enter", "raw_tracepoint/sys_enter"),
             RefHook::SockSend => ("spice_ref_sock_send", "tp_btf/sock_send_length"),
             RefHook::SockRecv => ("spice_ref_sock_recv", "tp_btf/sock_recv_length"),
+            RefHook::Floor => ("spice_ref_floor", "tp_btf/sock_send_length"),
         }
     }
 }
@@ -109,7 +119,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
             println!("{}", json!({ "programs": program_stats(&prefix)? }));
             Ok(())
         }
-        BenchCmd::Reference { hooks, duration } => reference(&hooks, duration),
+        BenchCmd::Reference {
+            hooks,
+            pid,
+            duration,
+        } => reference(&hooks, pid, duration),
         BenchCmd::Syscalls { kind, calls } => {
             let (elapsed, n) = time_syscalls(kind, calls)?;
             println!(
@@ -168,13 +182,32 @@ fn program_stats(prefix: &str) -> Result<Vec<Value>> {
     Ok(out)
 }
 
-fn reference(hooks: &[RefHook], duration: f64) -> Result<()> {
+fn reference(hooks: &[RefHook], pid: Option<u32>, duration: f64) -> Result<()> {
     if hooks.is_empty() {
         bail!("give at least one hook");
     }
+    let floor = hooks.contains(&RefHook::Floor);
+    if floor && pid.is_none() {
+        bail!("--hooks floor needs --pid: the process it treats as watched");
+    }
+    // The floor program reads struct offsets from the config, as the observer's programs do.
+    let config = crate::btf::KernelBtf::open(std::path::Path::new(crate::btf::VMLINUX_BTF))?
+        .kernel_config()?;
     let mut ebpf = EbpfLoader::new()
+        .override_global("CONFIG", &config, true)
         .load(crate::loader::EBPF_OBJECT)
         .context("loading the eBPF object")?;
+    if let (true, Some(pid)) = (floor, pid) {
+        use spice_ebpf_common::config::watch;
+        aya::maps::Array::<_, u8>::try_from(
+            ebpf.map_mut("MAYBE_WATCHED").context("map MAYBE_WATCHED")?,
+        )?
+        .set(watch::filter_index(pid), 1, 0)?;
+        aya::maps::HashMap::<_, u32, u32>::try_from(
+            ebpf.map_mut("WATCHED_TGIDS").context("map WATCHED_TGIDS")?,
+        )?
+        .insert(pid, (pid & watch::ROOT_MASK) | watch::PRIMARY, 0)?;
+    }
     let btf = Btf::from_sys_fs().context("loading kernel BTF")?;
     let mut ids = Vec::new();
     for &h in hooks {
@@ -201,14 +234,34 @@ fn reference(hooks: &[RefHook], duration: f64) -> Result<()> {
     }
     println!("attached {}", json!({ "programs": ids }));
     std::io::stdout().flush()?;
-    // Held until stdin ends (or a line comes) or the duration passes.
+    // Held until stdin ends (or a line comes) or the duration passes; the floor program's
+    // records are drained meanwhile (a full ring would make its reserve fail, cheaper than
+    // the observer's).
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut line = String::new();
         let _ = std::io::stdin().lock().read_line(&mut line);
         let _ = tx.send(());
     });
-    let _ = rx.recv_timeout(Duration::from_secs_f64(duration.max(0.0)));
+    let mut ring = match floor {
+        true => Some(aya::maps::RingBuf::try_from(
+            ebpf.take_map("EVENTS").context("map EVENTS")?,
+        )?),
+        false => None,
+    };
+    let until = Instant::now() + Duration::from_secs_f64(duration.max(0.0));
+    loop {
+        let wait = until
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_millis(20));
+        match rx.recv_timeout(wait) {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if Instant::now() < until => {}
+            _ => break,
+        }
+        if let Some(r) = ring.as_mut() {
+            while r.next().is_some() {}
+        }
+    }
     let wanted: Vec<u32> = ids
         .iter()
         .filter_map(|v| v["id"].as_u64())
