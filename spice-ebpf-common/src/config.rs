@@ -52,6 +52,33 @@ pub struct KernelConfig {
     /// iSCSI, ...) has no file, and its calls are not the calling syscall's.
     pub sk_socket: u32,
     pub socket_file: u32,
+    /// Which hook set the programs were loaded for ([`hook_set`]): what the shared programs
+    /// (`inet_sock_set_state`) do differs between them.
+    pub hook_set: u32,
+    /// `struct sock`: `__sk_common.skc_cookie` (atomic64_t): the socket cookie, 0 until the
+    /// kernel first hands it out (`sock_gen_cookie`, net/core/sock_diag.c). Hook set
+    /// `syscalls` reads it there, having no BTF-typed socket to give `bpf_get_socket_cookie`.
+    pub skc_cookie: u32,
+    /// The chain from a task to the socket of one of its file descriptors, for hook set
+    /// `syscalls` (include/linux/sched.h, fdtable.h, fs.h, net.h): `task_struct.files`
+    /// (`struct files_struct *`), `files_struct.fdt` (`struct fdtable *`),
+    /// `fdtable.max_fds` (u32) and `fdtable.fd` (`struct file **`), `file.private_data`
+    /// (a socket file's `struct socket *`), `socket.sk` (`struct sock *`).
+    pub task_files: u32,
+    pub files_fdt: u32,
+    pub fdtable_max_fds: u32,
+    pub fdtable_fd: u32,
+    pub file_private_data: u32,
+    pub socket_sk: u32,
+}
+
+/// Values of [`KernelConfig::hook_set`].
+pub mod hook_set {
+    /// `tp_btf/sock_send_length` and `sock_recv_length` (Linux 6.3+).
+    pub const TRACEPOINTS: u32 = 0;
+    /// `raw_tracepoint/sys_exit` (Linux 4.17+): the socket from the syscall's file
+    /// descriptor, the byte count from its return value.
+    pub const SYSCALLS: u32 = 1;
 }
 
 /// Version of everything a restarted agent reuses from pinned kernel state: the layouts of
@@ -59,7 +86,7 @@ pub struct KernelConfig {
 /// ...), of the ring records and of [`KernelConfig`], and the meaning of their fields. Bump it
 /// with any such change: a new agent that finds another version pinned reloads the programs
 /// and marks the open channels `restarted` instead of misreading the old state.
-pub const LAYOUT_VERSION: u32 = 10;
+pub const LAYOUT_VERSION: u32 = 11;
 
 /// Ring-buffer wake-ups. A record submitted without flags wakes the agent (an `irq_work`,
 /// i.e. a self-IPI, then an epoll wake-up) whenever the agent has caught up with the ring,
@@ -85,7 +112,11 @@ pub mod ring {
     /// [`KernelConfig::ring_wakeup_bytes`] on a machine with `possible_cpus` CPUs:
     /// [`WAKEUP_BYTES`] shared among them, at least [`MIN_WAKEUP_BYTES_PER_CPU`].
     pub const fn wakeup_bytes_per_cpu(possible_cpus: u32) -> u32 {
-        let cpus = if possible_cpus == 0 { 1 } else { possible_cpus as u64 };
+        let cpus = if possible_cpus == 0 {
+            1
+        } else {
+            possible_cpus as u64
+        };
         let share = WAKEUP_BYTES / cpus;
         if share < MIN_WAKEUP_BYTES_PER_CPU {
             MIN_WAKEUP_BYTES_PER_CPU as u32
@@ -189,12 +220,16 @@ pub mod layout {
     pub const TCP_SNAPSHOT_SIZE: u32 = 2;
     /// `size_of::<MessageEvent>()` (ring records).
     pub const MESSAGE_EVENT_SIZE: u32 = 3;
-    /// Bit 0: the sock_ops program was attached (its pinned link belongs to the set).
+    /// Bit 0: the sock_ops program was attached (its pinned link belongs to the set); bit 1:
+    /// the socket calls are hooked by hook set `syscalls` (`spice_sys_exit`), not by the
+    /// socket tracepoints.
     pub const HOOKS: u32 = 4;
     /// Number of entries.
     pub const COUNT: u32 = 5;
     /// [`HOOKS`] bit: sock_ops attached.
     pub const HOOK_SOCKOPS: u32 = 1;
+    /// [`HOOKS`] bit: hook set `syscalls`.
+    pub const HOOK_SYSCALLS: u32 = 2;
 }
 
 /// Indexes into the per-CPU counter array `COUNTERS`.
@@ -249,8 +284,14 @@ pub mod counter {
     /// through every try (`config::WINDOW_LOCK_TRIES`), so a concurrent update of the other
     /// direction may have been lost. A loss.
     pub const WINDOW_LOCK_BUSY: u32 = 18;
+    /// Hook set `syscalls`: a call moved bytes on a TCP socket the kernel had not given a
+    /// cookie yet ([`super::KernelConfig::skc_cookie`] 0), so it could not be keyed: its
+    /// bytes are not framed (that direction resyncs at its next call). Cookies are given to
+    /// every connection established while the programs run (`inet_sock_set_state`) and to
+    /// the sockets the agent's sock_diag dump finds at a watch. A loss.
+    pub const NO_COOKIE: u32 = 19;
     /// Number of counters.
-    pub const COUNT: u32 = 19;
+    pub const COUNT: u32 = 20;
 
     /// Names used in reports and JSON (`kernel_counters`), by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -273,6 +314,7 @@ pub mod counter {
         "tls_pending_full",
         "tls_unseen",
         "window_lock_busy",
+        "no_cookie",
     ];
 
     /// True for counters that mean information was lost (they add up to `events_lost`).
@@ -282,6 +324,7 @@ pub mod counter {
             || index == TLS_PENDING_FULL
             || index == TLS_UNSEEN
             || index == WINDOW_LOCK_BUSY
+            || index == NO_COOKIE
     }
 
     /// True for counters that mean information was lost for a reader of `TAP_EVENTS`: the

@@ -995,7 +995,8 @@ fn fast_path_frames_as_the_element_loop_does() {
                     0 => {}
                     1 => cuts.push(e),
                     2 => cuts.push(hdr_ends[i - 1].min(e)),
-                    _ => cuts.push(bounds[i - 1] + rng.below((e - bounds[i - 1]) as u64 + 1) as usize),
+                    _ => cuts
+                        .push(bounds[i - 1] + rng.below((e - bounds[i - 1]) as u64 + 1) as usize),
                 }
             }
             cuts.push(bytes.len());
@@ -1027,7 +1028,11 @@ fn fast_path_frames_as_the_element_loop_does() {
                     feed_call_with(&mut b.s2c, &pb, &segs, lock_how::CONTENT, 0, false, |o| {
                         ob.push(o)
                     });
-                    assert_eq!(without_buf(&a.s2c), without_buf(&b.s2c), "round {round} s2c at {start}");
+                    assert_eq!(
+                        without_buf(&a.s2c),
+                        without_buf(&b.s2c),
+                        "round {round} s2c at {start}"
+                    );
                 } else {
                     let (pa, pb) = (a.s2c.view(), b.s2c.view());
                     feed_call_with(&mut a.c2s, &pa, &segs, lock_how::CONTENT, 0, true, |o| {
@@ -1036,10 +1041,17 @@ fn fast_path_frames_as_the_element_loop_does() {
                     feed_call_with(&mut b.c2s, &pb, &segs, lock_how::CONTENT, 0, false, |o| {
                         ob.push(o)
                     });
-                    assert_eq!(without_buf(&a.c2s), without_buf(&b.c2s), "round {round} c2s at {start}");
+                    assert_eq!(
+                        without_buf(&a.c2s),
+                        without_buf(&b.c2s),
+                        "round {round} c2s at {start}"
+                    );
                 }
                 assert_eq!(oa, ob, "round {round} dir {dir} call {start}..{end}");
-                fast_msgs += oa.iter().filter(|o| matches!(o, Output::Message(_))).count();
+                fast_msgs += oa
+                    .iter()
+                    .filter(|o| matches!(o, Output::Message(_)))
+                    .count();
                 start = end;
             }
         }

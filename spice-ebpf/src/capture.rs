@@ -46,12 +46,11 @@ use spice_ebpf_common::{
 use crate::{
     kernel::{self, AF_INET, AF_INET6, konf, read_at},
     maps::{
-        CALL_SCRATCH, PREEXISTING, SOCKETS, TLS_CALLS, TLS_SCRATCH, ZERO_SOCK, count,
-        write_record,
+        CALL_SCRATCH, PREEXISTING, SOCKETS, TLS_CALLS, TLS_SCRATCH, ZERO_SOCK, count, write_record,
     },
 };
 
-const EAGAIN: i32 = 11;
+pub(crate) const EAGAIN: i32 = 11;
 
 /// Map update flag: create only (include/uapi/linux/bpf.h).
 const BPF_NOEXIST: u64 = 1;
@@ -480,8 +479,7 @@ fn step_body(ctx: *mut c_void) -> i64 {
     }
     // A whole data header in this buffer: framed from one read into the per-CPU scratch
     // (DirState::header_whole), as the call's first message is ([`first_message`]).
-    if st.have == 0 && st.hdr_len != 0 && remaining == st.hdr_len as u32 && n == remaining as u64
-    {
+    if st.have == 0 && st.hdr_len != 0 && remaining == st.hdr_len as u32 && n == remaining as u64 {
         let len = if st.hdr_len == 18 { 18 } else { 6 };
         let src = (c.cur_base + off) as *const c_void;
         let rc = unsafe { bpf_probe_read_user(sc.peek.as_mut_ptr() as *mut c_void, len, src) };
@@ -672,17 +670,17 @@ fn announce_socket(sk: *const u8, hdr: &EventHeader, route: u8) {
 /// call. The members that move with ACKs and transmissions are refreshed at most every
 /// [`TCP_REFRESH_NS`] per socket (`ts_ns` says when, 0 before the first read; sockops
 /// callbacks refresh them between calls on enrolled connections). `tp` is the socket's
-/// `struct tcp_sock *`.
+/// `struct tcp_sock *`, read as [`kernel::tcp_u32`] says for `RAW`.
 #[inline(always)]
-fn store_tcp(tp: *const u8, snap: &mut TcpSnapshot, now: u64, send: bool) -> u32 {
-    let seq = kernel::seq_after_call(tp, send);
+fn store_tcp<const RAW: bool>(tp: *const u8, snap: &mut TcpSnapshot, now: u64, send: bool) -> u32 {
+    let seq = kernel::seq_after_call::<RAW>(tp, send);
     if send {
         snap.write_seq = seq;
     } else {
         snap.copied_seq = seq;
     }
     if now.wrapping_sub(snap.ts_ns) >= TCP_REFRESH_NS {
-        kernel::fill_tcp(tp, now, tcp_source::SOCKET_CALL, snap);
+        kernel::fill_tcp::<RAW>(tp, now, tcp_source::SOCKET_CALL, snap);
     }
     seq
 }
@@ -692,8 +690,9 @@ fn store_tcp(tp: *const u8, snap: &mut TcpSnapshot, now: u64, send: bool) -> u32
 ///
 /// `SEND`: the hook sees sends (then a send that failed with EAGAIN is handled too). The
 /// receive hook's instance has no EAGAIN path, so its program does not contain
-/// [`peek_eagain`], whose frame would otherwise be on its deepest call chain.
-pub fn on_call<const SEND: bool>(call: &Call, pid_tgid: u64) {
+/// [`peek_eagain`], whose frame would otherwise be on its deepest call chain. `RAW`: `call.tp`
+/// is not BTF-typed (hook set `syscalls`, [`kernel::tcp_u32`]).
+pub fn on_call<const SEND: bool, const RAW: bool>(call: &Call, pid_tgid: u64) {
     let tgid = (pid_tgid >> 32) as u32;
     let now = unsafe { bpf_ktime_get_ns() };
     count(counter::CALLS_TRACED);
@@ -716,7 +715,7 @@ pub fn on_call<const SEND: bool>(call: &Call, pid_tgid: u64) {
     };
     let sock = unsafe { &mut *sp };
     if sock.carrier != carrier::PLAIN {
-        if tls_socket_call(sock, call, pid_tgid, tgid, now) {
+        if tls_socket_call::<RAW>(sock, call, pid_tgid, tgid, now) {
             return;
         }
     } else if sock.dir[0].reason == UnparsedReason::Tls as u8
@@ -725,7 +724,7 @@ pub fn on_call<const SEND: bool>(call: &Call, pid_tgid: u64) {
         plain_tls_call(call, pid_tgid);
     }
 
-    let seq_now = store_tcp(call.tp, &mut sock.tcp, now, call.dir == dirs::SEND);
+    let seq_now = store_tcp::<RAW>(call.tp, &mut sock.tcp, now, call.dir == dirs::SEND);
     // A one-entry per-CPU array: the lookup cannot fail.
     let Some(sc) = CALL_SCRATCH.get_ptr_mut(0) else {
         return;
@@ -743,7 +742,13 @@ pub fn on_call<const SEND: bool>(call: &Call, pid_tgid: u64) {
 /// hooks cannot have seen (they were detached): that direction resyncs
 /// ([`counter::TLS_UNSEEN`]).
 #[inline(never)]
-fn tls_socket_call(sock: &mut SockState, call: &Call, pid_tgid: u64, tgid: u32, now: u64) -> bool {
+fn tls_socket_call<const RAW: bool>(
+    sock: &mut SockState,
+    call: &Call,
+    pid_tgid: u64,
+    tgid: u32,
+    now: u64,
+) -> bool {
     let tc = TLS_CALLS.get_ptr_mut(&pid_tgid);
     if sock.carrier == carrier::UNDECIDED {
         match tc {
@@ -788,7 +793,7 @@ fn tls_socket_call(sock: &mut SockState, call: &Call, pid_tgid: u64, tgid: u32, 
             }
         }
     }
-    let _ = store_tcp(call.tp, &mut sock.tcp, now, call.dir == dirs::SEND);
+    let _ = store_tcp::<RAW>(call.tp, &mut sock.tcp, now, call.dir == dirs::SEND);
     if call.ret > 0 {
         sock.wire_pos[d] += call.ret as u64;
     }
@@ -1212,7 +1217,11 @@ fn first_message(st: &mut DirState, call: &Call, sc: &mut CallScratch, moved: u6
     // A constant length per header kind: 6 (mini) or 18 (full).
     let n = if hl == 18 { 18 } else { 6 };
     let rc = unsafe {
-        bpf_probe_read_user(sc.peek.as_mut_ptr() as *mut c_void, n, base as *const c_void)
+        bpf_probe_read_user(
+            sc.peek.as_mut_ptr() as *mut c_void,
+            n,
+            base as *const c_void,
+        )
     };
     if rc != 0 {
         return false;

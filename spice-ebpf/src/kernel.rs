@@ -30,6 +30,14 @@ pub static CONFIG: KernelConfig = KernelConfig {
     task_tgid: 0,
     sk_socket: 0,
     socket_file: 0,
+    hook_set: 0,
+    skc_cookie: 0,
+    task_files: 0,
+    files_fdt: 0,
+    fdtable_max_fds: 0,
+    fdtable_fd: 0,
+    file_private_data: 0,
+    socket_sk: 0,
 };
 
 /// Reads one config field without letting the compiler constant-fold the zero initialiser.
@@ -61,23 +69,32 @@ pub fn tcp_sock(sk: *const u8) -> *const u8 {
 }
 
 /// Loads a `u32` member of `struct tcp_sock` at offset `off` (a [`KernelConfig`] value)
-/// from `tp` ([`tcp_sock`]). A plain load, not a `bpf_probe_read_kernel` helper call: the
-/// verifier knows `tp`'s BTF type and `off` (the config lives in a frozen read-only map, so
-/// its values are constants to it) and checks the access against the struct's layout; the
-/// JIT turns it into a load that reads zero on a fault.
+/// from `tp`.
+///
+/// `RAW` false: `tp` is BTF-typed ([`tcp_sock`]), and this is a plain load, not a
+/// `bpf_probe_read_kernel` helper call: the verifier knows `tp`'s BTF type and `off` (the
+/// config lives in a frozen read-only map, so its values are constants to it) and checks the
+/// access against the struct's layout; the JIT turns it into a load that reads zero on a
+/// fault. `RAW` true: `tp` is an address the program computed (hook set `syscalls` finds the
+/// socket through the fd table), which the verifier only lets `bpf_probe_read_kernel` read;
+/// zero on a fault as well.
 #[inline(always)]
-pub fn tcp_u32(tp: *const u8, off: u32) -> u32 {
-    unsafe { core::ptr::read_volatile(tp.add(off as usize) as *const u32) }
+pub fn tcp_u32<const RAW: bool>(tp: *const u8, off: u32) -> u32 {
+    if RAW {
+        read_at(tp, off)
+    } else {
+        unsafe { core::ptr::read_volatile(tp.add(off as usize) as *const u32) }
+    }
 }
 
-/// Fills `out` with the TCP state of `tp` ([`tcp_sock`]) read at `now`, keeping earlier
-/// source bits.
+/// Fills `out` with the TCP state of `tp` ([`tcp_u32`] for `RAW`) read at `now`, keeping
+/// earlier source bits.
 #[inline(always)]
-pub fn fill_tcp(tp: *const u8, now: u64, source: u32, out: &mut TcpSnapshot) {
+pub fn fill_tcp<const RAW: bool>(tp: *const u8, now: u64, source: u32, out: &mut TcpSnapshot) {
     out.ts_ns = now;
-    out.write_seq = tcp_u32(tp, konf!(tcp_write_seq));
-    out.copied_seq = tcp_u32(tp, konf!(tcp_copied_seq));
-    fill_tcp_transport(tp, out);
+    out.write_seq = tcp_u32::<RAW>(tp, konf!(tcp_write_seq));
+    out.copied_seq = tcp_u32::<RAW>(tp, konf!(tcp_copied_seq));
+    fill_tcp_transport::<RAW>(tp, out);
     out.sources |= source;
 }
 
@@ -85,14 +102,14 @@ pub fn fill_tcp(tp: *const u8, now: u64, source: u32, out: &mut TcpSnapshot) {
 /// with the application's calls: snd_nxt, snd_una, rcv_nxt, cwnd, srtt, packets_out,
 /// total_retrans.
 #[inline(always)]
-pub fn fill_tcp_transport(tp: *const u8, out: &mut TcpSnapshot) {
-    out.snd_nxt = tcp_u32(tp, konf!(tcp_snd_nxt));
-    out.snd_una = tcp_u32(tp, konf!(tcp_snd_una));
-    out.rcv_nxt = tcp_u32(tp, konf!(tcp_rcv_nxt));
-    out.snd_cwnd = tcp_u32(tp, konf!(tcp_snd_cwnd));
-    out.srtt_us = tcp_u32(tp, konf!(tcp_srtt_us)) >> 3;
-    out.packets_out = tcp_u32(tp, konf!(tcp_packets_out));
-    out.total_retrans = tcp_u32(tp, konf!(tcp_total_retrans));
+pub fn fill_tcp_transport<const RAW: bool>(tp: *const u8, out: &mut TcpSnapshot) {
+    out.snd_nxt = tcp_u32::<RAW>(tp, konf!(tcp_snd_nxt));
+    out.snd_una = tcp_u32::<RAW>(tp, konf!(tcp_snd_una));
+    out.rcv_nxt = tcp_u32::<RAW>(tp, konf!(tcp_rcv_nxt));
+    out.snd_cwnd = tcp_u32::<RAW>(tp, konf!(tcp_snd_cwnd));
+    out.srtt_us = tcp_u32::<RAW>(tp, konf!(tcp_srtt_us)) >> 3;
+    out.packets_out = tcp_u32::<RAW>(tp, konf!(tcp_packets_out));
+    out.total_retrans = tcp_u32::<RAW>(tp, konf!(tcp_total_retrans));
 }
 
 /// Whether `sk` (a BTF-typed `struct sock *`, a `tp_btf` argument) belongs to a user's
@@ -113,12 +130,73 @@ pub fn user_socket(sk: *const u8) -> bool {
     file != 0
 }
 
-/// `write_seq` (send) or `copied_seq` (recv) of `tp` ([`tcp_sock`]).
+/// `write_seq` (send) or `copied_seq` (recv) of `tp` ([`tcp_u32`] for `RAW`).
 #[inline(always)]
-pub fn seq_after_call(tp: *const u8, send: bool) -> u32 {
+pub fn seq_after_call<const RAW: bool>(tp: *const u8, send: bool) -> u32 {
     if send {
-        tcp_u32(tp, konf!(tcp_write_seq))
+        tcp_u32::<RAW>(tp, konf!(tcp_write_seq))
     } else {
-        tcp_u32(tp, konf!(tcp_copied_seq))
+        tcp_u32::<RAW>(tp, konf!(tcp_copied_seq))
     }
+}
+
+/// `SOCK_STREAM` (include/linux/net.h) and `IPPROTO_TCP`.
+const SOCK_STREAM: u16 = 1;
+const IPPROTO_TCP: u16 = 6;
+
+/// The TCP socket behind file descriptor `fd` of the current task, for hook set `syscalls`
+/// (which has no socket argument): `current->files->fdt->fd[fd]->private_data`, a
+/// `struct socket *` when the file is a socket, then its `sk`; every step a
+/// `bpf_probe_read_kernel` at offsets from BTF ([`KernelConfig::task_files`] and the
+/// following fields). Null unless the fd is open (below `max_fds`, include/linux/fdtable.h),
+/// is a socket file (the socket's `file` points back at the file: a file of another kind
+/// keeps something else in `private_data`) and the socket is TCP (`sk_protocol`
+/// IPPROTO_TCP, `sk_type` SOCK_STREAM). Runs at the syscall's exit, in the task whose table
+/// it reads, so the fd still names the file the call used unless another thread of the
+/// process closed or replaced it meanwhile (then the check above turns it away, or the
+/// sequence check of the next call sees the bytes as untraced).
+#[inline(always)]
+pub fn fd_tcp_sock(task: *const u8, fd: i32) -> *const u8 {
+    let null = core::ptr::null();
+    if fd < 0 {
+        return null;
+    }
+    let files = read_at::<u64>(task, konf!(task_files)) as *const u8;
+    if files.is_null() {
+        return null;
+    }
+    let fdt = read_at::<u64>(files, konf!(files_fdt)) as *const u8;
+    if fdt.is_null() {
+        return null;
+    }
+    let max_fds: u32 = read_at(fdt, konf!(fdtable_max_fds));
+    if fd as u32 >= max_fds {
+        return null;
+    }
+    let fds = read_at::<u64>(fdt, konf!(fdtable_fd)) as *const u8;
+    if fds.is_null() {
+        return null;
+    }
+    let file = read_at::<u64>(fds, (fd as u32) * 8) as *const u8;
+    if file.is_null() {
+        return null;
+    }
+    let sock = read_at::<u64>(file, konf!(file_private_data)) as *const u8;
+    if sock.is_null() {
+        return null;
+    }
+    let back = read_at::<u64>(sock, konf!(socket_file)) as *const u8;
+    if back != file {
+        return null;
+    }
+    let sk = read_at::<u64>(sock, konf!(socket_sk)) as *const u8;
+    if sk.is_null() {
+        return null;
+    }
+    let protocol: u16 = read_at(sk, konf!(sk_protocol));
+    let ty: u16 = read_at(sk, konf!(sk_type));
+    if protocol != IPPROTO_TCP || ty != SOCK_STREAM {
+        return null;
+    }
+    sk
 }

@@ -1,5 +1,6 @@
-//! spice-observer's kernel programs, hook set `tracepoints` (see README "Kernel requirements"),
-//! plus uprobes on libssl for TLS plaintext (`probes/tls.rs`).
+//! spice-observer's kernel programs, hook sets `tracepoints` (`spice_sock_send`,
+//! `spice_sock_recv`) and `syscalls` (`spice_sys_exit`) with the programs both share (see
+//! README "Kernel requirements"), plus uprobes on libssl for TLS plaintext (`probes/tls.rs`).
 //!
 //! Entry points are thin: they unpack their context and call the hook family in `probes/`,
 //! which hands socket calls to `capture`, where the shared framing state machine
@@ -36,6 +37,14 @@ pub fn spice_sock_send(ctx: BtfTracePointContext) -> i32 {
 #[btf_tracepoint(function = "sock_recv_length")]
 pub fn spice_sock_recv(ctx: BtfTracePointContext) -> i32 {
     probes::sock_calls::on_sock_length(ctx.arg(0), ctx.arg(1), ctx.arg(2), dir::RECV);
+    0
+}
+
+/// Hook set `syscalls`: any syscall's exit (`sys_exit(regs, ret)`), for kernels without the
+/// socket tracepoints.
+#[raw_tracepoint(tracepoint = "sys_exit")]
+pub fn spice_sys_exit(ctx: RawTracePointContext) -> i32 {
+    probes::syscalls::on_sys_exit(ctx.arg(1));
     0
 }
 

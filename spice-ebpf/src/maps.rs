@@ -69,7 +69,6 @@ pub static SSL_SOCKETS: LruHashMap<SslKey, u64> = LruHashMap::with_max_entries(1
 #[map]
 pub static SOCKETS: HashMap<u64, SockState> = HashMap::with_max_entries(8192, 0);
 
-
 /// Local ports of the watched processes' listening sockets: sockops enrols new connections to
 /// or from these ports for RTT / retransmit / state callbacks.
 #[map]

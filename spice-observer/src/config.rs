@@ -21,6 +21,7 @@
 //! scan_ms = 500
 //! bpf_stats = true
 //! tls_hooks = true
+//! hook_set = "auto"
 //! [discovery]
 //! qemu = true
 //! xspice = true
@@ -86,6 +87,12 @@ pub struct Config {
     /// (`--no-tls-hooks`): nothing is attached, TLS channels stay `unparsed: tls`. Needs a
     /// restart to change. Default true.
     pub tls_hooks: bool,
+    /// `hook_set`: the programs that see the socket calls, `"auto"` (default: `tracepoints`
+    /// where the kernel has the socket tracepoints, Linux 6.3+, else `syscalls`),
+    /// `"tracepoints"` or `"syscalls"` ([`crate::kernel::loader::HookChoice`]). Needs a
+    /// restart to change; a pinned set of another hook set is then reloaded, and its open
+    /// channels are reported `restarted`.
+    pub hook_set: crate::kernel::loader::HookChoice,
     /// `[discovery]`: what to look for.
     pub discovery: DiscoveryConfig,
 }
@@ -142,6 +149,7 @@ impl Default for Config {
             bpf_stats: true,
             pin_dir: PathBuf::from(DEFAULT_PIN_DIR),
             tls_hooks: true,
+            hook_set: crate::kernel::loader::HookChoice::Auto,
             discovery: DiscoveryConfig::default(),
         }
     }
@@ -283,6 +291,11 @@ mod tests {
         assert!(!c.bpf_stats);
         assert!(c.tls_hooks, "missing key keeps its default");
         assert!(!Config::parse("tls_hooks = false\n").unwrap().tls_hooks);
+        assert_eq!(
+            Config::parse("hook_set = \"syscalls\"\n").unwrap().hook_set,
+            crate::kernel::loader::HookChoice::Syscalls
+        );
+        assert!(err("hook_set = \"fentry\"\n").contains("line 1"));
         assert!(err("tls_hooks = \"no\"\n").contains("line 1"));
         assert!(!c.discovery.qemu);
         assert!(c.discovery.xspice);

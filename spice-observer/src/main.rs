@@ -8,7 +8,7 @@ use std::{path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use spice_observer::cmd::observe;
+use spice_observer::{cmd::observe, kernel::loader::HookChoice};
 
 /// eBPF observer of SPICE remote-display sockets: exact ACK-window accounting per channel.
 #[derive(Debug, Parser)]
@@ -74,6 +74,13 @@ enum Command {
         /// `disabled`.
         #[arg(long)]
         no_tls_hooks: bool,
+        /// The programs that see the socket calls, when observe loads its own (beside a
+        /// daemon it reads the daemon's): `auto` (`tracepoints` where the kernel has the socket
+        /// tracepoints, Linux 6.3+, else `syscalls`), `tracepoints` or `syscalls`. See README,
+        /// Kernel requirements.
+        #[arg(long, value_enum, default_value_t = HookChoice::Auto, value_name = "SET",
+              env = "SPICE_OBSERVER_HOOK_SET")]
+        hook_set: HookChoice,
     },
     /// Run as a host daemon: find SPICE servers (QEMU, Xspice) and configured relays as they
     /// come and go, watch them, and serve Prometheus metrics on 127.0.0.1:19590. Run as root.
@@ -119,6 +126,7 @@ fn main() -> Result<()> {
             samples,
             pin_dir,
             no_tls_hooks,
+            hook_set,
         } => {
             if !(duration >= 0.0 && duration.is_finite()) {
                 anyhow::bail!("--duration must be a number of seconds ≥ 0");
@@ -134,6 +142,7 @@ fn main() -> Result<()> {
                 samples,
                 pin_dir: Some(pin_dir),
                 tls_hooks: !no_tls_hooks,
+                hook_set,
             };
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

@@ -112,7 +112,7 @@ fn tap_entries(pins: &Path) -> Result<Vec<(u32, u32)>> {
 
 /// Every `WATCHED_TGIDS` entry (tgid, value) of the set pinned at `pins`.
 fn watch_entries(pins: &Path) -> Result<Vec<(u32, u32)>> {
-    match loader::Capture::open_pinned(pins)? {
+    match loader::Capture::open_pinned(pins, loader::HookChoice::Auto)? {
         loader::Pinned::Reusable(mut cap) => cap.watch_entries(),
         _ => bail!("no usable pinned set at {}", pins.display()),
     }

@@ -148,7 +148,14 @@ fn doctor_as_root_names_what_loads_and_leaves_nothing_behind() -> Result<()> {
     let tp = hook_set(&r, "tracepoints")?;
     ensure!(tp.built && tp.state == HookState::Loaded, "{tp:?}");
     ensure!(tp.detail.contains("`tracepoints+sockops"), "{tp:?}");
-    for h in r.hook_sets.iter().filter(|h| h.name != "tracepoints") {
+    let sc = hook_set(&r, "syscalls")?;
+    ensure!(sc.built && sc.state == HookState::Loaded, "{sc:?}");
+    ensure!(sc.detail.contains("`syscalls+sockops"), "{sc:?}");
+    for h in r
+        .hook_sets
+        .iter()
+        .filter(|h| h.name != "tracepoints" && h.name != "syscalls")
+    {
         ensure!(!h.built, "{h:?} is reported built");
         if h.state == HookState::Refused {
             // The kernel's own error, with its errno.

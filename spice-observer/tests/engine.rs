@@ -68,6 +68,7 @@ fn engine_api_against_real_peers() -> Result<()> {
             sample: Duration::from_millis(100),
             retain_closed: false,
             bpf_stats: true,
+            hook_set: spice_observer::loader::HookChoice::Auto,
         }) {
             Ok(e) => e,
             Err(e) if format!("{e:#}").contains(common::UNAVAILABLE) => {

@@ -78,7 +78,7 @@ pub fn floor(sk: *const u8, ret: i32) -> i32 {
     if rc != 0 {
         return 0;
     }
-    let seq = tcp_u32(tp, konf!(tcp_write_seq));
+    let seq = tcp_u32::<false>(tp, konf!(tcp_write_seq));
     unsafe { (*s).tcp.write_seq = seq };
     if let Some(mut e) = EVENTS.reserve::<MessageEvent>(0) {
         let p = e.as_mut_ptr();

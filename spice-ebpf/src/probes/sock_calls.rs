@@ -14,11 +14,11 @@ use crate::{
 
 /// recvmsg flags whose bytes are not the stream's next bytes: a peek leaves them queued, the
 /// error queue holds no stream data (include/linux/socket.h).
-const MSG_PEEK: i32 = 2;
-const MSG_ERRQUEUE: i32 = 0x2000;
+pub const MSG_PEEK: i32 = 2;
+pub const MSG_ERRQUEUE: i32 = 0x2000;
 /// A TCP receive with this flag discards the bytes instead of copying them
 /// (`tcp_recvmsg_locked`): they are the stream's, but not in the user buffer.
-const MSG_TRUNC: i32 = 0x20;
+pub const MSG_TRUNC: i32 = 0x20;
 
 /// Handles a socket call result. `direction` is [`dir::SEND`] or [`dir::RECV`].
 #[inline(always)]
@@ -51,8 +51,8 @@ pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
     };
     // `direction` is a constant in each program: one instance each.
     if direction == dir::SEND {
-        on_call::<true>(&call, pid_tgid);
+        on_call::<true, false>(&call, pid_tgid);
     } else {
-        on_call::<false>(&call, pid_tgid);
+        on_call::<false, false>(&call, pid_tgid);
     }
 }

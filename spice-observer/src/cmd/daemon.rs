@@ -148,6 +148,11 @@ pub struct DaemonArgs {
     /// uprobes on SSL_write, SSL_read and friends for that process only.
     #[arg(long)]
     pub no_tls_hooks: bool,
+    /// The programs that see the socket calls (`hook_set`): `auto` (the default:
+    /// `tracepoints` where the kernel has the socket tracepoints, else `syscalls`),
+    /// `tracepoints` or `syscalls`; see README, Kernel requirements.
+    #[arg(long, value_enum, value_name = "SET", env = "SPICE_OBSERVER_HOOK_SET")]
+    pub hook_set: Option<crate::kernel::loader::HookChoice>,
 }
 
 /// The effective settings: the config file (`--config`, else [`DEFAULT_CONFIG`] if it
@@ -191,6 +196,9 @@ pub fn resolve(args: &DaemonArgs) -> Result<(Config, Option<PathBuf>)> {
     }
     if args.no_tls_hooks {
         cfg.tls_hooks = false;
+    }
+    if let Some(h) = args.hook_set {
+        cfg.hook_set = h;
     }
     if let Some(d) = &args.pin_dir {
         if !d.is_absolute() {
@@ -513,6 +521,7 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
             sample: Duration::from_millis(cfg.sample_ms),
             retain_closed: false,
             bpf_stats: cfg.bpf_stats,
+            hook_set: cfg.hook_set,
         },
         &cfg.pin_dir,
     )
@@ -846,6 +855,7 @@ mod tests {
             unpin: false,
             force: false,
             no_tls_hooks: false,
+            hook_set: None,
         }
     }
 

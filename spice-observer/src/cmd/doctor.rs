@@ -6,12 +6,12 @@
 //!   lockdown mode, the cgroup-v2 mount (sockops), tracefs, bpffs, `kernel.bpf_stats_enabled`,
 //!   `kernel.unprivileged_bpf_disabled`;
 //! * the capabilities of this process that loading and watching need;
-//! * each hook set: `tracepoints` is loaded and attached for real (the observer's own
-//!   programs, [`Capture::load`], then released); for the hook sets not built yet (`syscalls`,
-//!   `fentry`, `kprobes`, and the no-BPF `tcpinfo` mode) an empty program of that family is
-//!   loaded and attached for a moment (`spice-ebpf/src/main.rs`: `spice_ref_sys_enter`,
-//!   `spice_probe_fentry`, `spice_probe_kprobe`), or the sock_diag socket opened, so the line
-//!   says whether the kernel would allow it;
+//! * each hook set: `tracepoints` and `syscalls` are loaded and attached for real (the
+//!   observer's own programs, [`Capture::load`] with that hook set forced, then released);
+//!   for the hook sets not built yet (`fentry`, `kprobes`, and the no-BPF `tcpinfo` mode) an
+//!   empty program of that family is loaded and attached for a moment
+//!   (`spice-ebpf/src/main.rs`: `spice_probe_fentry`, `spice_probe_kprobe`), or the
+//!   sock_diag socket opened, so the line says whether the kernel would allow it;
 //! * the libssl files each running QEMU maps (what TLS framing would hook).
 //!
 //! The programs are attached for well under a second and watch no process: their filter
@@ -24,7 +24,7 @@ use std::path::Path;
 use anyhow::{Context, Result, anyhow, bail};
 use aya::{
     Btf, EbpfLoader,
-    programs::{FEntry, KProbe, ProgramError, RawTracePoint},
+    programs::{FEntry, KProbe, ProgramError},
 };
 use caps::{CapSet, Capability};
 use clap::Args;
@@ -206,8 +206,8 @@ pub fn probe() -> Report {
     ];
     checks.push(caps_check(caps::read(None, CapSet::Effective).ok()));
     let hook_sets = vec![
-        tracepoints(),
-        raw_syscalls(),
+        full_set(loader::HookSet::Tracepoints),
+        full_set(loader::HookSet::Syscalls),
         fentry(),
         kprobes(),
         tcpinfo(),
@@ -478,16 +478,20 @@ fn hook(name: &str, built: bool, state: HookState, detail: impl Into<String>) ->
     }
 }
 
-/// The `tracepoints` hook set: the observer's own load ([`Capture::load`]), released at once.
-fn tracepoints() -> HookSet {
-    match Capture::load() {
+/// A built hook set: the observer's own load of it ([`Capture::load`]), released at once.
+fn full_set(set: loader::HookSet) -> HookSet {
+    let choice = match set {
+        loader::HookSet::Tracepoints => loader::HookChoice::Tracepoints,
+        loader::HookSet::Syscalls => loader::HookChoice::Syscalls,
+    };
+    match Capture::load(choice) {
         Ok(cap) => {
             let mut detail = format!("loaded and attached as `{}`", cap.hook_set);
             for d in &cap.degraded {
                 detail += &format!("; {d}");
             }
             drop(cap);
-            hook("tracepoints", true, HookState::Loaded, detail)
+            hook(set.name(), true, HookState::Loaded, detail)
         }
         Err(e) => {
             let msg = format!("{e:#}");
@@ -496,7 +500,7 @@ fn tracepoints() -> HookSet {
             } else {
                 HookState::Refused
             };
-            hook("tracepoints", true, state, msg)
+            hook(set.name(), true, state, msg)
         }
     }
 }
@@ -555,25 +559,6 @@ fn family(
             None => hook(name, false, HookState::Refused, format!("{e:#}")),
         },
     }
-}
-
-/// `syscalls`: raw tracepoints on `sys_enter` and `sys_exit`.
-fn raw_syscalls() -> HookSet {
-    family(
-        "syscalls",
-        || {
-            let mut ebpf = probe_object()?;
-            let p: &mut RawTracePoint = probe_program(&mut ebpf, "spice_ref_sys_enter")?;
-            p.load()
-                .map_err(|e| prog_error("loading raw_tracepoint program", e))?;
-            for tp in ["sys_enter", "sys_exit"] {
-                p.attach(tp)
-                    .map_err(|e| prog_error(&format!("attaching raw_tracepoint/{tp}"), e))?;
-            }
-            Ok("raw_tracepoint/sys_enter and sys_exit attach".into())
-        },
-        || None,
-    )
 }
 
 /// `fentry`: a BPF trampoline on `tcp_sendmsg`.
@@ -717,12 +702,12 @@ mod tests {
     fn only_a_built_loaded_hook_set_frames() {
         let sets = vec![
             hook("tracepoints", true, HookState::Refused, "x"),
-            hook("syscalls", false, HookState::Allowed, "y"),
+            hook("fentry", false, HookState::Allowed, "y"),
         ];
         assert_eq!(framing_choice(&sets), None);
         let sets = vec![
             hook("tracepoints", true, HookState::Loaded, "x"),
-            hook("syscalls", false, HookState::Allowed, "y"),
+            hook("fentry", false, HookState::Allowed, "y"),
         ];
         assert_eq!(framing_choice(&sets).as_deref(), Some("tracepoints"));
         let text = render(&Report {
@@ -735,7 +720,7 @@ mod tests {
         });
         assert!(text.contains("  ok    lockdown           none\n"), "{text}");
         assert!(
-            text.contains("allowed  syscalls     y (not built in this version)"),
+            text.contains("allowed  fentry       y (not built in this version)"),
             "{text}"
         );
         assert!(

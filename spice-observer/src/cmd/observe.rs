@@ -47,6 +47,8 @@ pub struct ObserveOptions {
     /// Attach the libssl uprobes to the watched processes ([`crate::kernel::tls`]); false
     /// (`--no-tls-hooks`): none, every process's status is `disabled`.
     pub tls_hooks: bool,
+    /// The hook set to load when observe loads its own programs (not beside a daemon).
+    pub hook_set: crate::kernel::loader::HookChoice,
 }
 
 // Re-exported for callers of the former `observe` module.
@@ -313,6 +315,7 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         sample: opts.sample,
         retain_closed: true,
         bpf_stats: false,
+        hook_set: opts.hook_set,
     };
     let beside = match &opts.pin_dir {
         Some(dir) => match Engine::start_beside(engine_opts.clone(), dir) {

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
 use btfparse::{Offset, Readable, TypeInformation, TypeVariant};
-use spice_ebpf_common::config::KernelConfig;
+use spice_ebpf_common::config::{KernelConfig, hook_set};
 
 /// Where the kernel exposes its own BTF.
 pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
@@ -89,7 +89,8 @@ impl KernelBtf {
 
     /// Fills every offset of [`KernelConfig`]; `self_tgid` is set to this process and
     /// `ring_wakeup_bytes` to the machine's share for its possible CPUs
-    /// (`/sys/devices/system/cpu/possible`, as per-CPU maps count them).
+    /// (`/sys/devices/system/cpu/possible`, as per-CPU maps count them); `hook_set` is
+    /// [`hook_set::TRACEPOINTS`] (the loader sets the one it loads).
     pub fn kernel_config(&self) -> Result<KernelConfig> {
         let sk = |p: &str| self.offset("sock", p);
         let tp = |p: &str| self.offset("tcp_sock", p);
@@ -121,6 +122,14 @@ impl KernelBtf {
             task_tgid: task("tgid")?,
             sk_socket: sk("sk_socket")?,
             socket_file: self.offset("socket", "file")?,
+            hook_set: hook_set::TRACEPOINTS,
+            skc_cookie: sk("__sk_common.skc_cookie")?,
+            task_files: task("files")?,
+            files_fdt: self.offset("files_struct", "fdt")?,
+            fdtable_max_fds: self.offset("fdtable", "max_fds")?,
+            fdtable_fd: self.offset("fdtable", "fd")?,
+            file_private_data: self.offset("file", "private_data")?,
+            socket_sk: self.offset("socket", "sk")?,
         })
     }
 }
@@ -148,5 +157,13 @@ mod tests {
         );
         assert_ne!(c.task_pid, c.task_tgid);
         assert!(c.sk_socket > 0 && c.socket_file > 0, "{c:?}");
+        // The fd chain of hook set `syscalls` (include/linux/fdtable.h: max_fds first).
+        assert_eq!(c.fdtable_max_fds, 0);
+        assert!(
+            c.task_files > 0 && c.files_fdt > 0 && c.fdtable_fd > 0,
+            "{c:?}"
+        );
+        assert!(c.file_private_data > 0 && c.socket_sk > 0, "{c:?}");
+        assert!(c.skc_cookie > c.skc_family, "{c:?}");
     }
 }

@@ -1,10 +1,12 @@
 //! Loads and attaches the kernel programs, and gives typed access to their maps.
 //!
-//! Hook set `tracepoints` (the only one so far; fentry/fexit are refused and kprobes absent on
-//! the kernels this was built on): `tp_btf/sock_send_length`,
-//! `tp_btf/sock_recv_length`, `tp_btf/sched_process_fork`, `tp_btf/sched_process_exit`,
-//! `tp_btf/inet_sock_set_state`, `tp_btf/tcp_destroy_sock`, plus `sock_ops` on the cgroup-v2 root when a cgroup2 mount
-//! exists (then the hook set is reported as `tracepoints+sockops`), plus the libssl uprobes
+//! Two hook sets for the socket calls ([`HookSet`], chosen by [`choose_hook_set`]):
+//! `tracepoints`, `tp_btf/sock_send_length` and `tp_btf/sock_recv_length` (Linux 6.3+), and
+//! `syscalls`, `raw_tracepoint/sys_exit` (for older kernels; every syscall of the host pays
+//! its filter). Both with `tp_btf/sched_process_fork`, `tp_btf/sched_process_exit`,
+//! `tp_btf/inet_sock_set_state`, `tp_btf/tcp_destroy_sock`, plus `sock_ops` on the cgroup-v2
+//! root when a cgroup2 mount exists (then the hook set is reported as
+//! `tracepoints+sockops`), plus the libssl uprobes
 //! ([`crate::kernel::tls::PROGRAMS`], `+libssl`): loaded here with the others, but attached
 //! per watched process only, by the front ends ([`crate::kernel::tls::TlsHooks`], through
 //! this module's [`tls::Host`] implementation of [`Capture`]). A kernel without the `kprobe`
@@ -30,7 +32,7 @@ use aya::{
     Btf, Ebpf, EbpfLoader,
     maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf},
     programs::{
-        BtfTracePoint, ProbeKind, ProgramError, ProgramType, SockOps, UProbe,
+        BtfTracePoint, ProbeKind, ProgramError, ProgramType, RawTracePoint, SockOps, UProbe,
         links::{CgroupAttachMode, FdLink, PinnedLink},
         uprobe::{UProbeLink, UProbeScope},
     },
@@ -38,7 +40,7 @@ use aya::{
 };
 use log::{debug, warn};
 use spice_ebpf_common::{
-    config::{KernelConfig, LAYOUT_VERSION, counter, layout, watch},
+    config::{KernelConfig, LAYOUT_VERSION, counter, hook_set, layout, watch},
     event::{MessageEvent, SockState, TcpSnapshot},
 };
 
@@ -49,7 +51,8 @@ use crate::kernel::tls;
 pub(crate) static EBPF_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/spice-ebpf"));
 
-/// The `tp_btf` programs: (program name in the object, kernel tracepoint).
+/// The `tp_btf` programs: (program name in the object, kernel tracepoint). The first two are
+/// hook set `tracepoints`' ([`SOCK_TRACEPOINTS`]), the others every hook set's.
 const BTF_TRACEPOINTS: [(&str, &str); 6] = [
     ("spice_sock_send", "sock_send_length"),
     ("spice_sock_recv", "sock_recv_length"),
@@ -58,6 +61,108 @@ const BTF_TRACEPOINTS: [(&str, &str); 6] = [
     ("spice_tcp_state", "inet_sock_set_state"),
     ("spice_tcp_destroy", "tcp_destroy_sock"),
 ];
+
+/// How many of [`BTF_TRACEPOINTS`], from the first, hook set `tracepoints` has alone.
+const SOCK_TRACEPOINTS: usize = 2;
+
+/// Hook set `syscalls`' program (`raw_tracepoint/sys_exit`).
+const SYS_EXIT: (&str, &str) = ("spice_sys_exit", "sys_exit");
+
+/// Which hook set to load, as asked for (`--hook-set`, the daemon's `hook_set`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HookChoice {
+    /// `tracepoints` where the kernel has both socket tracepoints, else `syscalls`
+    /// ([`choose_hook_set`]).
+    #[default]
+    Auto,
+    /// [`HookSet::Tracepoints`]; an error on a kernel without the socket tracepoints.
+    Tracepoints,
+    /// [`HookSet::Syscalls`].
+    Syscalls,
+}
+
+/// The programs that see the socket calls. Every other program (process tracking, TCP state,
+/// sock_ops, libssl) and all of the framing are the same in each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HookSet {
+    /// `tp_btf/sock_send_length` and `tp_btf/sock_recv_length` (net/socket.c, Linux 6.3,
+    /// commit 6e6eda44b939): one program run per socket send or receive, nothing on other
+    /// syscalls.
+    Tracepoints,
+    /// `raw_tracepoint/sys_exit` (Linux 4.17): one program run per syscall of the host, which
+    /// turns away all but the watched processes' socket reads and writes and finds the socket
+    /// from the file descriptor. For kernels without the socket tracepoints.
+    Syscalls,
+}
+
+impl HookSet {
+    /// Its name in reports and options.
+    pub fn name(self) -> &'static str {
+        match self {
+            HookSet::Tracepoints => "tracepoints",
+            HookSet::Syscalls => "syscalls",
+        }
+    }
+
+    /// Its [`KernelConfig::hook_set`] value.
+    fn config_value(self) -> u32 {
+        match self {
+            HookSet::Tracepoints => hook_set::TRACEPOINTS,
+            HookSet::Syscalls => hook_set::SYSCALLS,
+        }
+    }
+
+    /// The `tp_btf` programs it loads.
+    fn btf_tracepoints(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            HookSet::Tracepoints => &BTF_TRACEPOINTS,
+            HookSet::Syscalls => &BTF_TRACEPOINTS[SOCK_TRACEPOINTS..],
+        }
+    }
+
+    /// The names of every program it attaches at load (sock_ops aside).
+    fn attached(self) -> Vec<&'static str> {
+        let mut v: Vec<&str> = self.btf_tracepoints().iter().map(|(n, _)| *n).collect();
+        if self == HookSet::Syscalls {
+            v.push(SYS_EXIT.0);
+        }
+        v
+    }
+}
+
+/// Resolves `choice` to the hook set to load, and says why when the choice was automatic and
+/// fell back. Probes the kernel, never its version: `tracepoints` needs the typedefs
+/// `btf_trace_sock_send_length` and `btf_trace_sock_recv_length` in its BTF
+/// (`has_typedef`, see [`require_tracepoint`]), which a backport brings along with the
+/// tracepoints. Errors when `tracepoints` is forced and missing (the error contains
+/// [`UNAVAILABLE`]).
+pub fn choose_hook_set(
+    choice: HookChoice,
+    has_typedef: &dyn Fn(&str) -> bool,
+) -> Result<(HookSet, Option<String>)> {
+    let needed_by = "the `tracepoints` hook set";
+    let probe = || -> Result<()> {
+        for (_, tp) in &BTF_TRACEPOINTS[..SOCK_TRACEPOINTS] {
+            require_tracepoint(tp, needed_by, has_typedef)?;
+        }
+        Ok(())
+    };
+    match choice {
+        HookChoice::Tracepoints => probe().map(|()| (HookSet::Tracepoints, None)),
+        HookChoice::Syscalls => Ok((HookSet::Syscalls, None)),
+        HookChoice::Auto => match probe() {
+            Ok(()) => Ok((HookSet::Tracepoints, None)),
+            Err(e) => Ok((
+                HookSet::Syscalls,
+                Some(format!(
+                    "hook set `syscalls`, not `tracepoints`: {e:#}; a program runs at every \
+                     syscall exit of the host (its filter turns away the unwatched processes)"
+                )),
+            )),
+        },
+    }
+}
 
 /// Turns on the kernel's BPF run-time statistics (`BPF_ENABLE_STATS` with
 /// `BPF_STATS_RUN_TIME`, Linux ≥ 5.8): they stay on while the returned fd is open.
@@ -88,16 +193,17 @@ pub const MAP_NAMES: [&str; 10] = [
 const SOCKOPS: &str = "spice_sockops";
 
 /// Every program of the object that may be attached and pinned (`link_<name>`,
-/// `prog_<name>`): the [`BTF_TRACEPOINTS`], sock_ops and the
+/// `prog_<name>`): the [`BTF_TRACEPOINTS`], [`SYS_EXIT`], sock_ops and the
 /// libssl uprobes ([`tls::PROGRAMS`]; pinned as `prog_<name>`; their links are per process,
 /// pinned by the daemon as `tls_…` ([`tls::PinName`])).
-const PROGRAMS: [&str; 13] = [
+const PROGRAMS: [&str; 14] = [
     BTF_TRACEPOINTS[0].0,
     BTF_TRACEPOINTS[1].0,
     BTF_TRACEPOINTS[2].0,
     BTF_TRACEPOINTS[3].0,
     BTF_TRACEPOINTS[4].0,
     BTF_TRACEPOINTS[5].0,
+    SYS_EXIT.0,
     SOCKOPS,
     tls::PROGRAMS[0].name,
     tls::PROGRAMS[1].name,
@@ -801,20 +907,20 @@ impl Capture {
     /// verifier log) or an attach failure (with the kernel's errno). A missing cgroup2 mount or
     /// a kernel without the `sock_ops` program type only disables sockops (listed in
     /// [`Capture::degraded`]).
-    pub fn load() -> Result<Self> {
-        Self::load_into(None)
+    pub fn load(choice: HookChoice) -> Result<Self> {
+        Self::load_into(None, choice)
     }
 
     /// [`Capture::load`], then pins every map of [`MAP_NAMES`], one link per attached
     /// program (`link_<program>`) and the program (`prog_<program>`) under `dir` (see [`prepare_pin_dir`]), and records this
     /// agent's layout in the `LAYOUT` map. The programs stay attached after this process
     /// exits, until the pins are removed ([`unpin`]). `dir` must hold no pins.
-    pub fn load_pinned(dir: &Path) -> Result<Self> {
+    pub fn load_pinned(dir: &Path, choice: HookChoice) -> Result<Self> {
         prepare_pin_dir(dir)?;
-        Self::load_into(Some(dir))
+        Self::load_into(Some(dir), choice)
     }
 
-    fn load_into(pin: Option<&Path>) -> Result<Self> {
+    fn load_into(pin: Option<&Path>, choice: HookChoice) -> Result<Self> {
         // Before anything is loaded: a bad test override fails here, not after attaching.
         layout_version()?;
         // Pinned links: kept here until every pin is made (dropping one closes its fd only).
@@ -839,7 +945,9 @@ impl Capture {
             debug!("could not raise RLIMIT_MEMLOCK");
         }
         let kbtf = KernelBtf::open(std::path::Path::new(VMLINUX_BTF))?;
-        let config: KernelConfig = kbtf.kernel_config()?;
+        let mut config: KernelConfig = kbtf.kernel_config()?;
+        let (set, fallback) = choose_hook_set(choice, &|name: &str| kbtf.has_typedef(name))?;
+        config.hook_set = set.config_value();
         // The loader parses the kernel's BTF for itself and drops it after the load; the copy
         // for the tp_btf programs is parsed after that, so that the two are never held at once
         // (each costs tens of MB of heap).
@@ -861,13 +969,13 @@ impl Capture {
             })?;
 
         let btf = Btf::from_sys_fs().context("loading kernel BTF for tp_btf programs")?;
-        const NEEDED_BY: &str = "the `tracepoints` hook set";
+        let needed_by = format!("the `{}` hook set", set.name());
         let has_typedef = |name: &str| kbtf.has_typedef(name);
 
         // No program-type probe for tp_btf: aya's probe for BPF_PROG_TYPE_TRACING attaches an
         // fentry trampoline, which the kernels this was built on refuse while tp_btf works.
-        for (name, tp) in BTF_TRACEPOINTS {
-            require_tracepoint(tp, NEEDED_BY, &has_typedef)?;
+        for &(name, tp) in set.btf_tracepoints() {
+            require_tracepoint(tp, &needed_by, &has_typedef)?;
             let prog: &mut BtfTracePoint = ebpf
                 .program_mut(name)
                 .ok_or_else(|| anyhow!("program {name} missing from the object"))?
@@ -884,8 +992,35 @@ impl Capture {
             }
         }
 
-        let mut hook_set = String::from("tracepoints");
+        if set == HookSet::Syscalls {
+            let (name, tp) = SYS_EXIT;
+            require(
+                "BPF program type `raw_tracepoint`",
+                &needed_by,
+                is_program_supported(ProgramType::RawTracePoint).map_err(anyhow::Error::from),
+            )?;
+            let prog: &mut RawTracePoint = ebpf
+                .program_mut(name)
+                .ok_or_else(|| anyhow!("program {name} missing from the object"))?
+                .try_into()?;
+            prog.load()
+                .map_err(|e| load_error(name, &format!("raw_tracepoint/{tp}"), e))?;
+            let id = prog
+                .attach(tp)
+                .with_context(|| format!("attaching raw_tracepoint/{tp}"))?;
+            programs.push((name.into(), prog.info()?.id()));
+            if pin.is_some() {
+                let link: FdLink = prog.take_link(id)?.into();
+                pin_link(link, name, &mut links)?;
+            }
+        }
+
+        let mut hook_set = String::from(set.name());
         let mut degraded = Vec::new();
+        if let Some(why) = fallback {
+            log::info!("{why}");
+            degraded.push(why);
+        }
         let sockops_supported = is_program_supported(ProgramType::SockOps)
             .context("probing the kernel for BPF program type `sock_ops` failed")?;
         match cgroup2_mount() {
@@ -966,11 +1101,14 @@ impl Capture {
             for (i, v) in expected_layout()?.into_iter().enumerate() {
                 lay.set(i as u32, v, 0)?;
             }
-            let hooks = if hook_set.contains("+sockops") {
+            let mut hooks = if hook_set.contains("+sockops") {
                 layout::HOOK_SOCKOPS
             } else {
                 0
             };
+            if set == HookSet::Syscalls {
+                hooks |= layout::HOOK_SYSCALLS;
+            }
             lay.set(layout::HOOKS, hooks, 0)?;
         }
         let mut maps = StdHashMap::new();
@@ -1026,7 +1164,7 @@ impl Capture {
     /// the earlier agent's uprobe links ended with it. Errors when the directory cannot be read, when it holds
     /// anything but this agent's pins ([`refuse_foreign`]: the caller must not remove such a
     /// directory's contents), and when [`layout_version`] does.
-    pub fn open_pinned(dir: &Path) -> Result<Pinned> {
+    pub fn open_pinned(dir: &Path, choice: HookChoice) -> Result<Pinned> {
         refuse_foreign(dir)?;
         let want = expected_layout()?;
         let present: Vec<String> = match std::fs::read_dir(dir) {
@@ -1052,7 +1190,24 @@ impl Capture {
             )));
         }
         let sockops = layout[layout::HOOKS as usize] & layout::HOOK_SOCKOPS != 0;
-        let mut links: Vec<&str> = BTF_TRACEPOINTS.iter().map(|(n, _)| *n).collect();
+        let set = if layout[layout::HOOKS as usize] & layout::HOOK_SYSCALLS != 0 {
+            HookSet::Syscalls
+        } else {
+            HookSet::Tracepoints
+        };
+        let asked = match choice {
+            HookChoice::Auto => None,
+            HookChoice::Tracepoints => Some(HookSet::Tracepoints),
+            HookChoice::Syscalls => Some(HookSet::Syscalls),
+        };
+        if let Some(asked) = asked.filter(|a| *a != set) {
+            return Ok(Pinned::Stale(format!(
+                "the pinned set is hook set `{}`, `{}` was asked for",
+                set.name(),
+                asked.name()
+            )));
+        }
+        let mut links = set.attached();
         if sockops {
             links.push(SOCKOPS);
         }
@@ -1113,14 +1268,14 @@ impl Capture {
         }
         let mut degraded = Vec::new();
         let mut hook_set = if sockops {
-            "tracepoints+sockops".to_string()
+            format!("{}+sockops", set.name())
         } else {
             degraded.push(
                 "sockops not attached (the pinned set has none): TCP state is read at socket \
              calls and by sock_diag only"
                     .into(),
             );
-            "tracepoints".to_string()
+            set.name().to_string()
         };
         let tls = if with_tls {
             let mut progs = StdHashMap::new();

@@ -42,6 +42,10 @@ pub struct EngineOptions {
     pub retain_closed: bool,
     /// Turn on kernel BPF run-time statistics (BPF_ENABLE_STATS fd held for the engine's life).
     pub bpf_stats: bool,
+    /// The hook set to load ([`loader::choose_hook_set`]); a pinned set of another one is
+    /// not continued but reloaded. Ignored beside a daemon ([`Engine::start_beside`]),
+    /// which reads the daemon's set.
+    pub hook_set: loader::HookChoice,
 }
 
 /// What watching a process found.
@@ -528,7 +532,7 @@ impl Engine {
         } else {
             None
         };
-        let cap = Capture::load()?;
+        let cap = Capture::load(opts.hook_set)?;
         Self::with_capture(opts, cap, stats_fd, Restart::Unpinned, PriorWatch::None)
     }
 
@@ -563,7 +567,7 @@ impl Engine {
         dir: &Path,
         stats_fd: Option<std::os::fd::OwnedFd>,
     ) -> Result<Engine> {
-        match Capture::open_pinned(dir)? {
+        match Capture::open_pinned(dir, opts.hook_set)? {
             loader::Pinned::Reusable(cap) => {
                 let mut cap = *cap;
                 clear_stale_tap(&mut cap, dir);
@@ -623,7 +627,7 @@ impl Engine {
                     }
                     _ => (Restart::Fresh, PriorWatch::None),
                 };
-                let cap = Capture::load_pinned(dir)?;
+                let cap = Capture::load_pinned(dir, opts.hook_set)?;
                 Self::with_capture(opts, cap, stats_fd, restart, prior)
             }
         }
@@ -706,7 +710,7 @@ impl Engine {
     /// Errors: the directory cannot be read, another observe holds the `TAP_EVENTS` lock,
     /// the maps refuse an update.
     pub fn start_beside(opts: EngineOptions, dir: &Path) -> Result<Beside> {
-        let mut cap = match Capture::open_pinned(dir)? {
+        let mut cap = match Capture::open_pinned(dir, loader::HookChoice::Auto)? {
             loader::Pinned::Reusable(cap) => *cap,
             loader::Pinned::Absent => return Ok(Beside::Absent),
             loader::Pinned::Stale(why) => return Ok(Beside::Unusable(why)),

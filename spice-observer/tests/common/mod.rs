@@ -744,10 +744,16 @@ fn missing_keys(typed: &Value, raw: &Value, path: &str, what: &str) -> Result<()
 
 /// The hook set every privileged test expects: `tracepoints+sockops+libssl` (this project's
 /// machines: the libssl uprobe programs load whether or not a watched process maps libssl),
-/// or `$SPICE_OBSERVER_EXPECT_HOOK_SET`.
+/// with `syscalls` first when `$SPICE_OBSERVER_HOOK_SET` (which the observer's binaries
+/// read, and `.ci/run` sets for its second pass) forces it; or
+/// `$SPICE_OBSERVER_EXPECT_HOOK_SET`.
 pub fn expected_hook_set() -> String {
+    let set = match std::env::var("SPICE_OBSERVER_HOOK_SET").as_deref() {
+        Ok("syscalls") => "syscalls",
+        _ => "tracepoints",
+    };
     std::env::var("SPICE_OBSERVER_EXPECT_HOOK_SET")
-        .unwrap_or_else(|_| "tracepoints+sockops+libssl".into())
+        .unwrap_or_else(|_| format!("{set}+sockops+libssl"))
 }
 
 /// Checks every privileged test makes of a run: the expected hook set, nothing degraded, and
