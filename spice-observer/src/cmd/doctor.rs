@@ -480,11 +480,7 @@ fn hook(name: &str, built: bool, state: HookState, detail: impl Into<String>) ->
 
 /// A built hook set: the observer's own load of it ([`Capture::load`]), released at once.
 fn full_set(set: loader::HookSet) -> HookSet {
-    let choice = match set {
-        loader::HookSet::Tracepoints => loader::HookChoice::Tracepoints,
-        loader::HookSet::Syscalls => loader::HookChoice::Syscalls,
-    };
-    match Capture::load(choice) {
+    match Capture::load(set.into()) {
         Ok(cap) => {
             let mut detail = format!("loaded and attached as `{}`", cap.hook_set);
             for d in &cap.degraded {

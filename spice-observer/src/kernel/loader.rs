@@ -82,6 +82,26 @@ pub enum HookChoice {
     Syscalls,
 }
 
+impl HookChoice {
+    /// The hook set this choice forces, `None` for [`HookChoice::Auto`].
+    pub fn forced(self) -> Option<HookSet> {
+        match self {
+            HookChoice::Auto => None,
+            HookChoice::Tracepoints => Some(HookSet::Tracepoints),
+            HookChoice::Syscalls => Some(HookSet::Syscalls),
+        }
+    }
+}
+
+impl From<HookSet> for HookChoice {
+    fn from(set: HookSet) -> HookChoice {
+        match set {
+            HookSet::Tracepoints => HookChoice::Tracepoints,
+            HookSet::Syscalls => HookChoice::Syscalls,
+        }
+    }
+}
+
 /// The programs that see the socket calls. Every other program (process tracking, TCP state,
 /// sock_ops, libssl) and all of the framing are the same in each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -974,8 +994,16 @@ impl Capture {
 
         // No program-type probe for tp_btf: aya's probe for BPF_PROG_TYPE_TRACING attaches an
         // fentry trampoline, which the kernels this was built on refuse while tp_btf works.
-        for &(name, tp) in set.btf_tracepoints() {
-            require_tracepoint(tp, &needed_by, &has_typedef)?;
+        // The socket tracepoints of `tracepoints` were probed by choose_hook_set (each probe
+        // scans every type of the kernel's BTF).
+        let probed = match set {
+            HookSet::Tracepoints => SOCK_TRACEPOINTS,
+            HookSet::Syscalls => 0,
+        };
+        for (i, &(name, tp)) in set.btf_tracepoints().iter().enumerate() {
+            if i >= probed {
+                require_tracepoint(tp, &needed_by, &has_typedef)?;
+            }
             let prog: &mut BtfTracePoint = ebpf
                 .program_mut(name)
                 .ok_or_else(|| anyhow!("program {name} missing from the object"))?
@@ -1195,12 +1223,7 @@ impl Capture {
         } else {
             HookSet::Tracepoints
         };
-        let asked = match choice {
-            HookChoice::Auto => None,
-            HookChoice::Tracepoints => Some(HookSet::Tracepoints),
-            HookChoice::Syscalls => Some(HookSet::Syscalls),
-        };
-        if let Some(asked) = asked.filter(|a| *a != set) {
+        if let Some(asked) = choice.forced().filter(|a| *a != set) {
             return Ok(Pinned::Stale(format!(
                 "the pinned set is hook set `{}`, `{}` was asked for",
                 set.name(),
