@@ -139,12 +139,20 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
 static LICENSE: [u8; 4] = *b"GPL\0";
 
 // Reference programs for `cargo xtask bench` (`probes/reference.rs`): empty, on the hooks of
-// `spice_sock_send` and `spice_sock_recv`, and on `sys_enter`; never attached by the observer.
+// `spice_sock_send` and `spice_sock_recv`, and on `sys_enter` and `sys_exit`; never attached by
+// the observer.
 
 /// Empty `raw_tracepoint/sys_enter`: what any program on every syscall of the host would cost
 /// (the observer has none there).
 #[raw_tracepoint(tracepoint = "sys_enter")]
 pub fn spice_ref_sys_enter(_ctx: RawTracePointContext) -> i32 {
+    probes::reference::nothing()
+}
+
+/// Empty `raw_tracepoint/sys_exit`: the floor of [`spice_sys_exit`]'s cost on a syscall of a
+/// process it does not watch (hook set `syscalls`).
+#[raw_tracepoint(tracepoint = "sys_exit")]
+pub fn spice_ref_sys_exit(_ctx: RawTracePointContext) -> i32 {
     probes::reference::nothing()
 }
 

@@ -20,7 +20,13 @@
 //! * unrelated loopback TCP: iperf3;
 //! * the agent at 10 sessions × 635 msgs/s: its CPU share (`/proc/PID/stat` utime + stime)
 //!   and RSS (`VmRSS` each second);
-//! * a stress run at 100 k msgs/s in total (10 channels × 10 k/s).
+//! * a stress run at 100 k msgs/s in total (10 channels × 10 k/s);
+//! * per hook set, for each framing hook set `spice-observer doctor --json` finds loading
+//!   here (the observer started with `--hook-set`): the saturated sender at 1 message per
+//!   write (throughput ratio, kernel time of the set's socket-call programs per send call)
+//!   and the unwatched getppid loop (timed, and the set's programs' runs and ns per call from
+//!   bpf_stats, against the empty reference program on the same hook where the set has a
+//!   program on every syscall: `spice_ref_sys_exit` for `syscalls`).
 
 use std::{
     collections::BTreeMap,
@@ -395,11 +401,14 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// The release binaries.
+/// The release binaries, and the hook set the observer is started with.
+#[derive(Clone)]
 struct Bins {
     observer: PathBuf,
     peer: PathBuf,
     tmp: PathBuf,
+    /// `--hook-set` of every `observe` started (`None`: the observer's default, `auto`).
+    hook_set: Option<String>,
 }
 
 /// A running `spice-observer observe`.
@@ -422,6 +431,11 @@ impl Observer {
             .arg("--json")
             .arg(&json)
             .arg("--no-progress")
+            .args(
+                bins.hook_set
+                    .iter()
+                    .flat_map(|h| ["--hook-set", h.as_str()]),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -575,8 +589,11 @@ impl Load {
 enum With {
     Without,
     Observer,
-    /// Observer, and per-program statistics over the run (bpf_stats must be on).
+    /// Observer, and per-program statistics over the run (bpf_stats must be on); with the
+    /// floor program beside it where it is comparable (write, 1 message per call).
     Stats,
+    /// [`With::Stats`] without the floor program.
+    StatsOnly,
     /// Observer, with its CPU and RSS sampled.
     Agent,
 }
@@ -643,7 +660,7 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
         _ => Some(Observer::start(bins, server, tag)?),
     };
     let s0 = match with {
-        With::Stats => prog_stats(bins, "spice_")?,
+        With::Stats | With::StatsOnly => prog_stats(bins, "spice_")?,
         _ => Vec::new(),
     };
     let f0 = match &floor {
@@ -667,7 +684,7 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
     stop_sampling.store(true, Ordering::SeqCst);
     let agent = sampler.map(|h| h.join().expect("sampler panicked"));
     let s1 = match with {
-        With::Stats => prog_stats(bins, "spice_")?,
+        With::Stats | With::StatsOnly => prog_stats(bins, "spice_")?,
         _ => Vec::new(),
     };
     let floor = match floor {
@@ -953,6 +970,7 @@ pub(crate) fn bench(
         observer,
         peer,
         tmp,
+        hook_set: None,
     };
     let stats = BpfStats::take()?;
     stats.set(false)?;
@@ -1077,9 +1095,10 @@ pub(crate) fn bench(
         &mut programs,
         &mut hook_set,
     );
+    let res = res.and_then(|()| per_hook_set(&bins, &plan, &stats, target_pid));
     let _ = target.kill();
     let _ = target.wait();
-    res?;
+    let sets = res?;
 
     // --- The agent at the seed's offered rate.
     eprintln!(
@@ -1195,6 +1214,18 @@ pub(crate) fn bench(
         ));
     }
     md.push_str(
+        "\nPer hook set (each framing hook set that `spice-observer doctor` finds loading here, \
+         the observer started with `--hook-set`): the saturated sender (write, 1 message per \
+         call) and the getppid loop of an unwatched process, as above.\n\n\
+         | hook set | throughput ratio (msgs/s without → with) | kernel time per observed send call | getppid, unwatched | its programs on the getppid loop (bpf_stats) |\n|---|---|---|---|---|\n",
+    );
+    for r in &sets {
+        md.push_str(&format!(
+            "| `{}` | {} | {} | {} | {} |\n",
+            r.set, r.ratio, r.per_call, r.getppid, r.on_getppid
+        ));
+    }
+    md.push_str(
         "\nPer program (bpf_stats: median ns per run × runs in one run; kernel names, cut at 15 \
          characters; every program on the machine's calls, not only the watched process's):\n\n\
          | workload | programs |\n|---|---|\n",
@@ -1278,6 +1309,185 @@ fn stress_table(cmp: &Value) -> String {
         ));
     }
     t
+}
+
+/// The framing hook sets that load here, from `spice-observer doctor --json` (`built` and
+/// `loaded`), in its order (cheapest first).
+fn loaded_hook_sets(bins: &Bins) -> Result<Vec<String>> {
+    let out = Command::new(&bins.observer)
+        .args(["doctor", "--json"])
+        .stderr(Stdio::null())
+        .output()
+        .context("spice-observer doctor --json")?;
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("spice-observer doctor --json ({}): not JSON", out.status))?;
+    let sets = v["hook_sets"]
+        .as_array()
+        .ok_or_else(|| anyhow!("doctor --json has no `hook_sets`"))?;
+    let mut names = Vec::new();
+    for h in sets {
+        if h["built"].as_bool() == Some(true) && h["state"].as_str() == Some("loaded") {
+            names.push(req_str(h, "name")?.to_string());
+        }
+    }
+    Ok(names)
+}
+
+/// One hook set's line of the per-hook-set table (formatted cells).
+struct SetRow {
+    set: String,
+    ratio: String,
+    per_call: String,
+    getppid: String,
+    on_getppid: String,
+}
+
+/// The programs a hook set runs on the socket calls themselves, and the empty reference
+/// program on the hook that also fires for unrelated syscalls (if it has one).
+fn set_programs(
+    set: &str,
+) -> (
+    &'static [&'static str],
+    Option<(&'static str, &'static str)>,
+) {
+    match set {
+        "syscalls" => (
+            &["spice_sys_exit"],
+            Some(("sys_exit", "spice_ref_sys_exit")),
+        ),
+        _ => (&[SOCK_SEND, "spice_sock_recv"], None),
+    }
+}
+
+/// Each framing hook set that loads here: the saturated sender's throughput ratio and
+/// kernel time per send call (write, 1 message per call), and what an unwatched process's
+/// getppid pays (timed, and its programs' bpf_stats against the empty reference program on
+/// the same hook).
+fn per_hook_set(bins: &Bins, plan: &Plan, stats: &BpfStats, target: u32) -> Result<Vec<SetRow>> {
+    let mut out = Vec::new();
+    for set in loaded_hook_sets(bins)? {
+        let bins = Bins {
+            hook_set: Some(set.clone()),
+            ..bins.clone()
+        };
+        let (progs, reference) = set_programs(&set);
+        let l = Load::saturated(1, false, plan.sat_secs);
+        let (mut without, mut with, mut call_ns, mut msg_ns) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut g0, mut g1) = (Vec::new(), Vec::new());
+        let mut exact = 0;
+        for r in 0..plan.reps {
+            eprintln!("bench: hook set {set}: repeat {}/{}", r + 1, plan.reps);
+            let a = run_load(&bins, &l, With::Without, &format!("set-{set}-{r}-without"))?;
+            without.push(req_f64(&a.load, "data_messages_per_s")?);
+            let b = run_load(&bins, &l, With::Observer, &format!("set-{set}-{r}-with"))?;
+            with.push(req_f64(&b.load, "data_messages_per_s")?);
+            let h = b.report.as_ref().and_then(|r| r["hook_set"].as_str());
+            if !h.is_some_and(|h| h.split('+').next() == Some(set.as_str())) {
+                bail!("the observer started with --hook-set {set} reported hook_set {h:?}");
+            }
+            exact += usize::from(compare(&bins, &b)?.0);
+            stats.set(true)?;
+            let c = run_load(&bins, &l, With::StatsOnly, &format!("set-{set}-{r}-stats"));
+            stats.set(false)?;
+            let c = c?;
+            let calls = req_u64(&c.load["totals"], "write_calls")? as f64;
+            let msgs = req_u64(&c.load["totals"], "messages_sent")? as f64;
+            let ours: u64 = c
+                .stats
+                .iter()
+                .filter(|s| progs.contains(&s.0.as_str()))
+                .map(|s| s.1)
+                .sum();
+            call_ns.push(ours as f64 / calls);
+            msg_ns.push(c.stats.iter().map(|s| s.1).sum::<u64>() as f64 / msgs);
+            g0.push(syscalls(&bins, "getppid", plan.getppid_calls)?);
+            let o = Observer::start(&bins, target, &format!("set-{set}-{r}-getppid"))?;
+            let g = syscalls(&bins, "getppid", plan.getppid_calls);
+            o.stop()?;
+            g1.push(g?);
+        }
+        // The getppid loop with statistics: this set's programs, then the empty reference.
+        stats.set(true)?;
+        let measured = (|| -> Result<_> {
+            let o = Observer::start(&bins, target, &format!("set-{set}-getppid-stats"))?;
+            let r = (|| -> Result<_> {
+                let a = prog_stats(&bins, "spice_")?;
+                syscalls(&bins, "getppid", plan.getppid_calls)?;
+                Ok(stats_delta(&a, &prog_stats(&bins, "spice_")?, &o.before))
+            })();
+            o.stop()?;
+            let ours = r?;
+            let refs = match reference {
+                Some((hook, _)) => {
+                    let rf = Reference::start(&bins, hook)?;
+                    let r = (|| -> Result<_> {
+                        let a = rf.stats(&bins)?;
+                        syscalls(&bins, "getppid", plan.getppid_calls)?;
+                        Ok(stats_delta(&a, &rf.stats(&bins)?, &[]))
+                    })();
+                    rf.stop()?;
+                    r?
+                }
+                None => Vec::new(),
+            };
+            Ok((ours, refs))
+        })();
+        stats.set(false)?;
+        let (ours, refs) = measured?;
+        let calls = plan.getppid_calls as f64;
+        let (t, n) = ours
+            .iter()
+            .fold((0u64, 0u64), |(t, n), s| (t + s.1, n + s.2));
+        let mut on_getppid = format!(
+            "{} runs per call, {} ns per call",
+            num(n as f64 / calls),
+            num(t as f64 / calls)
+        );
+        if let Some((_, name)) = reference {
+            let per_run = |s: &[(String, u64, u64)], p: &str| {
+                s.iter()
+                    .find(|x| x.0 == p)
+                    .map_or(f64::NAN, |x| x.1 as f64 / x.2 as f64)
+            };
+            let (mine, empty) = (per_run(&ours, progs[0]), per_run(&refs, name));
+            on_getppid.push_str(&format!(
+                "; `{}` {} ns per run against the empty `{name}` {} ns (×{})",
+                progs[0],
+                num(mine),
+                num(empty),
+                num(mine / empty)
+            ));
+        }
+        out.push(SetRow {
+            ratio: format!(
+                "{:.2} ({} → {}); counts exact in {exact}/{}",
+                median(&with) / median(&without),
+                med_spread(&without, ""),
+                med_spread(&with, ""),
+                plan.reps
+            ),
+            per_call: format!(
+                "{} {}; all programs {} per message",
+                progs
+                    .iter()
+                    .map(|p| format!("`{p}`"))
+                    .collect::<Vec<_>>()
+                    .join(" + "),
+                med_spread(&call_ns, " ns"),
+                med_spread(&msg_ns, " ns")
+            ),
+            getppid: format!(
+                "{:+.0} ns per call ({} → {})",
+                median(&g1) - median(&g0),
+                med_spread(&g0, " ns"),
+                med_spread(&g1, " ns")
+            ),
+            on_getppid,
+            set,
+        });
+    }
+    Ok(out)
 }
 
 /// The unrelated-process workloads: getppid, pipe, iperf3, and the reference programs.

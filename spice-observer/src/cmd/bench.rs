@@ -5,8 +5,10 @@
 //!   only while `kernel.bpf_stats_enabled` is 1 or a `BPF_ENABLE_STATS` fd is held). Read with
 //!   `BPF_PROG_GET_NEXT_ID` (aya's `loaded_programs()`, CAP_SYS_ADMIN), so it sees any
 //!   process's programs, the observer's included. The kernel keeps 15 characters of a name
-//!   (`BPF_OBJ_NAME_LEN`): `spice_ref_sys_enter` is listed as `spice_ref_sys_e`.
-//! * `reference [--hooks sys_enter,sock_send,sock_recv,floor] [--pid PID] [--duration SECS]`:
+//!   (`BPF_OBJ_NAME_LEN`): `spice_ref_sys_enter` and `spice_ref_sys_exit` are both listed as
+//!   `spice_ref_sys_e` (tell them apart by the ids `reference` prints).
+//! * `reference [--hooks sys_enter,sys_exit,sock_send,sock_recv,floor] [--pid PID]
+//!   [--duration SECS]`:
 //!   loads the kernel object and attaches only its reference programs (`spice-ebpf/src/
 //!   probes/reference.rs`), prints `attached {json}` (their ids), holds them until stdin
 //!   reaches EOF (or a line is read, or SECS pass), then prints their statistics as one JSON
@@ -85,6 +87,8 @@ enum BenchCmd {
 enum RefHook {
     #[value(name = "sys_enter")]
     SysEnter,
+    #[value(name = "sys_exit")]
+    SysExit,
     #[value(name = "sock_send")]
     SockSend,
     #[value(name = "sock_recv")]
@@ -99,6 +103,7 @@ impl RefHook {
     fn program(self) -> (&'static str, &'static str) {
         match self {
             RefHook::SysEnter => ("spice_ref_sys_enter", "raw_tracepoint/sys_enter"),
+            RefHook::SysExit => ("spice_ref_sys_exit", "raw_tracepoint/sys_exit"),
             RefHook::SockSend => ("spice_ref_sock_send", "tp_btf/sock_send_length"),
             RefHook::SockRecv => ("spice_ref_sock_recv", "tp_btf/sock_recv_length"),
             RefHook::Floor => ("spice_ref_floor", "tp_btf/sock_send_length"),
@@ -215,12 +220,11 @@ fn reference(hooks: &[RefHook], pid: Option<u32>, duration: f64) -> Result<()> {
         let prog = ebpf
             .program_mut(name)
             .ok_or_else(|| anyhow!("program {name} missing from the object"))?;
-        let id = if h == RefHook::SysEnter {
+        let id = if let Some(tp) = hook.strip_prefix("raw_tracepoint/") {
             let p: &mut RawTracePoint = prog.try_into()?;
             p.load()
                 .with_context(|| format!("loading {name} ({hook})"))?;
-            p.attach("sys_enter")
-                .with_context(|| format!("attaching {name}"))?;
+            p.attach(tp).with_context(|| format!("attaching {name}"))?;
             p.info()?.id()
         } else {
             let tp = &hook["tp_btf/".len()..];
