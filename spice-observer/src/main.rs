@@ -105,6 +105,12 @@ enum Command {
 }
 
 fn main() -> Result<()> {
+    // The start-up self-test's child (spice_observer::pipeline::selftest), not a user command.
+    if std::env::args().nth(1).as_deref()
+        == Some(spice_observer::pipeline::selftest::PEER_SUBCOMMAND)
+    {
+        return spice_observer::pipeline::selftest::peer_main();
+    }
     // The daemon logs targets found and lost at info level.
     let daemon = std::env::args().nth(1).as_deref() == Some("daemon");
     let default = if daemon {

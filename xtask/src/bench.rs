@@ -1383,7 +1383,7 @@ fn per_hook_set(bins: &Bins, plan: &Plan, stats: &BpfStats, target: u32) -> Resu
             let b = run_load(&bins, &l, With::Observer, &format!("set-{set}-{r}-with"))?;
             with.push(req_f64(&b.load, "data_messages_per_s")?);
             let h = b.report.as_ref().and_then(|r| r["hook_set"].as_str());
-            if !h.is_some_and(|h| h.split('+').next() == Some(set.as_str())) {
+            if h.is_none_or(|h| h.split('+').next() != Some(set.as_str())) {
                 bail!("the observer started with --hook-set {set} reported hook_set {h:?}");
             }
             exact += usize::from(compare(&bins, &b)?.0);

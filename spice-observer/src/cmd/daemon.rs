@@ -549,6 +549,13 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     for d in engine.degraded() {
         warn!("degraded: {d}");
     }
+    // Nothing is served unless the hooks count a known SPICE exchange exactly.
+    if let Some(t) = engine.self_test()? {
+        info!(
+            "self-test passed: hook set {} counted the {} + {} messages of its loopback display channel ({} ms)",
+            t.hook_set, t.expected.server_sent, t.expected.client_sent, t.elapsed_ms
+        );
+    }
     // The libssl hooks are attached per process as processes are found: that needs
     // CAP_SYS_ADMIN for as long as the daemon runs (privilege::TLS_HOOKS_CAP).
     let mut tls_hooks = TlsHooks::new(cfg.tls_hooks);

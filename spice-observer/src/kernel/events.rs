@@ -67,6 +67,25 @@ pub enum Event {
     },
 }
 
+impl Event {
+    /// The record's header (every record has one; process records carry cookie 0).
+    pub fn header(&self) -> &EventHeader {
+        match self {
+            Event::Socket { hdr, .. }
+            | Event::Unparsed { hdr, .. }
+            | Event::Tls { hdr, .. }
+            | Event::Fork { hdr, .. }
+            | Event::Exit { hdr }
+            | Event::Close { hdr, .. } => hdr,
+            Event::Link(e) => &e.hdr,
+            Event::Message(e) => &e.hdr,
+            Event::Hunt(e) => &e.hdr,
+            Event::Lock(e) => &e.hdr,
+            Event::TlsMark(e) => &e.hdr,
+        }
+    }
+}
+
 fn read<T: Copy>(buf: &[u8]) -> Result<T> {
     if buf.len() < size_of::<T>() {
         bail!(

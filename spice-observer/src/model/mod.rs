@@ -15,7 +15,7 @@ pub mod traced;
 pub mod window;
 
 use std::{
-    collections::{BTreeMap, BTreeSet, VecDeque},
+    collections::{BTreeMap, BTreeSet, HashSet, VecDeque},
     net::SocketAddr,
 };
 
@@ -684,6 +684,9 @@ pub struct Model {
     pub sockets: BTreeMap<u64, SocketModel>,
     /// The newest [`PROCESS_NOTES`] process notes, oldest first.
     pub processes: VecDeque<ProcessNote>,
+    /// Sockets whose records [`Model::apply`] drops: the start-up self-test's
+    /// ([`crate::pipeline::selftest`]), two per self-test, one self-test per engine.
+    pub ignored: HashSet<u64>,
     /// Forks and exits seen, including notes no longer kept.
     pub forks: u64,
     pub exits: u64,
@@ -947,6 +950,9 @@ impl Model {
     /// Applies one kernel record.
     pub fn apply(&mut self, ev: &Event) {
         self.records += 1;
+        if !self.ignored.is_empty() && self.ignored.contains(&ev.header().cookie) {
+            return;
+        }
         self.orphan_before_restart(ev);
         match ev {
             Event::Socket {

@@ -800,6 +800,9 @@ pub struct Report {
     /// The start of observation on both clocks.
     pub clock: ClockReport,
     pub hook_set: String,
+    /// The start-up self-test of the hook set ([`crate::pipeline::selftest`]); null where
+    /// none ran (beside a daemon, which ran its own).
+    pub self_test: Option<crate::pipeline::selftest::SelfTestReport>,
     /// Information lost anywhere (ring full, map full, unreadable user memory, untraced bytes,
     /// loop limit): the sum of the kernel's loss counters plus message records missing.
     pub events_lost: u64,
@@ -1389,6 +1392,7 @@ pub fn build(model: &Model, run: RunInfo<'_>) -> Report {
         duration_s,
         clock,
         hook_set: hook_set.to_string(),
+        self_test: None,
         events_lost: kernel_lost.max(records_lost),
         kernel_counters,
         degraded: degraded.to_vec(),
@@ -2130,6 +2134,7 @@ mod tests {
                 monotonic_ns: 0,
             },
             hook_set: "tracepoints+sockops".into(),
+            self_test: None,
             events_lost: 0,
             kernel_counters: BTreeMap::new(),
             degraded: Vec::new(),

@@ -166,6 +166,11 @@ pub struct Engine {
     pin_dir: Option<PathBuf>,
     /// Set when the engine reads the daemon's pinned set beside it ([`Engine::start_beside`]).
     tap: Option<Tap>,
+    /// What the start-up self-test found ([`Engine::self_test`]).
+    self_test: Option<super::selftest::SelfTestReport>,
+    /// The kernel counters' growth over the self-test, taken out of every snapshot's
+    /// (zeros when something else was watched meanwhile: a continued pinned set).
+    self_test_counters: [u64; counter::COUNT as usize],
 }
 
 /// What an engine reading the daemon's pinned set ([`Engine::start_beside`]) holds and must
@@ -691,6 +696,8 @@ impl Engine {
             _pin_lock: None,
             pin_dir: None,
             tap: None,
+            self_test: None,
+            self_test_counters: [0; counter::COUNT as usize],
         })
     }
 
@@ -1116,6 +1123,9 @@ impl Engine {
                 *c = c.saturating_sub(s);
             }
         }
+        for (c, s) in counters.iter_mut().zip(self.self_test_counters) {
+            *c = c.saturating_sub(s);
+        }
         let source = self.source();
         let tcp = best_tcp(&self.model);
         let mut rep = report::build(
@@ -1141,6 +1151,7 @@ impl Engine {
                 comms: &comms,
             },
         );
+        rep.self_test = self.self_test.clone();
         if self.decode_errors > 0 {
             rep.degraded.push(format!(
                 "{} ring record(s) could not be decoded",
@@ -1160,6 +1171,48 @@ impl Engine {
             *r = closed;
         }
         rep
+    }
+
+    /// Runs the start-up self-test ([`super::selftest::run`]) unless this engine reads a
+    /// daemon's set beside it (`Ok(None)`: the daemon tested its set). Errors when the hooks
+    /// did not count the test's messages exactly: the front end must not report then.
+    pub fn self_test(&mut self) -> Result<Option<super::selftest::SelfTestReport>> {
+        if self.tap.is_some() {
+            return Ok(None);
+        }
+        // Only the test's own calls move the counters while nothing else is watched.
+        let alone = self.roots.is_empty() && !matches!(self.restart, Restart::Continued { .. });
+        let before = self.cap.counters().ok().filter(|_| alone);
+        let res = super::selftest::run(self);
+        if let (Some(b), Ok(a)) = (before, self.cap.counters()) {
+            for ((d, a), b) in self.self_test_counters.iter_mut().zip(a).zip(b) {
+                *d = a.saturating_sub(b);
+            }
+        }
+        res.map(Some)
+    }
+
+    pub(super) fn set_self_test(&mut self, rep: super::selftest::SelfTestReport) {
+        self.self_test = Some(rep);
+    }
+
+    /// Drops the self-test child `pid` at once: unwatches it, takes its listening `port` out
+    /// of `WATCH_PORTS`, frees its sockets and ignores their later records
+    /// ([`Model::ignored`]), so that no report shows them.
+    pub(super) fn forget_self_test(&mut self, pid: u32, port: u16) -> Result<()> {
+        self.unwatch(pid)?;
+        self.unwatched.retain(|(_, p)| !p.contains(&pid));
+        self.cap.unwatch_port(port)?;
+        let free: HashSet<u64> = self
+            .model
+            .sockets
+            .values()
+            .filter(|s| s.pid == pid)
+            .map(|s| s.cookie)
+            .collect();
+        self.model.ignored.extend(free.iter().copied());
+        self.free_sockets(&free);
+        Ok(())
     }
 
     /// Frees the state of sockets that were closed (or whose process was unwatched) at or before the
@@ -1192,6 +1245,10 @@ impl Engine {
                     .map(|s| s.cookie),
             );
         }
+        self.free_sockets(&free);
+    }
+
+    fn free_sockets(&mut self, free: &HashSet<u64>) {
         if free.is_empty() {
             return;
         }

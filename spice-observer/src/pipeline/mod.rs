@@ -9,6 +9,7 @@
 
 mod engine;
 pub mod sampler;
+pub mod selftest;
 
 pub use engine::{
     Beside, Engine, EngineOptions, EngineStats, ProgramStats, Progress, Restart, Watched,
