@@ -7,6 +7,8 @@
 //! * `test`: set up, then run every test: unit tests, then the privileged tests that load the
 //!   BPF programs against real sessions (root required).
 //! * `bench`: set up, build release, measure what the observer costs (`bench.rs`; root).
+//! * `guest`: the kernel-path tests in QEMU guests on Debian's 6.1 and 6.12 kernels, under
+//!   every hook set that loads there; prints the matrix (`guest.rs`; root).
 
 use std::{
     path::{Path, PathBuf},
@@ -19,6 +21,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod guest;
 mod testlog;
 
 #[derive(Debug, Parser)]
@@ -64,6 +67,15 @@ enum Cmd {
         /// `<!-- bench:end -->` with the results.
         #[arg(long)]
         write_readme: bool,
+    },
+    /// The kernel-path tests in a QEMU guest (TCG) on Debian's own kernels, under every hook
+    /// set that loads there; prints the matrix kernel × hook set (root; about 10 minutes per
+    /// kernel). Exits non-zero if a loaded set fails or an expected set does not load.
+    Guest {
+        /// `6.1` (Debian 12's kernel) or `6.12` (Debian 12's backports kernel); repeat for
+        /// both (the default).
+        #[arg(long = "kernel", value_name = "SERIES")]
+        kernels: Vec<String>,
     },
 }
 
@@ -287,5 +299,9 @@ fn main() -> Result<()> {
             smoke,
             write_readme,
         } => bench(smoke, write_readme),
+        Cmd::Guest { kernels } => {
+            setup(false)?;
+            guest::guest(&root(), &kernels)
+        }
     }
 }

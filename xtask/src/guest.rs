@@ -1,0 +1,603 @@
+//! `cargo xtask guest [--kernel 6.1|6.12]…`: the kernel-path tests on Debian's own kernels, in
+//! a QEMU guest (TCG), under every hook set that loads there; prints the matrix kernel × hook
+//! set → pass / fail / refused / absent.
+//!
+//! * Kernels: Debian 12's `linux-image-amd64` (6.1, without the `sock_send_length` /
+//!   `sock_recv_length` tracepoints of Linux 6.3) and the newest `linux-image-6.12.*+deb12-amd64`
+//!   that Debian 12 offers (bookworm-backports), fetched with `apt-get download` into
+//!   [`CACHE`] and kept there.
+//! * The guest: `-accel tcg -smp 2 -m 2048`, no network device (loopback only), the kernel's
+//!   serial console on stdio. Its initramfs holds busybox, bpftool, the release
+//!   `spice-observer` and `spice-peer`, the release test binaries of `tests/kernel_paths.rs`
+//!   and `tests/selftest.rs` (at the host paths their `CARGO_BIN_EXE_*` point to), and the
+//!   host's copies of the libraries they link. Its `/init` mounts proc, sys, dev, bpffs,
+//!   tracefs, cgroup2 and tmpfs, brings up `lo`, runs `spice-observer doctor --json`, then for
+//!   each hook set doctor says loads, both test binaries with `CI=true` and
+//!   `SPICE_OBSERVER_HOOK_SET` set (the tests then expect that set in every report), and
+//!   `observe` with no `--hook-set` for the automatic choice.
+//! * The result: every line the guest prints starting with `guest-matrix:` is parsed; the
+//!   whole console log is kept in `target/guest/<kernel>.log`.
+//!
+//! It fails when a hook set that loaded fails a test, when a set this project expects on a
+//! kernel does not load there (6.1: `syscalls`; 6.12: `tracepoints` and `syscalls`), or when
+//! the guest does not finish.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::Value;
+
+/// Downloaded kernel packages and their extracted images.
+pub(crate) const CACHE: &str = "/var/tmp/spice-observer-guest";
+/// The rig's private QEMU (`rig/start-qemu.sh prepare`).
+const RIG_QEMU: &str = "/var/tmp/rig-qemu/qemu";
+/// How long one guest may run (boot, doctor, both suites under each hook set).
+const GUEST_TIMEOUT: Duration = Duration::from_secs(25 * 60);
+/// The framing hook sets this version builds, cheapest first.
+const HOOK_SETS: [&str; 2] = ["tracepoints", "syscalls"];
+/// Tests that cannot run in the guest: it re-runs a test as `nobody` through setpriv, which
+/// the initramfs lacks (it checks the test harness, not a kernel path).
+const SKIPPED: [&str; 1] = ["ci_true_turns_a_skip_into_a_failure"];
+
+/// One Debian kernel of the matrix.
+#[derive(Clone, Debug)]
+pub(crate) struct Kernel {
+    /// `6.1` or `6.12`.
+    pub(crate) series: &'static str,
+    /// The package (`linux-image-6.1.0-57-amd64`).
+    pub(crate) package: String,
+    /// The hook sets that must load and pass there.
+    pub(crate) required: &'static [&'static str],
+}
+
+/// The package of a series, from apt's lists: 6.1 is what `linux-image-amd64` depends on in
+/// Debian 12; 6.12 is the newest `linux-image-6.12.*+deb12-amd64`.
+fn resolve(series: &'static str) -> Result<Kernel> {
+    let out = |args: &[&str]| -> Result<String> {
+        let o = Command::new("apt-cache").args(args).output()?;
+        Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    let (package, required): (String, &'static [&'static str]) = match series {
+        "6.1" => (
+            out(&["depends", "linux-image-amd64"])?
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("Depends: "))
+                .find(|p| p.starts_with("linux-image-6.1."))
+                .ok_or_else(|| anyhow!("apt-cache: linux-image-amd64 depends on no 6.1 image"))?
+                .to_string(),
+            &["syscalls"],
+        ),
+        "6.12" => {
+            let mut v: Vec<String> = out(&[
+                "search",
+                "--names-only",
+                r"^linux-image-6\.12\..*+deb12-amd64$",
+            ])?
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|p| p.ends_with("+deb12-amd64"))
+            .map(str::to_string)
+            .collect();
+            // linux-image-6.12.N+deb12-amd64: newest N.
+            v.sort_by_key(|p| {
+                p.trim_start_matches("linux-image-6.12.")
+                    .split('+')
+                    .next()
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .unwrap_or(0)
+            });
+            (
+                v.pop()
+                    .ok_or_else(|| anyhow!("apt-cache: no linux-image-6.12.*+deb12-amd64 (is bookworm-backports in the sources?)"))?,
+                &["tracepoints", "syscalls"],
+            )
+        }
+        _ => bail!("unknown kernel series {series} (6.1 or 6.12)"),
+    };
+    Ok(Kernel {
+        series,
+        package,
+        required,
+    })
+}
+
+/// The kernel image of `k`, downloaded and extracted once into [`CACHE`].
+fn vmlinuz(k: &Kernel) -> Result<PathBuf> {
+    let dir = Path::new(CACHE).join(&k.package);
+    let image = dir.join("vmlinuz");
+    if image.exists() {
+        return Ok(image);
+    }
+    fs::create_dir_all(&dir)?;
+    eprintln!("guest: downloading {}", k.package);
+    crate::run(
+        Command::new("apt-get")
+            .args(["download", &k.package])
+            .current_dir(&dir),
+    )?;
+    let deb = fs::read_dir(&dir)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .ok_or_else(|| anyhow!("apt-get download left no .deb in {}", dir.display()))?;
+    let x = dir.join("x");
+    fs::create_dir_all(&x)?;
+    crate::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&x))?;
+    let boot = fs::read_dir(x.join("boot"))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("vmlinuz-"))
+        })
+        .ok_or_else(|| anyhow!("{} has no /boot/vmlinuz-*", k.package))?;
+    fs::copy(&boot, &image)?;
+    let _ = fs::remove_dir_all(&x);
+    let _ = fs::remove_file(&deb);
+    Ok(image)
+}
+
+/// The release test binaries `tests/NAME.rs` (built now), by name.
+fn test_binaries(names: &[&str]) -> Result<BTreeMap<String, PathBuf>> {
+    let mut cmd = crate::cargo();
+    cmd.args(["test", "--release", "-p", "spice-observer", "--no-run"])
+        .args(names.iter().flat_map(|n| ["--test", n]))
+        .args(["--message-format", "json-render-diagnostics"])
+        .stdout(Stdio::piped());
+    eprintln!("+ {cmd:?}");
+    let out = cmd.output().context("cargo test --no-run")?;
+    if !out.status.success() {
+        bail!("cargo test --no-run failed: {}", out.status);
+    }
+    let mut bins = BTreeMap::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        let (Some(name), Some(exe)) = (v["target"]["name"].as_str(), v["executable"].as_str())
+        else {
+            continue;
+        };
+        if v["target"]["kind"][0] == "test" && names.contains(&name) {
+            bins.insert(name.to_string(), PathBuf::from(exe));
+        }
+    }
+    for n in names {
+        if !bins.contains_key(*n) {
+            bail!("cargo built no test binary `{n}`");
+        }
+    }
+    Ok(bins)
+}
+
+/// Copies `bin` to the same path under `root`, with every library `ldd` names.
+fn copy_with_libs(root: &Path, bin: &Path) -> Result<()> {
+    let put = |src: &Path| -> Result<()> {
+        let dst = root.join(src.strip_prefix("/").unwrap_or(src));
+        if dst.exists() {
+            return Ok(());
+        }
+        fs::create_dir_all(dst.parent().unwrap())?;
+        fs::copy(src, &dst).with_context(|| format!("copying {}", src.display()))?;
+        Ok(())
+    };
+    put(bin)?;
+    let out = Command::new("ldd").arg(bin).output().context("ldd")?;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        // "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x…)" or "/lib64/ld-linux-x86-64.so.2 (0x…)"
+        let path = match line.split_once("=>") {
+            Some((_, r)) => r.split_whitespace().next(),
+            None => line.split_whitespace().next(),
+        };
+        if let Some(p) = path.filter(|p| p.starts_with('/')) {
+            put(&fs::canonicalize(p).unwrap_or_else(|_| PathBuf::from(p)))?;
+            // The name the binary asks for (a symlink on the host): a copy under that name.
+            let named = root.join(p.trim_start_matches('/'));
+            if !named.exists() {
+                fs::create_dir_all(named.parent().unwrap())?;
+                fs::copy(p, &named)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The guest's `/init`.
+fn init_script(observer: &Path, tests: &BTreeMap<String, PathBuf>) -> String {
+    let skip: String = SKIPPED.iter().map(|t| format!(" --skip {t}")).collect();
+    let suites: String = tests
+        .iter()
+        .map(|(name, exe)| {
+            format!(
+                r#"    echo "guest-matrix: run $hs {name}"
+    if CI=true RUST_LIB_BACKTRACE=0 SPICE_OBSERVER_HOOK_SET=$hs {exe} --test-threads=1{skip} > /tmp/{name}.out 2>&1; then r=pass; else r=fail; fi
+    sed 's/^/  | /' /tmp/{name}.out | grep -E '^  \| (test |Error|---- |thread |  )' | tail -n 60
+    echo "guest-matrix: result $hs {name} $r $(grep -o 'test result: .*' /tmp/{name}.out | head -1)"
+"#,
+                exe = exe.display()
+            )
+        })
+        .collect();
+    format!(
+        r#"#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+mount -t tmpfs tmp /tmp; mount -t tmpfs run /run
+mount -t bpf bpf /sys/fs/bpf; mount -t tracefs tracefs /sys/kernel/tracing
+mount -t debugfs debugfs /sys/kernel/debug; mount -t cgroup2 cgroup2 /sys/fs/cgroup
+ip link set lo up
+exec </dev/ttyS0 >/dev/ttyS0 2>&1
+export PATH=/bin:/usr/sbin:/usr/bin HOME=/root
+O={observer}
+echo "guest-matrix: kernel $(uname -r)"
+$O doctor --json > /tmp/doctor.json 2>/tmp/doctor.err
+echo "guest-matrix: doctor $(tr -d '\n' < /tmp/doctor.json)"
+for hs in {sets}; do
+  if tr -d ' \n' < /tmp/doctor.json | grep -q "\"name\":\"$hs\",\"built\":true,\"state\":\"loaded\""; then
+{suites}  fi
+done
+RUST_LIB_BACKTRACE=0 $O observe --pid 1 --duration 1 --no-progress --json /tmp/auto.json > /tmp/auto.out 2>&1
+echo "guest-matrix: auto $(tr -d ' \n' < /tmp/auto.json | grep -o '"hook_set":"[^"]*"' | head -1)"
+echo "guest-matrix: end"
+poweroff -f
+"#,
+        observer = observer.display(),
+        sets = HOOK_SETS.join(" "),
+    )
+}
+
+/// Builds the initramfs at `out`.
+fn initramfs(
+    out: &Path,
+    observer: &Path,
+    peer: &Path,
+    tests: &BTreeMap<String, PathBuf>,
+) -> Result<()> {
+    let root = out.with_extension("root");
+    let _ = fs::remove_dir_all(&root);
+    for d in [
+        "bin", "proc", "sys", "dev", "tmp", "run", "root", "usr/sbin",
+    ] {
+        fs::create_dir_all(root.join(d))?;
+    }
+    fs::copy("/bin/busybox", root.join("bin/busybox")).context("busybox (busybox-static)")?;
+    let bpftool = ["/usr/sbin/bpftool", "/usr/bin/bpftool"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .ok_or_else(|| anyhow!("no bpftool on the host (scripts/setup.sh installs it)"))?;
+    copy_with_libs(&root, Path::new(&fs::canonicalize(bpftool)?))?;
+    if !root.join("usr/sbin/bpftool").exists() {
+        fs::copy(bpftool, root.join("usr/sbin/bpftool"))?;
+    }
+    for b in [observer, peer]
+        .into_iter()
+        .chain(tests.values().map(PathBuf::as_path))
+    {
+        copy_with_libs(&root, b)?;
+    }
+    let init = root.join("init");
+    fs::write(&init, init_script(observer, tests))?;
+    crate::run(Command::new("chmod").arg("755").arg(&init))?;
+    let status = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "cd '{}' && find . | cpio -o -H newc --quiet | gzip -1 > '{}'",
+            root.display(),
+            out.display()
+        ))
+        .status()?;
+    if !status.success() {
+        bail!("cpio/gzip of the initramfs failed: {status}");
+    }
+    let _ = fs::remove_dir_all(&root);
+    Ok(())
+}
+
+/// What one guest gave for one hook set.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Cell {
+    /// Loaded; every suite passed (their `test result:` lines).
+    Pass(Vec<String>),
+    /// Loaded; a suite failed.
+    Fail(Vec<String>),
+    /// doctor's state (`refused`, `absent`, `allowed`) and detail.
+    NotLoaded(String, String),
+}
+
+/// The parsed `guest-matrix:` lines of one guest.
+#[derive(Debug, Default)]
+pub(crate) struct GuestRun {
+    pub(crate) uname: Option<String>,
+    pub(crate) doctor: Option<Value>,
+    /// hook set → suite → (passed, test result line).
+    pub(crate) results: BTreeMap<String, BTreeMap<String, (bool, String)>>,
+    pub(crate) auto: Option<String>,
+    pub(crate) ended: bool,
+}
+
+/// Parses one console line into `run` (other lines are ignored).
+pub(crate) fn parse_line(run: &mut GuestRun, line: &str) {
+    let Some(rest) = line
+        .trim_end_matches('\r')
+        .split_once("guest-matrix: ")
+        .map(|x| x.1)
+    else {
+        return;
+    };
+    let (word, rest) = rest.split_once(' ').unwrap_or((rest, ""));
+    match word {
+        "kernel" => run.uname = Some(rest.to_string()),
+        "doctor" => run.doctor = serde_json::from_str(rest).ok(),
+        "result" => {
+            let mut f = rest.splitn(4, ' ');
+            if let (Some(hs), Some(suite), Some(r)) = (f.next(), f.next(), f.next()) {
+                run.results.entry(hs.to_string()).or_default().insert(
+                    suite.to_string(),
+                    (r == "pass", f.next().unwrap_or("").to_string()),
+                );
+            }
+        }
+        "auto" => {
+            run.auto = rest
+                .strip_prefix("\"hook_set\":\"")
+                .and_then(|s| s.strip_suffix('"'))
+                .map(str::to_string)
+        }
+        "end" => run.ended = true,
+        _ => {}
+    }
+}
+
+impl GuestRun {
+    /// The cell of `set`: its suites' results if it ran, else doctor's line for it.
+    pub(crate) fn cell(&self, set: &str) -> Cell {
+        if let Some(r) = self.results.get(set) {
+            let lines: Vec<String> = r.iter().map(|(s, (_, l))| format!("{s}: {l}")).collect();
+            return match r.values().all(|(ok, _)| *ok) {
+                true => Cell::Pass(lines),
+                false => Cell::Fail(lines),
+            };
+        }
+        let h = self
+            .doctor
+            .as_ref()
+            .and_then(|d| d["hook_sets"].as_array())
+            .and_then(|a| a.iter().find(|h| h["name"] == set));
+        match h {
+            Some(h) => Cell::NotLoaded(
+                h["state"].as_str().unwrap_or("?").to_string(),
+                h["detail"].as_str().unwrap_or("").to_string(),
+            ),
+            None => Cell::NotLoaded("?".into(), "no doctor report".into()),
+        }
+    }
+}
+
+/// Boots `k` with `initrd`, streaming its console to `log`; returns the parsed run.
+fn boot(k: &Kernel, image: &Path, initrd: &Path, log: &Path) -> Result<GuestRun> {
+    let qemu = [
+        "/usr/bin/qemu-system-x86_64",
+        &format!("{RIG_QEMU}/usr/bin/qemu-system-x86_64"),
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists())
+    .map(str::to_string)
+    .ok_or_else(|| {
+        anyhow!("no qemu-system-x86_64 (run `rig/start-qemu.sh prepare` or `cargo xtask setup`)")
+    })?;
+    let mut cmd = Command::new(&qemu);
+    if qemu.starts_with(RIG_QEMU) {
+        cmd.env(
+            "QEMU_MODULE_DIR",
+            format!("{RIG_QEMU}/usr/lib/x86_64-linux-gnu/qemu"),
+        )
+        .args(["-L", "/usr/share/seabios", "-L", "/usr/share/qemu"]);
+    }
+    cmd.args([
+        "-accel",
+        "tcg",
+        "-smp",
+        "2",
+        "-m",
+        "2048",
+        "-nographic",
+        "-no-reboot",
+    ])
+    .args(["-nic", "none", "-monitor", "none"])
+    .arg("-kernel")
+    .arg(image)
+    .arg("-initrd")
+    .arg(initrd)
+    .args(["-append", "console=ttyS0 quiet panic=-1"])
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit());
+    eprintln!("guest: booting {} ({})", k.package, k.series);
+    let mut child = cmd.spawn().with_context(|| format!("starting {qemu}"))?;
+    let stdout = child.stdout.take().unwrap();
+    let log_path = log.to_path_buf();
+    let reader = std::thread::spawn(move || -> Result<GuestRun> {
+        let mut run = GuestRun::default();
+        let mut f = fs::File::create(&log_path)?;
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            use std::io::Write;
+            writeln!(f, "{line}")?;
+            if line.contains("guest-matrix: result") || line.contains("guest-matrix: auto") {
+                eprintln!("guest: {}", line.trim_end_matches('\r'));
+            }
+            parse_line(&mut run, &line);
+        }
+        Ok(run)
+    });
+    let t0 = Instant::now();
+    loop {
+        if child.try_wait()?.is_some() {
+            break;
+        }
+        if t0.elapsed() > GUEST_TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!(
+                "the {} guest did not finish in {} s (console in {})",
+                k.series,
+                GUEST_TIMEOUT.as_secs(),
+                log.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let run = reader
+        .join()
+        .map_err(|_| anyhow!("console reader panicked"))??;
+    eprintln!(
+        "guest: {} finished in {:.0} s",
+        k.series,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(run)
+}
+
+/// Entry point of `cargo xtask guest`.
+pub(crate) fn guest(root: &Path, series: &[String]) -> Result<()> {
+    let t0 = Instant::now();
+    let series: Vec<&'static str> = if series.is_empty() {
+        vec!["6.1", "6.12"]
+    } else {
+        series
+            .iter()
+            .map(|s| match s.as_str() {
+                "6.1" => Ok("6.1"),
+                "6.12" => Ok("6.12"),
+                o => Err(anyhow!("--kernel {o}: 6.1 or 6.12")),
+            })
+            .collect::<Result<_>>()?
+    };
+    let kernels: Vec<Kernel> = series.iter().map(|s| resolve(s)).collect::<Result<_>>()?;
+    crate::run(crate::cargo().args(["build", "--release", "-p", "spice-observer", "--bins"]))?;
+    let observer = crate::release_bin("spice-observer")?;
+    let peer = crate::release_bin("spice-peer")?;
+    let tests = test_binaries(&["kernel_paths", "selftest"])?;
+    let dir = root.join("target/guest");
+    fs::create_dir_all(&dir)?;
+    let initrd = dir.join("initrd.gz");
+    initramfs(&initrd, &observer, &peer, &tests)?;
+    let mut rows = Vec::new();
+    let mut problems = Vec::new();
+    for k in &kernels {
+        let image = vmlinuz(k)?;
+        let log = dir.join(format!("{}.log", k.series));
+        let run = boot(k, &image, &initrd, &log)?;
+        if !run.ended {
+            problems.push(format!(
+                "{}: the guest stopped before its end (console in {})",
+                k.series,
+                log.display()
+            ));
+        }
+        let mut cells = Vec::new();
+        for set in HOOK_SETS {
+            let c = run.cell(set);
+            match &c {
+                Cell::Fail(l) => {
+                    problems.push(format!("{} {set}: failed: {}", k.series, l.join("; ")))
+                }
+                Cell::NotLoaded(state, d) if k.required.contains(&set) => problems.push(format!(
+                    "{} {set}: must load there, doctor says {state}: {d}",
+                    k.series
+                )),
+                _ => {}
+            }
+            cells.push(c);
+        }
+        rows.push((k.clone(), run, cells));
+    }
+    let md = matrix(&rows);
+    println!("{md}");
+    fs::write(dir.join("matrix.md"), &md)?;
+    eprintln!("guest: finished in {:.0} s", t0.elapsed().as_secs_f64());
+    if !problems.is_empty() {
+        bail!("guest matrix:\n  {}", problems.join("\n  "));
+    }
+    Ok(())
+}
+
+/// The matrix as a Markdown table: one row per kernel, one column per hook set (the framing
+/// sets this version builds, then doctor's lines for those it does not), and the automatic
+/// choice.
+fn matrix(rows: &[(Kernel, GuestRun, Vec<Cell>)]) -> String {
+    let mut md = String::from("| kernel |");
+    for s in HOOK_SETS {
+        md.push_str(&format!(" `{s}` |"));
+    }
+    md.push_str(" `fentry` | `kprobes` | `tcpinfo` | `auto` picks |\n|---|");
+    md.push_str(&"---|".repeat(HOOK_SETS.len() + 4));
+    md.push('\n');
+    for (k, run, cells) in rows {
+        md.push_str(&format!(
+            "| {} ({}) |",
+            run.uname.as_deref().unwrap_or("?"),
+            k.package
+        ));
+        for c in cells {
+            md.push_str(&format!(
+                " {} |",
+                match c {
+                    Cell::Pass(l) => format!("pass ({})", l.join("; ")),
+                    Cell::Fail(l) => format!("**FAIL** ({})", l.join("; ")),
+                    Cell::NotLoaded(s, d) => format!("{s}: {d}"),
+                }
+            ));
+        }
+        for other in ["fentry", "kprobes", "tcpinfo"] {
+            md.push_str(&format!(
+                " {} |",
+                match run.cell(other) {
+                    Cell::NotLoaded(s, d) => format!("{s}: {d}"),
+                    _ => "?".into(),
+                }
+            ));
+        }
+        md.push_str(&format!(" `{}` |\n", run.auto.as_deref().unwrap_or("?")));
+    }
+    md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn console_lines() {
+        let mut r = GuestRun::default();
+        for l in [
+            "guest-matrix: kernel 6.1.0-57-amd64\r",
+            r#"guest-matrix: doctor {"hook_sets":[{"name":"tracepoints","built":true,"state":"absent","detail":"no tp"}]}"#,
+            "noise guest-matrix: result syscalls kernel_paths pass test result: ok. 12 passed; 0 failed",
+            "guest-matrix: result syscalls selftest fail test result: FAILED. 1 passed; 1 failed",
+            r#"guest-matrix: auto "hook_set":"syscalls+sockops+libssl""#,
+            "guest-matrix: end",
+        ] {
+            parse_line(&mut r, l);
+        }
+        assert_eq!(r.uname.as_deref(), Some("6.1.0-57-amd64"));
+        assert_eq!(r.auto.as_deref(), Some("syscalls+sockops+libssl"));
+        assert!(r.ended);
+        assert_eq!(
+            r.cell("tracepoints"),
+            Cell::NotLoaded("absent".into(), "no tp".into())
+        );
+        match r.cell("syscalls") {
+            Cell::Fail(l) => assert_eq!(l.len(), 2),
+            c => panic!("{c:?}"),
+        }
+    }
+}
