@@ -4,8 +4,8 @@
 //!
 //! * Kernels: Debian 12's `linux-image-amd64` (6.1, without the `sock_send_length` /
 //!   `sock_recv_length` tracepoints of Linux 6.3) and the newest `linux-image-6.12.*+deb12-amd64`
-//!   that Debian 12 offers (bookworm-backports), fetched with `apt-get download` into
-//!   [`CACHE`] and kept there.
+//!   that Debian 12 offers (source package linux-6.12, in bookworm-security), fetched with
+//!   `apt-get download` into [`CACHE`] and kept there.
 //! * The guest: `-accel tcg -smp 2 -m 2048`, no network device (loopback only), the kernel's
 //!   serial console on stdio. Its initramfs holds busybox, bpftool, the release
 //!   `spice-observer` and `spice-peer`, the release test binaries of `tests/kernel_paths.rs`
@@ -95,7 +95,7 @@ fn resolve(series: &'static str) -> Result<Kernel> {
             });
             (
                 v.pop()
-                    .ok_or_else(|| anyhow!("apt-cache: no linux-image-6.12.*+deb12-amd64 (is bookworm-backports in the sources?)"))?,
+                    .ok_or_else(|| anyhow!("apt-cache: no linux-image-6.12.*+deb12-amd64 (is bookworm-security in the apt sources?)"))?,
                 &["tracepoints", "syscalls"],
             )
         }

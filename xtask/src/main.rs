@@ -72,7 +72,7 @@ enum Cmd {
     /// set that loads there; prints the matrix kernel × hook set (root; about 10 minutes per
     /// kernel). Exits non-zero if a loaded set fails or an expected set does not load.
     Guest {
-        /// `6.1` (Debian 12's kernel) or `6.12` (Debian 12's backports kernel); repeat for
+        /// `6.1` (Debian 12's kernel) or `6.12` (Debian 12's linux-6.12); repeat for
         /// both (the default).
         #[arg(long = "kernel", value_name = "SERIES")]
         kernels: Vec<String>,
