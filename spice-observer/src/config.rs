@@ -89,7 +89,8 @@ pub struct Config {
     pub tls_hooks: bool,
     /// `hook_set`: the programs that see the socket calls, `"auto"` (default: `tracepoints`
     /// where the kernel has the socket tracepoints, Linux 6.3+, else `syscalls`),
-    /// `"tracepoints"` or `"syscalls"` ([`crate::kernel::loader::HookChoice`]). Needs a
+    /// `"tracepoints"` or `"syscalls"` ([`crate::kernel::loader::HookChoice`]; `"tcpinfo"`
+    /// parses but the daemon refuses it: the no-BPF mode is observe's only). Needs a
     /// restart to change; a pinned set of another hook set is then reloaded, and its open
     /// channels are reported `restarted`.
     pub hook_set: crate::kernel::loader::HookChoice,

@@ -22,7 +22,8 @@ struct Cli {
 enum Command {
     /// Watch processes (spice-server / qemu, a SPICE relay) for a while and report per channel:
     /// framing, ACK window W, in-flight messages (spice-server's exact count), stalls, rates
-    /// and TCP state; with a relay watched too, where each in-flight message is. Run as root.
+    /// and TCP state; with a relay watched too, where each in-flight message is. Run as root
+    /// (`--hook-set tcpinfo`: TCP state only, as the processes' user).
     Observe {
         /// Process to watch: its threads, the children it already has, and those it forks from
         /// now on. A thread id is resolved to its process. Repeatable.
@@ -76,8 +77,10 @@ enum Command {
         no_tls_hooks: bool,
         /// The programs that see the socket calls, when observe loads its own (beside a
         /// daemon it reads the daemon's): `auto` (`tracepoints` where the kernel has the socket
-        /// tracepoints, Linux 6.3+, else `syscalls`), `tracepoints` or `syscalls`. See README,
-        /// Kernel requirements.
+        /// tracepoints, Linux 6.3+, else `syscalls`), `tracepoints` or `syscalls`; or
+        /// `tcpinfo`, the no-BPF mode: TCP state of the processes' sockets polled over
+        /// sock_diag every --sample-ms, no SPICE framing, no privilege needed for one's own
+        /// processes (never chosen by `auto`). See README, Kernel requirements.
         #[arg(long, value_enum, default_value_t = HookChoice::Auto, value_name = "SET",
               env = "SPICE_OBSERVER_HOOK_SET")]
         hook_set: HookChoice,

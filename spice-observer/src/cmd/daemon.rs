@@ -150,7 +150,8 @@ pub struct DaemonArgs {
     pub no_tls_hooks: bool,
     /// The programs that see the socket calls (`hook_set`): `auto` (the default:
     /// `tracepoints` where the kernel has the socket tracepoints, else `syscalls`),
-    /// `tracepoints` or `syscalls`; see README, Kernel requirements.
+    /// `tracepoints` or `syscalls`; see README, Kernel requirements. `tcpinfo` (observe's
+    /// no-BPF mode) is refused by the daemon in this version.
     #[arg(long, value_enum, value_name = "SET", env = "SPICE_OBSERVER_HOOK_SET")]
     pub hook_set: Option<crate::kernel::loader::HookChoice>,
 }
@@ -236,6 +237,13 @@ pub fn run(args: DaemonArgs) -> Result<()> {
         return unpin(&unpin_dir(&args)?, args.force);
     }
     let (cfg, path) = resolve(&args)?;
+    if cfg.hook_set == crate::kernel::loader::HookChoice::Tcpinfo {
+        bail!(
+            "hook set `tcpinfo` is not available in the daemon in this version (the daemon \
+             serves framed SPICE metrics and loads BPF); for TCP state without BPF run \
+             `spice-observer observe --pid PID --hook-set tcpinfo`"
+        );
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

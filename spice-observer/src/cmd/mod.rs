@@ -6,3 +6,4 @@ pub mod daemon;
 pub mod doctor;
 pub mod observe;
 pub mod service;
+pub mod tcpinfo;
