@@ -97,7 +97,8 @@ enum Command {
     Daemon(spice_observer::cmd::daemon::DaemonArgs),
     /// Say what this host supports, one line per item: kernel BTF, lockdown, cgroup v2,
     /// tracefs, bpffs, bpf_stats, the capabilities present, each hook set (loaded, allowed by
-    /// the kernel but not built yet, refused with the kernel's error, or absent) and the
+    /// the kernel but not built yet, refused with the kernel's error, or absent; the no-BPF
+    /// `tcpinfo` mode: available, never framing) and the
     /// libssl of running QEMU processes. Exits 1 when no framing hook set loads. Run as root
     /// for the hook set probes.
     Doctor(spice_observer::cmd::doctor::DoctorArgs),

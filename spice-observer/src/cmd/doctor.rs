@@ -149,7 +149,8 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         Some(_) => Ok(()),
         None => bail!(
             "no framing hook set loads on this host (see the hook set lines above); \
-             observe and daemon cannot run here"
+             observe and daemon cannot run here (except `observe --hook-set tcpinfo`: TCP \
+             state only, if its line says available)"
         ),
     }
 }

@@ -335,8 +335,11 @@ const MAX_WARNINGS: usize = 32;
 
 /// The error for a process whose descriptors cannot be listed.
 fn fd_error(pid: u32, e: anyhow::Error) -> anyhow::Error {
-    let msg = format!("{e:#}");
-    if msg.contains("ermission denied") {
+    // procfs says `Permission Denied: /proc/PID/fd`, io errors `Permission denied`.
+    if format!("{e:#}")
+        .to_lowercase()
+        .contains("permission denied")
+    {
         e.context(format!(
             "cannot read /proc/{pid}/fd: the tcpinfo mode needs it to find the process's \
              sockets; run spice-observer as the process's user or as root"
@@ -1060,6 +1063,23 @@ mod tests {
         assert!(render(&r).contains("no SPICE framing"));
         let _ = child.kill();
         let _ = child.wait();
+    }
+
+    /// Another user's process (pid 1 as a non-root user): the error says what to do. As root
+    /// every `/proc/PID/fd` is readable, so there is nothing to check.
+    #[test]
+    fn an_unreadable_process_says_to_run_as_its_user() {
+        if unsafe { libc::geteuid() } == 0 {
+            return;
+        }
+        let e = Poller::new(&[1])
+            .err()
+            .expect("pid 1's fds are not readable");
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains("run spice-observer as the process's user or as root"),
+            "{msg}"
+        );
     }
 
     #[test]
