@@ -247,6 +247,9 @@ pub struct Connection {
     pub max_recv_queue: u32,
     pub max_notsent_bytes: u32,
     pub max_srtt_us: u32,
+    /// The addresses as sock_diag gave them (the lookups use these, not the strings).
+    #[serde(skip)]
+    addrs: Option<(SocketAddr, SocketAddr)>,
 }
 
 /// A listening TCP socket of a watched process.
@@ -432,6 +435,13 @@ impl Poller {
         };
         p.refresh();
         Ok(p)
+    }
+
+    /// [`Self::sample`], its error kept as a warning (the next sample tries again).
+    pub fn sample_or_warn(&mut self) {
+        if let Err(e) = self.sample() {
+            self.warn(format!("{e:#}"));
+        }
     }
 
     fn warn(&mut self, w: String) {
@@ -620,6 +630,7 @@ impl Poller {
                         received_during_run: 0,
                         send_rate_bps: 0.0,
                         recv_rate_bps: 0.0,
+                        addrs: Some((d.local, d.remote)),
                     },
                 );
                 self.order.push(inode);
@@ -636,7 +647,8 @@ impl Poller {
             .iter()
             .filter_map(|i| {
                 let c = &self.open[i];
-                Some((c.cookie, c.local.parse().ok()?, c.remote.parse().ok()?))
+                let (l, r) = c.addrs?;
+                Some((c.cookie, l, r))
             })
             .collect();
         let answers = self
@@ -656,7 +668,9 @@ impl Poller {
             }
         }
         for inode in vanished {
-            self.known.remove(&inode);
+            // Its descriptor is still held (a reset connection in CLOSE): not TCP to look
+            // for any more, until the descriptor goes.
+            self.known.insert(inode, Known::Other);
             self.close(inode, now, false)?;
         }
         Ok(())
@@ -670,7 +684,7 @@ impl Poller {
         self.order.retain(|i| *i != inode);
         let t = secs(now - self.started_ns);
         let mut how = "socket freed".to_string();
-        if look && let (Ok(l), Ok(r)) = (c.local.parse(), c.remote.parse()) {
+        if look && let Some((l, r)) = c.addrs {
             how = match self.query.socket(c.cookie, l, r) {
                 Ok(Some(d)) => {
                     c.update(&d, t);
@@ -923,7 +937,7 @@ pub async fn run(opts: ObserveOptions, roots: Vec<u32>) -> Result<()> {
     let mut all_exited = false;
     loop {
         tokio::select! {
-            _ = sample.tick() => poller.sample()?,
+            _ = sample.tick() => poller.sample_or_warn(),
             _ = tick.tick() => {
                 ticks += 1;
                 poller.refresh();
@@ -948,7 +962,7 @@ pub async fn run(opts: ObserveOptions, roots: Vec<u32>) -> Result<()> {
         }
     }
     // A last sample, so that the report is as of the end.
-    poller.sample()?;
+    poller.sample_or_warn();
     let rep = poller.report(sample_ms, started_realtime_ns);
     let table = render(&rep);
     if stdout_json {
