@@ -13,6 +13,9 @@
 //! `tcpi_bytes_acked` on each of its channels must equal what the client read to the byte. The observer must hold no BPF object (no `anon_inode:bpf-*` descriptor) and
 //! no capability while it runs.
 //!
+//! A second test runs `daemon --hook-set tcpinfo` the same way and holds its `/metrics`
+//! scrape against the client's counts.
+//!
 //! Not privileged: it runs in `cargo xtask test` with the others, and also without root.
 
 mod common;
@@ -528,6 +531,148 @@ fn tcpinfo_mode_reads_a_real_session_unprivileged() -> Result<()> {
             ch.read_bytes
         );
     }
+    drop(x);
+    Ok(())
+}
+
+/// The daemon's listen address in [`tcpinfo_daemon_serves_tcp_gauges_unprivileged`] (no other
+/// test uses it).
+const DAEMON_LISTEN: &str = "127.0.0.1:19537";
+
+/// `daemon --hook-set tcpinfo` as `nobody` with no capability, beside an Xspice session of
+/// the same user: discovery finds Xspice, `/metrics` says `hook_set="tcpinfo"`,
+/// `framing="false"` and `spice_observer_framing 0`, and per connection of the client the
+/// scraped `spice_observer_tcpinfo_bytes_acked` at the idle end equals the client's own
+/// `total_read_bytes`; once the client has gone its series are gone. It holds no BPF object.
+#[test]
+fn tcpinfo_daemon_serves_tcp_gauges_unprivileged() -> Result<()> {
+    const T: &str = "tcpinfo_daemon_serves_tcp_gauges_unprivileged";
+    if let Some(why) = missing() {
+        return cannot(T, &why);
+    }
+    let uid = run_uid();
+    let scratch = Scratch::new()?;
+    let dir = &scratch.0;
+    sh(Command::new("cp")
+        .arg("-r")
+        .arg(common::rig())
+        .arg(dir.join("rig")))?;
+    let bin = dir.join("spice-observer");
+    std::fs::copy(BIN, &bin)?;
+    sh(Command::new("chmod")
+        .arg("-R")
+        .arg("a+rX")
+        .arg(dir.join("rig")))?;
+    sh(Command::new("chmod").arg("755").arg(&bin))?;
+    // An empty config file: the built-in defaults, whatever /etc holds.
+    let config = dir.join("config.toml");
+    std::fs::write(&config, "")?;
+    sh(Command::new("chmod").arg("644").arg(&config))?;
+
+    // Noise frames for 3 s, then idle.
+    let x = Xspice::start(
+        dir,
+        &[
+            "--mode",
+            "noise",
+            "--fps",
+            "20",
+            "--size",
+            "256x192",
+            "--seconds",
+            "3",
+        ],
+    )?;
+    let mut cmd = as_user(&bin, dir);
+    cmd.args(["daemon", "--hook-set", "tcpinfo", "--listen", DAEMON_LISTEN])
+        .arg("--config")
+        .arg(&config)
+        .env("RUST_LOG", "info");
+    let mut d = common::daemon::Daemon::spawn(cmd, common::daemon::OnDrop::Kill, "tcpinfo daemon")?;
+    let xorg = x.xorg.to_string();
+    d.wait_line(
+        |l| l.contains("found ") && l.contains(&format!("pid {xorg}")),
+        Duration::from_secs(10),
+    )?;
+    let dpid = d.pid();
+    ensure!(uid_of(dpid)? == uid, "daemon uid");
+    let cap_eff = status_field(dpid, "CapEff:")?;
+    ensure!(
+        u64::from_str_radix(&cap_eff, 16)? == 0,
+        "the daemon has capabilities: CapEff {cap_eff}"
+    );
+
+    let mut a = GtkClient::start(dir, 8)?;
+    // Past the animation's end (3 s after Xspice started) and a few samples more.
+    thread::sleep(Duration::from_millis(5500));
+    let held = bpf_fds(dpid)?;
+    ensure!(
+        held.is_empty(),
+        "the tcpinfo daemon holds BPF objects: {held:?}"
+    );
+    let s = common::daemon::Scrape::take(DAEMON_LISTEN)?;
+    let sa = a.summary(Duration::from_secs(20))?;
+
+    ensure!(
+        s.one(
+            "spice_observer_info",
+            &[("hook_set", "tcpinfo"), ("framing", "false")]
+        )? == 1.0,
+        "info: {}",
+        s.text
+    );
+    ensure!(s.one("spice_observer_framing", &[])? == 0.0);
+    ensure!(s.one("spice_observer_tcpinfo_targets", &[])? >= 1.0);
+    ensure!(
+        s.families
+            .get("spice_observer_framing")
+            .is_some_and(|h| h.contains("tcpinfo")),
+        "the framing metric's help: {:?}",
+        s.families.get("spice_observer_framing")
+    );
+    ensure!(
+        !s.families.keys().any(|f| f.contains("messages")),
+        "a message metric in the tcpinfo mode: {:?}",
+        s.families.keys()
+    );
+    for (name, ch) in &sa.channels {
+        let remote = format!("127.0.0.1:{}", ch.local_port.context("local port")?);
+        let with = [("remote", remote.as_str()), ("pid", xorg.as_str())];
+        let acked = s.one("spice_observer_tcpinfo_bytes_acked", &with)?;
+        eprintln!(
+            "client {name}: read {} B; scraped bytes_acked {acked}",
+            ch.read_bytes
+        );
+        ensure!(
+            acked > 0.0 && acked == ch.read_bytes as f64,
+            "{name}: scraped bytes_acked {acked}, the client read {}",
+            ch.read_bytes
+        );
+        ensure!(
+            s.one(
+                "spice_observer_tcpinfo_tcp_state",
+                &[("remote", remote.as_str()), ("state", "ESTABLISHED")]
+            )? == 1.0
+        );
+        ensure!(s.one("spice_observer_tcpinfo_unacked_segments", &with)? == 0.0);
+        let vm = &s.find("spice_observer_tcpinfo_bytes_acked", &with)[0].labels["vm"];
+        ensure!(!vm.is_empty(), "no vm label for {remote}");
+    }
+    // The client has gone: its connections are no longer exported.
+    thread::sleep(Duration::from_millis(700));
+    let after = common::daemon::Scrape::take(DAEMON_LISTEN)?;
+    ensure!(
+        after
+            .find(
+                "spice_observer_tcpinfo_bytes_acked",
+                &[("pid", xorg.as_str())]
+            )
+            .is_empty(),
+        "series left after the client went: {}",
+        after.text
+    );
+    let (status, _) = d.stop(libc::SIGTERM)?;
+    ensure!(status.success(), "daemon exit {status}");
     drop(x);
     Ok(())
 }

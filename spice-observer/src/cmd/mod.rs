@@ -7,3 +7,4 @@ pub mod doctor;
 pub mod observe;
 pub mod service;
 pub mod tcpinfo;
+pub mod tcpinfo_daemon;

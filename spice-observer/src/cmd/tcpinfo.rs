@@ -268,6 +268,8 @@ pub struct Process {
     pub comm: String,
     /// Given with `--pid` (else a descendant of one).
     pub root: bool,
+    /// The `--pid` (or, in the daemon, the discovered target) it is or descends from.
+    pub under: u32,
     /// Gone before the report.
     pub exited: bool,
 }
@@ -454,29 +456,32 @@ impl Poller {
     /// Re-reads the process set: the roots and their descendants now; processes gone are
     /// kept, marked exited.
     pub fn refresh(&mut self) {
-        let mut now: Vec<(u32, bool)> = Vec::new();
+        let mut now: Vec<(u32, bool, u32)> = Vec::new();
         for &r in &self.roots {
             if sockdiag::comm(r).is_some() {
-                now.push((r, true));
-                now.extend(sockdiag::descendants(r).into_iter().map(|c| (c, false)));
+                now.push((r, true, r));
+                now.extend(sockdiag::descendants(r).into_iter().map(|c| (c, false, r)));
             }
         }
-        let alive: HashSet<u32> = now.iter().map(|(p, _)| *p).collect();
+        let alive: HashSet<u32> = now.iter().map(|(p, _, _)| *p).collect();
         for p in self.pids.values_mut() {
             if !alive.contains(&p.pid) {
                 p.exited = true;
             }
         }
-        for (pid, root) in now {
+        for (pid, root, under) in now {
             let comm = sockdiag::comm(pid).unwrap_or_default();
             let e = self.pids.entry(pid).or_insert(Process {
                 pid,
                 comm: comm.clone(),
                 root,
+                under,
                 exited: false,
             });
             e.exited = false;
             e.comm = comm;
+            e.root = root;
+            e.under = under;
         }
         // Bounded: a process that forks short-lived children all day keeps only those
         // alive, the roots, and the exited ones that held a connection still reported.
@@ -490,6 +495,49 @@ impl Poller {
             self.pids
                 .retain(|pid, p| !p.exited || p.root || keep.contains(pid));
         }
+    }
+
+    /// Replaces the root processes (the daemon's targets as discovery finds them) and
+    /// re-reads the process set (also when they are the same: their descendants change). Processes no longer under a root are dropped at once, and so
+    /// are their connections (the daemon reports what is watched now).
+    pub fn set_roots(&mut self, roots: Vec<u32>) {
+        if roots == self.roots {
+            self.refresh();
+            return;
+        }
+        self.roots = roots;
+        let keep: HashSet<u32> = self.roots.iter().copied().collect();
+        self.pids.retain(|_, p| keep.contains(&p.under));
+        self.refresh();
+        let pids: HashSet<u32> = self.pids.keys().copied().collect();
+        let dropped: Vec<u64> = self
+            .open
+            .iter()
+            .filter(|(_, c)| !pids.contains(&c.pid))
+            .map(|(i, _)| *i)
+            .collect();
+        for i in dropped {
+            self.open.remove(&i);
+            self.known.remove(&i);
+            self.order.retain(|o| *o != i);
+        }
+        self.closed.retain(|c| pids.contains(&c.pid));
+        self.listening.retain(|_, l| pids.contains(&l.pid));
+    }
+
+    /// The watched processes, by pid.
+    pub fn processes(&self) -> &BTreeMap<u32, Process> {
+        &self.pids
+    }
+
+    /// The open connections, in the order first seen.
+    pub fn open_connections(&self) -> impl Iterator<Item = &Connection> {
+        self.order.iter().filter_map(|i| self.open.get(i))
+    }
+
+    /// Forgets the closed connections (the daemon exports open ones only).
+    pub fn clear_closed(&mut self) {
+        self.closed.clear();
     }
 
     /// Whether every root process has exited.

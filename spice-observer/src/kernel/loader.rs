@@ -81,7 +81,8 @@ pub enum HookChoice {
     /// [`HookSet::Syscalls`].
     Syscalls,
     /// No BPF at all: the `tcpinfo` mode ([`crate::cmd::tcpinfo`]), sock_diag polling of the
-    /// watched processes' TCP sockets, without SPICE framing. Only `observe` runs it; it is
+    /// watched processes' TCP sockets, without SPICE framing (observe, and the daemon:
+    /// [`crate::cmd::tcpinfo_daemon`]); it is
     /// never chosen by [`HookChoice::Auto`], and nothing in this module loads it
     /// ([`choose_hook_set`] refuses it).
     Tcpinfo,
