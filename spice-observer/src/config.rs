@@ -297,6 +297,10 @@ mod tests {
             Config::parse("hook_set = \"syscalls\"\n").unwrap().hook_set,
             crate::kernel::loader::HookChoice::Syscalls
         );
+        assert_eq!(
+            Config::parse("hook_set = \"tcpinfo\"\n").unwrap().hook_set,
+            crate::kernel::loader::HookChoice::Tcpinfo
+        );
         assert!(err("hook_set = \"fentry\"\n").contains("line 1"));
         assert!(err("tls_hooks = \"no\"\n").contains("line 1"));
         assert!(!c.discovery.qemu);

@@ -622,6 +622,7 @@ fn tcpinfo_daemon_serves_tcp_gauges_unprivileged() -> Result<()> {
         s.text
     );
     ensure!(s.one("spice_observer_framing", &[])? == 0.0);
+    ensure!(s.one("spice_observer_hook_set_info", &[("hook_set", "tcpinfo")])? == 1.0);
     ensure!(s.one("spice_observer_tcpinfo_targets", &[])? >= 1.0);
     ensure!(
         s.families

@@ -53,6 +53,8 @@ pub fn run(cfg: Config, path: Option<PathBuf>) -> Result<()> {
 /// The metric families of one scrape, in the text format.
 ///
 /// * `spice_observer_info{version,hook_set="tcpinfo",framing="false"}` 1;
+/// * `spice_observer_hook_set_info{hook_set="tcpinfo"}` 1 and
+///   `spice_observer_build_info{version}` 1, as the BPF daemon has them;
 /// * `spice_observer_framing` 0 (1 would mean SPICE messages are framed: a BPF hook set);
 /// * `spice_observer_tcpinfo_targets`: discovered targets watched;
 /// * per open connection of a watched process, labels `vm` (the target's name), `pid`,
@@ -74,6 +76,28 @@ pub fn metrics_text(poller: &Poller, names: &BTreeMap<u32, String>) -> Result<St
     )?;
     reg.register(Box::new(info.clone()))?;
     info.with_label_values(&[env!("CARGO_PKG_VERSION"), HOOK_SET, "false"])
+        .set(1.0);
+    // The BPF daemon's two info families too, so that dashboards and alerts on them see
+    // this mode (metrics.rs: `hook_set_info`, `build_info`).
+    let hook_set_info = GaugeVec::new(
+        Opts::new(
+            "spice_observer_hook_set_info",
+            "1, labelled with the set of kernel hooks in use (tcpinfo: none, no framing)",
+        ),
+        &["hook_set"],
+    )?;
+    reg.register(Box::new(hook_set_info.clone()))?;
+    hook_set_info.with_label_values(&[HOOK_SET]).set(1.0);
+    let build_info = GaugeVec::new(
+        Opts::new(
+            "spice_observer_build_info",
+            "1, labelled with the daemon's version",
+        ),
+        &["version"],
+    )?;
+    reg.register(Box::new(build_info.clone()))?;
+    build_info
+        .with_label_values(&[env!("CARGO_PKG_VERSION")])
         .set(1.0);
     let framing = prometheus::Gauge::new(
         "spice_observer_framing",
