@@ -80,11 +80,10 @@ pub enum HookChoice {
     Tracepoints,
     /// [`HookSet::Syscalls`].
     Syscalls,
-    /// No BPF at all: the `tcpinfo` mode ([`crate::cmd::tcpinfo`]), sock_diag polling of the
-    /// watched processes' TCP sockets, without SPICE framing (observe, and the daemon:
-    /// [`crate::cmd::tcpinfo_daemon`]); it is
-    /// never chosen by [`HookChoice::Auto`], and nothing in this module loads it
-    /// ([`choose_hook_set`] refuses it).
+    /// No BPF: sock_diag polling of the watched processes' TCP sockets, TCP state only, no
+    /// SPICE framing; never chosen by `auto`.
+    // The mode is crate::cmd::tcpinfo (observe) and crate::cmd::tcpinfo_daemon; nothing in
+    // this module loads it (choose_hook_set refuses it).
     Tcpinfo,
 }
 
