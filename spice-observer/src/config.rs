@@ -89,7 +89,9 @@ pub struct Config {
     pub tls_hooks: bool,
     /// `hook_set`: the programs that see the socket calls, `"auto"` (default: `tracepoints`
     /// where the kernel has the socket tracepoints, Linux 6.3+, else `syscalls`),
-    /// `"tracepoints"` or `"syscalls"` ([`crate::kernel::loader::HookChoice`]). Needs a
+    /// `"tracepoints"` or `"syscalls"` ([`crate::kernel::loader::HookChoice`]; `"tcpinfo"`:
+    /// the no-BPF mode, TCP gauges per connection without framing,
+    /// [`crate::cmd::tcpinfo_daemon`]). Needs a
     /// restart to change; a pinned set of another hook set is then reloaded, and its open
     /// channels are reported `restarted`.
     pub hook_set: crate::kernel::loader::HookChoice,
@@ -294,6 +296,10 @@ mod tests {
         assert_eq!(
             Config::parse("hook_set = \"syscalls\"\n").unwrap().hook_set,
             crate::kernel::loader::HookChoice::Syscalls
+        );
+        assert_eq!(
+            Config::parse("hook_set = \"tcpinfo\"\n").unwrap().hook_set,
+            crate::kernel::loader::HookChoice::Tcpinfo
         );
         assert!(err("hook_set = \"fentry\"\n").contains("line 1"));
         assert!(err("tls_hooks = \"no\"\n").contains("line 1"));

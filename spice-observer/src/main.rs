@@ -22,7 +22,8 @@ struct Cli {
 enum Command {
     /// Watch processes (spice-server / qemu, a SPICE relay) for a while and report per channel:
     /// framing, ACK window W, in-flight messages (spice-server's exact count), stalls, rates
-    /// and TCP state; with a relay watched too, where each in-flight message is. Run as root.
+    /// and TCP state; with a relay watched too, where each in-flight message is. Run as root
+    /// (`--hook-set tcpinfo`: TCP state only, as the processes' user).
     Observe {
         /// Process to watch: its threads, the children it already has, and those it forks from
         /// now on. A thread id is resolved to its process. Repeatable.
@@ -76,8 +77,10 @@ enum Command {
         no_tls_hooks: bool,
         /// The programs that see the socket calls, when observe loads its own (beside a
         /// daemon it reads the daemon's): `auto` (`tracepoints` where the kernel has the socket
-        /// tracepoints, Linux 6.3+, else `syscalls`), `tracepoints` or `syscalls`. See README,
-        /// Kernel requirements.
+        /// tracepoints, Linux 6.3+, else `syscalls`), `tracepoints` or `syscalls`; or
+        /// `tcpinfo`, the no-BPF mode: TCP state of the processes' sockets polled over
+        /// sock_diag every --sample-ms, no SPICE framing, no privilege needed for one's own
+        /// processes (never chosen by `auto`). See README, Kernel requirements.
         #[arg(long, value_enum, default_value_t = HookChoice::Auto, value_name = "SET",
               env = "SPICE_OBSERVER_HOOK_SET")]
         hook_set: HookChoice,
@@ -94,7 +97,8 @@ enum Command {
     Daemon(spice_observer::cmd::daemon::DaemonArgs),
     /// Say what this host supports, one line per item: kernel BTF, lockdown, cgroup v2,
     /// tracefs, bpffs, bpf_stats, the capabilities present, each hook set (loaded, allowed by
-    /// the kernel but not built yet, refused with the kernel's error, or absent) and the
+    /// the kernel but not built yet, refused with the kernel's error, or absent; the no-BPF
+    /// `tcpinfo` mode: available, never framing) and the
     /// libssl of running QEMU processes. Exits 1 when no framing hook set loads. Run as root
     /// for the hook set probes.
     Doctor(spice_observer::cmd::doctor::DoctorArgs),

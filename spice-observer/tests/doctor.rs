@@ -151,10 +151,13 @@ fn doctor_as_root_names_what_loads_and_leaves_nothing_behind() -> Result<()> {
     let sc = hook_set(&r, "syscalls")?;
     ensure!(sc.built && sc.state == HookState::Loaded, "{sc:?}");
     ensure!(sc.detail.contains("`syscalls+sockops"), "{sc:?}");
+    // The no-BPF mode is built, usable here, and never the framing hook set.
+    let ti = hook_set(&r, "tcpinfo")?;
+    ensure!(ti.built && ti.state == HookState::Available, "{ti:?}");
     for h in r
         .hook_sets
         .iter()
-        .filter(|h| h.name != "tracepoints" && h.name != "syscalls")
+        .filter(|h| !["tracepoints", "syscalls", "tcpinfo"].contains(&h.name.as_str()))
     {
         ensure!(!h.built, "{h:?} is reported built");
         if h.state == HookState::Refused {
@@ -254,6 +257,6 @@ fn doctor_without_capabilities_refuses_and_says_why() -> Result<()> {
     );
     // sock_diag needs no privilege for the no-BPF mode.
     let ti = hook_set(&r, "tcpinfo")?;
-    ensure!(ti.state == HookState::Allowed, "{ti:?}");
+    ensure!(ti.built && ti.state == HookState::Available, "{ti:?}");
     Ok(())
 }

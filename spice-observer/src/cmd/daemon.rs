@@ -150,7 +150,9 @@ pub struct DaemonArgs {
     pub no_tls_hooks: bool,
     /// The programs that see the socket calls (`hook_set`): `auto` (the default:
     /// `tracepoints` where the kernel has the socket tracepoints, else `syscalls`),
-    /// `tracepoints` or `syscalls`; see README, Kernel requirements.
+    /// `tracepoints` or `syscalls`; see README, Kernel requirements. `tcpinfo`: the no-BPF
+    /// mode, per-connection TCP gauges only, no SPICE framing
+    /// ([`crate::cmd::tcpinfo_daemon`]).
     #[arg(long, value_enum, value_name = "SET", env = "SPICE_OBSERVER_HOOK_SET")]
     pub hook_set: Option<crate::kernel::loader::HookChoice>,
 }
@@ -236,6 +238,10 @@ pub fn run(args: DaemonArgs) -> Result<()> {
         return unpin(&unpin_dir(&args)?, args.force);
     }
     let (cfg, path) = resolve(&args)?;
+    if cfg.hook_set == crate::kernel::loader::HookChoice::Tcpinfo {
+        // No BPF, no pins: discovery and sock_diag polling only (cmd/tcpinfo_daemon.rs).
+        return crate::cmd::tcpinfo_daemon::run(cfg, path);
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

@@ -8,10 +8,11 @@
 //! * the capabilities of this process that loading and watching need;
 //! * each hook set: `tracepoints` and `syscalls` are loaded and attached for real (the
 //!   observer's own programs, [`Capture::load`] with that hook set forced, then released);
-//!   for the hook sets not built yet (`fentry`, `kprobes`, and the no-BPF `tcpinfo` mode) an
-//!   empty program of that family is loaded and attached for a moment
-//!   (`spice-ebpf/src/main.rs`: `spice_probe_fentry`, `spice_probe_kprobe`), or the
-//!   sock_diag socket opened, so the line says whether the kernel would allow it;
+//!   for the hook sets not built yet (`fentry`, `kprobes`) an empty program of that family is
+//!   loaded and attached for a moment (`spice-ebpf/src/main.rs`: `spice_probe_fentry`,
+//!   `spice_probe_kprobe`), so the line says whether the kernel would allow it; the no-BPF
+//!   `tcpinfo` mode is built: its sock_diag socket is opened and dumps once (`available`,
+//!   never the framing hook set);
 //! * the libssl files each running QEMU maps (what TLS framing would hook).
 //!
 //! The programs are attached for well under a second and watch no process: their filter
@@ -86,6 +87,9 @@ pub enum HookState {
     Loaded,
     /// Not built in this version, but its program family loads and attaches here.
     Allowed,
+    /// Built and usable here, but it frames nothing: the no-BPF `tcpinfo` mode (TCP state
+    /// only). Never the framing hook set.
+    Available,
     /// The kernel refused the load or the attach (the detail has its error).
     Refused,
     /// The kernel lacks the facility (program type, hook, or kprobes altogether).
@@ -145,7 +149,8 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         Some(_) => Ok(()),
         None => bail!(
             "no framing hook set loads on this host (see the hook set lines above); \
-             observe and daemon cannot run here"
+             observe and daemon cannot run here (except `observe --hook-set tcpinfo`: TCP \
+             state only, if its line says available)"
         ),
     }
 }
@@ -242,6 +247,7 @@ pub fn render(r: &Report) -> String {
         let state = match h.state {
             HookState::Loaded => "loaded",
             HookState::Allowed => "allowed",
+            HookState::Available => "available",
             HookState::Refused => "refused",
             HookState::Absent => "absent",
         };
@@ -608,16 +614,18 @@ fn kprobes() -> HookSet {
     )
 }
 
-/// `tcpinfo`: the no-BPF mode's sock_diag socket.
+/// `tcpinfo`: the no-BPF mode ([`crate::cmd::tcpinfo`]): its sock_diag socket opens and
+/// answers a dump (what every sample of the mode needs; no privilege).
 fn tcpinfo() -> HookSet {
-    match sockdiag::DiagQuery::new() {
+    match sockdiag::DiagQuery::new().and_then(|mut q| q.dump()) {
         Ok(_) => hook(
             "tcpinfo",
-            false,
-            HookState::Allowed,
-            "NETLINK_SOCK_DIAG opens (TCP state only, no framing)",
+            true,
+            HookState::Available,
+            "no BPF: NETLINK_SOCK_DIAG answers; TCP state only, no SPICE framing \
+             (`observe --hook-set tcpinfo`, unprivileged for one's own processes)",
         ),
-        Err(e) => hook("tcpinfo", false, HookState::Refused, format!("{e:#}")),
+        Err(e) => hook("tcpinfo", true, HookState::Refused, format!("{e:#}")),
     }
 }
 
@@ -701,6 +709,12 @@ mod tests {
             hook("fentry", false, HookState::Allowed, "y"),
         ];
         assert_eq!(framing_choice(&sets), None);
+        // The no-BPF mode never frames, even when nothing else loads.
+        let only_tcpinfo = vec![
+            hook("tracepoints", true, HookState::Refused, "x"),
+            hook("tcpinfo", true, HookState::Available, "z"),
+        ];
+        assert_eq!(framing_choice(&only_tcpinfo), None);
         let sets = vec![
             hook("tracepoints", true, HookState::Loaded, "x"),
             hook("fentry", false, HookState::Allowed, "y"),

@@ -6,3 +6,5 @@ pub mod daemon;
 pub mod doctor;
 pub mod observe;
 pub mod service;
+pub mod tcpinfo;
+pub mod tcpinfo_daemon;

@@ -292,6 +292,10 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
             roots.push(tgid);
         }
     }
+    if opts.hook_set == crate::kernel::loader::HookChoice::Tcpinfo {
+        // No BPF: sock_diag polling only (cmd/tcpinfo.rs).
+        return crate::cmd::tcpinfo::run(opts, roots).await;
+    }
     if let Some(p) = opts.json.as_ref().filter(|p| p.as_os_str() != "-") {
         check_writable(p, "JSON report")?;
     }

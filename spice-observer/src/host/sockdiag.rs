@@ -77,6 +77,11 @@ pub struct DiagSocket {
     /// `INET_DIAG_INFO` decoded, when the kernel sent it: it does for full sockets (all states
     /// but `TIME_WAIT` and `SYN_RECV` request sockets).
     pub info: Option<TcpInfo>,
+    /// More of the same `struct tcp_info` ([`TcpInfoMore`]), for the no-BPF `tcpinfo` mode;
+    /// present exactly when [`Self::info`] is. Not serialized (the other reports that carry a
+    /// `DiagSocket` stay as they were).
+    #[serde(skip)]
+    pub more: Option<TcpInfoMore>,
 }
 
 /// The `struct tcp_info` fields (`include/uapi/linux/tcp.h`, filled by `tcp_get_info()` in
@@ -121,6 +126,61 @@ pub struct TcpInfo {
     pub min_rtt_us: u32,
 }
 
+/// The other `struct tcp_info` fields (`include/uapi/linux/tcp.h`, filled by `tcp_get_info()`
+/// in `net/ipv4/tcp.c`) that the no-BPF `tcpinfo` mode reports beside [`TcpInfo`]. As there,
+/// a field past the end of what the running kernel sent reads as 0 (the Linux version that
+/// added each is given when it is later than 4.9).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TcpInfoMore {
+    /// `tcpi_ca_state`: congestion-avoidance state (`enum tcp_ca_state`,
+    /// `include/uapi/linux/tcp.h`): 0 = Open, 1 = Disorder, 2 = CWR, 3 = Recovery, 4 = Loss.
+    pub ca_state: u8,
+    /// `tcpi_retransmits`: retransmission timeouts in a row not yet recovered from
+    /// (`icsk_retransmits`); 0 on a healthy connection.
+    pub retransmits: u8,
+    /// `tcpi_backoff`: exponential backoff of the retransmission timer (`icsk_backoff`).
+    pub backoff: u8,
+    /// `tcpi_rto`: retransmission timeout, microseconds.
+    pub rto_us: u32,
+    /// `tcpi_snd_mss`: sender's maximum segment size, bytes (`mss_cache`).
+    pub snd_mss: u32,
+    /// `tcpi_rcv_mss`: estimate of the peer's segment size, bytes (`rcv_mss`).
+    pub rcv_mss: u32,
+    /// `tcpi_lost`: segments now considered lost (`lost_out`).
+    pub lost: u32,
+    /// `tcpi_retrans`: segments retransmitted and not yet acknowledged (`retrans_out`).
+    pub retrans: u32,
+    /// `tcpi_last_data_sent`: time since the last data segment was sent, milliseconds.
+    pub last_data_sent_ms: u32,
+    /// `tcpi_last_data_recv`: time since the last data segment was received, milliseconds.
+    pub last_data_recv_ms: u32,
+    /// `tcpi_rttvar`: round-trip time variation, microseconds (`mdev_us >> 2`).
+    pub rttvar_us: u32,
+    /// `tcpi_snd_ssthresh`: slow-start threshold, segments (`TCP_INFINITE_SSTHRESH`,
+    /// 0x7fffffff, until the first loss).
+    pub snd_ssthresh: u32,
+    /// `tcpi_pacing_rate`: current pacing rate, bytes per second (`sk_pacing_rate`, Linux
+    /// 3.15; `~0` = unlimited).
+    pub pacing_rate: u64,
+    /// `tcpi_segs_out`: segments sent, retransmissions and pure ACKs included (Linux 4.2).
+    pub segs_out: u32,
+    /// `tcpi_segs_in`: segments received (Linux 4.2).
+    pub segs_in: u32,
+    /// `tcpi_data_segs_out`: segments sent carrying data, retransmissions included (4.6).
+    pub data_segs_out: u32,
+    /// `tcpi_data_segs_in`: segments received carrying data (Linux 4.6).
+    pub data_segs_in: u32,
+    /// `tcpi_delivered`: segments delivered to the peer, retransmissions included (4.18).
+    pub delivered: u32,
+    /// `tcpi_bytes_sent`: bytes sent, retransmissions included (RFC 4898
+    /// tcpEStatsPerfHCDataOctetsOut, Linux 4.19).
+    pub bytes_sent: u64,
+    /// `tcpi_bytes_retrans`: bytes retransmitted (RFC 4898 tcpEStatsPerfOctetsRetrans, 4.19).
+    pub bytes_retrans: u64,
+    /// `tcpi_snd_wnd`: the peer's advertised receive window, bytes (`snd_wnd`, Linux 5.4).
+    pub snd_wnd: u32,
+}
+
 /// Byte offsets of the fields read from `struct tcp_info` (`include/uapi/linux/tcp.h`; the
 /// struct is native-endian and unpacked: eight `__u8` then naturally aligned `__u32`/`__u64`).
 /// Checked against `offsetof()` with the Linux 6.1 UAPI header (sizeof = 232), and by the
@@ -138,6 +198,83 @@ mod tcpi_offset {
     pub const BUSY_TIME: usize = 168;
     pub const RWND_LIMITED: usize = 176;
     pub const SNDBUF_LIMITED: usize = 184;
+    // TcpInfoMore's.
+    pub const CA_STATE: usize = 1;
+    pub const RETRANSMITS: usize = 2;
+    pub const BACKOFF: usize = 4;
+    pub const RTO: usize = 8;
+    pub const SND_MSS: usize = 16;
+    pub const RCV_MSS: usize = 20;
+    pub const LOST: usize = 32;
+    pub const RETRANS: usize = 36;
+    pub const LAST_DATA_SENT: usize = 44;
+    pub const LAST_DATA_RECV: usize = 52;
+    pub const RTTVAR: usize = 72;
+    pub const SND_SSTHRESH: usize = 76;
+    pub const PACING_RATE: usize = 104;
+    pub const SEGS_OUT: usize = 136;
+    pub const SEGS_IN: usize = 140;
+    pub const DATA_SEGS_IN: usize = 152;
+    pub const DATA_SEGS_OUT: usize = 156;
+    pub const DELIVERED: usize = 192;
+    pub const BYTES_SENT: usize = 200;
+    pub const BYTES_RETRANS: usize = 208;
+    pub const SND_WND: usize = 228;
+}
+
+/// Native-endian readers of a `struct tcp_info` payload; a field past its end reads as 0.
+fn tcpi_readers(
+    raw: &[u8],
+) -> (
+    impl Fn(usize) -> u8,
+    impl Fn(usize) -> u32,
+    impl Fn(usize) -> u64,
+) {
+    let u8_at = move |off: usize| raw.get(off).copied().unwrap_or(0);
+    let u32_at = move |off: usize| {
+        raw.get(off..off + 4)
+            .map_or(0, |b| u32::from_ne_bytes(b.try_into().unwrap()))
+    };
+    let u64_at = move |off: usize| {
+        raw.get(off..off + 8)
+            .map_or(0, |b| u64::from_ne_bytes(b.try_into().unwrap()))
+    };
+    (u8_at, u32_at, u64_at)
+}
+
+impl TcpInfoMore {
+    /// Decodes the fields of [`TcpInfoMore`] from an `INET_DIAG_INFO` payload; `None` when
+    /// [`TcpInfo::from_bytes`] would give `None`.
+    pub fn from_bytes(raw: &[u8]) -> Option<TcpInfoMore> {
+        use tcpi_offset::*;
+        if raw.len() < TOTAL_RETRANS + 4 {
+            return None;
+        }
+        let (u8_at, u32_at, u64_at) = tcpi_readers(raw);
+        Some(TcpInfoMore {
+            ca_state: u8_at(CA_STATE),
+            retransmits: u8_at(RETRANSMITS),
+            backoff: u8_at(BACKOFF),
+            rto_us: u32_at(RTO),
+            snd_mss: u32_at(SND_MSS),
+            rcv_mss: u32_at(RCV_MSS),
+            lost: u32_at(LOST),
+            retrans: u32_at(RETRANS),
+            last_data_sent_ms: u32_at(LAST_DATA_SENT),
+            last_data_recv_ms: u32_at(LAST_DATA_RECV),
+            rttvar_us: u32_at(RTTVAR),
+            snd_ssthresh: u32_at(SND_SSTHRESH),
+            pacing_rate: u64_at(PACING_RATE),
+            segs_out: u32_at(SEGS_OUT),
+            segs_in: u32_at(SEGS_IN),
+            data_segs_out: u32_at(DATA_SEGS_OUT),
+            data_segs_in: u32_at(DATA_SEGS_IN),
+            delivered: u32_at(DELIVERED),
+            bytes_sent: u64_at(BYTES_SENT),
+            bytes_retrans: u64_at(BYTES_RETRANS),
+            snd_wnd: u32_at(SND_WND),
+        })
+    }
 }
 
 impl TcpInfo {
@@ -235,6 +372,17 @@ impl DiagQuery {
             answers: Vec::new(),
             seq: 1000,
         })
+    }
+
+    /// [`dump_tcp`] on this query's socket (no new netlink socket per dump): every IPv4 and
+    /// IPv6 TCP socket of the network namespace. Errors as [`dump_tcp`].
+    pub fn dump(&mut self) -> anyhow::Result<Vec<DiagSocket>> {
+        let mut sockets = Vec::new();
+        for family in [AF_INET, AF_INET6] {
+            self.seq = self.seq.wrapping_add(1);
+            dump_family(&self.socket, family, self.seq, &mut self.buf, &mut sockets)?;
+        }
+        Ok(sockets)
     }
 
     /// The current state of one TCP socket, looked up by its addresses and checked against its
@@ -636,15 +784,17 @@ impl DiagSocket {
         let cookie = half(&id.cookie[..4]) | half(&id.cookie[4..]) << 32;
         // Whatever the crate's `rich_nlas` feature (which changes the type inside
         // `Nla::TcpInfo`), the generic `Nla` interface gives back the attribute's raw payload.
-        let info = response
+        let raw_info = response
             .nlas
             .iter()
             .find(|nla| nla.kind() == INET_DIAG_INFO)
-            .and_then(|nla| {
+            .map(|nla| {
                 let mut raw = vec![0; nla.value_len()];
                 nla.emit_value(&mut raw);
-                TcpInfo::from_bytes(&raw)
+                raw
             });
+        let info = raw_info.as_deref().and_then(TcpInfo::from_bytes);
+        let more = raw_info.as_deref().and_then(TcpInfoMore::from_bytes);
         DiagSocket {
             cookie,
             inode: u64::from(header.inode),
@@ -654,6 +804,7 @@ impl DiagSocket {
             recv_queue: header.recv_queue,
             send_queue: header.send_queue,
             info,
+            more,
         }
     }
 }

@@ -80,13 +80,19 @@ pub enum HookChoice {
     Tracepoints,
     /// [`HookSet::Syscalls`].
     Syscalls,
+    /// No BPF: sock_diag polling of the watched processes' TCP sockets, TCP state only, no
+    /// SPICE framing; never chosen by `auto`.
+    // The mode is crate::cmd::tcpinfo (observe) and crate::cmd::tcpinfo_daemon; nothing in
+    // this module loads it (choose_hook_set refuses it).
+    Tcpinfo,
 }
 
 impl HookChoice {
-    /// The hook set this choice forces, `None` for [`HookChoice::Auto`].
+    /// The hook set this choice forces, `None` for [`HookChoice::Auto`] (and for
+    /// [`HookChoice::Tcpinfo`], which loads no hook set).
     pub fn forced(self) -> Option<HookSet> {
         match self {
-            HookChoice::Auto => None,
+            HookChoice::Auto | HookChoice::Tcpinfo => None,
             HookChoice::Tracepoints => Some(HookSet::Tracepoints),
             HookChoice::Syscalls => Some(HookSet::Syscalls),
         }
@@ -169,6 +175,10 @@ pub fn choose_hook_set(
         Ok(())
     };
     match choice {
+        HookChoice::Tcpinfo => bail!(
+            "hook set `tcpinfo` loads no BPF program: it is observe's sock_diag mode \
+             (`spice-observer observe --hook-set tcpinfo`), not a set of programs to load"
+        ),
         HookChoice::Tracepoints => probe().map(|()| (HookSet::Tracepoints, None)),
         HookChoice::Syscalls => Ok((HookSet::Syscalls, None)),
         HookChoice::Auto => match probe() {

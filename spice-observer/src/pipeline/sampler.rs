@@ -771,6 +771,7 @@ mod tests {
                 notsent_bytes: notsent,
                 ..Default::default()
             }),
+            more: None,
         }
     }
 
