@@ -79,6 +79,8 @@ pub mod hook_set {
     /// `raw_tracepoint/sys_exit` (Linux 4.17+): the socket from the syscall's file
     /// descriptor, the byte count from its return value.
     pub const SYSCALLS: u32 = 1;
+    /// `fexit/tcp_sendmsg` and `fexit/tcp_recvmsg` (BPF trampolines, Linux 5.5+).
+    pub const FENTRY: u32 = 2;
 }
 
 /// Version of everything a restarted agent reuses from pinned kernel state: the layouts of
@@ -222,7 +224,7 @@ pub mod layout {
     pub const MESSAGE_EVENT_SIZE: u32 = 3;
     /// Bit 0: the sock_ops program was attached (its pinned link belongs to the set); bit 1:
     /// the socket calls are hooked by hook set `syscalls` (`spice_sys_exit`), not by the
-    /// socket tracepoints.
+    /// socket tracepoints; bit 2: by hook set `fentry` (`spice_fexit_send`, `spice_fexit_recv`).
     pub const HOOKS: u32 = 4;
     /// Number of entries.
     pub const COUNT: u32 = 5;
@@ -230,6 +232,8 @@ pub mod layout {
     pub const HOOK_SOCKOPS: u32 = 1;
     /// [`HOOKS`] bit: hook set `syscalls`.
     pub const HOOK_SYSCALLS: u32 = 2;
+    /// [`HOOKS`] bit: hook set `fentry`.
+    pub const HOOK_FENTRY: u32 = 4;
 }
 
 /// Indexes into the per-CPU counter array `COUNTERS`.

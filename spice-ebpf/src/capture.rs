@@ -692,7 +692,7 @@ fn store_tcp<const RAW: bool>(tp: *const u8, snap: &mut TcpSnapshot, now: u64, s
 /// receive hook's instance has no EAGAIN path, so its program does not contain
 /// [`peek_eagain`], whose frame would otherwise be on its deepest call chain. `RAW`: `call.tp`
 /// is not BTF-typed (hook set `syscalls`, [`kernel::tcp_u32`]).
-pub fn on_call<const SEND: bool, const RAW: bool>(call: &Call, pid_tgid: u64) {
+pub fn on_call<const SEND: bool, const RAW: bool, const THREAD: bool>(call: &Call, pid_tgid: u64) {
     let tgid = (pid_tgid >> 32) as u32;
     let now = unsafe { bpf_ktime_get_ns() };
     count(counter::CALLS_TRACED);
@@ -725,8 +725,14 @@ pub fn on_call<const SEND: bool, const RAW: bool>(call: &Call, pid_tgid: u64) {
     }
 
     let seq_now = store_tcp::<RAW>(call.tp, &mut sock.tcp, now, call.dir == dirs::SEND);
-    // A one-entry per-CPU array: the lookup cannot fail.
-    let Some(sc) = CALL_SCRATCH.get_ptr_mut(0) else {
+    // A one-entry per-CPU array (the lookup cannot fail), or for a preemptible hook the
+    // thread's own entry (`None`: TLS_SCRATCH full; the call is then not framed).
+    let sc = if THREAD {
+        tls_scratch(pid_tgid)
+    } else {
+        CALL_SCRATCH.get_ptr_mut(0)
+    };
+    let Some(sc) = sc else {
         return;
     };
     run_call::<SEND>(sock, call, tgid, now, Some(seq_now), unsafe { &mut *sc });

@@ -1,11 +1,12 @@
 //! spice-observer's kernel programs, hook sets `tracepoints` (`spice_sock_send`,
-//! `spice_sock_recv`) and `syscalls` (`spice_sys_exit`) with the programs both share (see
-//! README "Kernel requirements"), plus uprobes on libssl for TLS plaintext (`probes/tls.rs`).
+//! `spice_sock_recv`), `fentry` (`spice_fexit_send`, `spice_fexit_recv`) and `syscalls`
+//! (`spice_sys_exit`) with the programs they share (see README "Kernel requirements"), plus
+//! uprobes on libssl for TLS plaintext (`probes/tls.rs`).
 //!
 //! Entry points are thin: they unpack their context and call the hook family in `probes/`,
 //! which hands socket calls to `capture`, where the shared framing state machine
-//! (`spice_ebpf_common::framing`) runs. Another hook set (fentry/fexit, kprobes) would add
-//! entry points here and reuse `capture` unchanged.
+//! (`spice_ebpf_common::framing`) runs. Another hook set (kprobes) would add entry points here
+//! and reuse `capture` unchanged.
 #![no_std]
 #![no_main]
 // The atomic intrinsics of `capture::take_window_lock` (the eBPF build uses a pinned nightly).
@@ -18,9 +19,9 @@ mod maps;
 mod probes;
 
 use aya_ebpf::{
-    macros::{btf_tracepoint, fentry, kprobe, raw_tracepoint, sock_ops, uprobe, uretprobe},
+    macros::{btf_tracepoint, fexit, kprobe, raw_tracepoint, sock_ops, uprobe, uretprobe},
     programs::{
-        BtfTracePointContext, FEntryContext, ProbeContext, RawTracePointContext, RetProbeContext,
+        BtfTracePointContext, FExitContext, ProbeContext, RawTracePointContext, RetProbeContext,
         SockOpsContext,
     },
 };
@@ -29,14 +30,41 @@ use spice_ebpf_common::event::{dir, tls_func};
 /// Socket send result (`sock_send_length(sk, ret, flags)`).
 #[btf_tracepoint(function = "sock_send_length")]
 pub fn spice_sock_send(ctx: BtfTracePointContext) -> i32 {
-    probes::sock_calls::on_sock_length(ctx.arg(0), ctx.arg(1), ctx.arg(2), dir::SEND);
+    probes::sock_calls::on_sock_length::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), dir::SEND);
     0
 }
 
 /// Socket receive result (`sock_recv_length(sk, ret, flags)`).
 #[btf_tracepoint(function = "sock_recv_length")]
 pub fn spice_sock_recv(ctx: BtfTracePointContext) -> i32 {
-    probes::sock_calls::on_sock_length(ctx.arg(0), ctx.arg(1), ctx.arg(2), dir::RECV);
+    probes::sock_calls::on_sock_length::<false>(ctx.arg(0), ctx.arg(1), ctx.arg(2), dir::RECV);
+    0
+}
+
+/// Hook set `fentry`: `tcp_sendmsg(sk, msg, size)` returned (net/ipv4/tcp.c; every TCP send
+/// path of a socket file reaches it through `inet_sendmsg`). fexit sees the arguments and, after
+/// them, the return value: the bytes taken.
+#[fexit(function = "tcp_sendmsg")]
+pub fn spice_fexit_send(ctx: FExitContext) -> i32 {
+    probes::sock_calls::on_sock_length::<true>(ctx.arg(0), ctx.arg(3), 0, dir::SEND);
+    0
+}
+
+/// Hook set `fentry`: `tcp_recvmsg(sk, msg, len, flags, addr_len)` returned (net/ipv4/tcp.c;
+/// five arguments since Linux 5.19, "net: remove noblock parameter from recvmsg() entities"): the bytes given.
+#[fexit(function = "tcp_recvmsg")]
+pub fn spice_fexit_recv(ctx: FExitContext) -> i32 {
+    probes::sock_calls::on_sock_length::<true>(ctx.arg(0), ctx.arg(5), ctx.arg(3), dir::RECV);
+    0
+}
+
+/// Hook set `fentry`, kernels before 6.5: `tcp_sendpage(sk, page, offset, size, flags)`
+/// returned (sendfile and splice to a TCP socket; Linux 6.5 removed it, those go through
+/// `tcp_sendmsg` since). The bytes are not in a user buffer: the call is classified from the
+/// syscall's registers as unsupported, and its direction marked `untraced bytes`.
+#[fexit(function = "tcp_sendpage")]
+pub fn spice_fexit_sendpage(ctx: FExitContext) -> i32 {
+    probes::sock_calls::on_sock_length::<true>(ctx.arg(0), ctx.arg(5), 0, dir::SEND);
     0
 }
 
@@ -178,13 +206,6 @@ pub fn spice_ref_floor(ctx: BtfTracePointContext) -> i32 {
 // Probe programs for `spice-observer doctor` (`probes/reference.rs`): empty, each on a hook of
 // a program family another hook set would use, loaded and attached once to learn whether the
 // kernel allows that family; never attached by the observer.
-
-/// Empty `fentry/tcp_sendmsg`: does this kernel load and attach BPF trampolines (hook set
-/// `fentry`)?
-#[fentry(function = "tcp_sendmsg")]
-pub fn spice_probe_fentry(_ctx: FEntryContext) -> i32 {
-    probes::reference::nothing()
-}
 
 /// Empty `kprobe` (attached to `tcp_sendmsg`): does this kernel have kprobes (hook set
 /// `kprobes`)?

@@ -151,13 +151,20 @@ fn doctor_as_root_names_what_loads_and_leaves_nothing_behind() -> Result<()> {
     let sc = hook_set(&r, "syscalls")?;
     ensure!(sc.built && sc.state == HookState::Loaded, "{sc:?}");
     ensure!(sc.detail.contains("`syscalls+sockops"), "{sc:?}");
+    // `fentry` is built; this machine's kernel refuses BPF trampolines (EPERM at the load),
+    // which doctor must say with the kernel's own error.
+    let fe = hook_set(&r, "fentry")?;
+    ensure!(
+        fe.built && fe.state == HookState::Refused && fe.detail.contains("os error"),
+        "{fe:?}"
+    );
     // The no-BPF mode is built, usable here, and never the framing hook set.
     let ti = hook_set(&r, "tcpinfo")?;
     ensure!(ti.built && ti.state == HookState::Available, "{ti:?}");
     for h in r
         .hook_sets
         .iter()
-        .filter(|h| !["tracepoints", "syscalls", "tcpinfo"].contains(&h.name.as_str()))
+        .filter(|h| !["tracepoints", "fentry", "syscalls", "tcpinfo"].contains(&h.name.as_str()))
     {
         ensure!(!h.built, "{h:?} is reported built");
         if h.state == HookState::Refused {

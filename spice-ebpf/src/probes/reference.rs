@@ -6,8 +6,7 @@
 //! `bpf_stats` itself adds. The observer never attaches them (`observe` and `daemon` load only
 //! the programs they name); the hidden `spice-observer bench reference` attaches them alone.
 //! `spice-observer doctor` uses the same empty body for its probe programs
-//! (`spice_probe_fentry`, `spice_probe_kprobe`, and `spice_ref_sys_enter` for raw
-//! tracepoints): attached for a moment to learn whether the kernel allows that family.
+//! (`spice_probe_kprobe`): attached for a moment to learn whether the kernel allows kprobes.
 
 /// The whole body of a reference program: nothing, return 0.
 #[inline(always)]

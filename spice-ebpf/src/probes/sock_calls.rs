@@ -20,9 +20,12 @@ pub const MSG_ERRQUEUE: i32 = 0x2000;
 /// (`tcp_recvmsg_locked`): they are the stream's, but not in the user buffer.
 pub const MSG_TRUNC: i32 = 0x20;
 
-/// Handles a socket call result. `direction` is [`dir::SEND`] or [`dir::RECV`].
+/// Handles a socket call result. `direction` is [`dir::SEND`] or [`dir::RECV`]. `THREAD`: the
+/// hook is preemptible (fexit trampolines only disable migration, `__bpf_prog_enter`,
+/// kernel/bpf/trampoline.c), so the call's framing state takes the thread's scratch entry,
+/// not this CPU's.
 #[inline(always)]
-pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
+pub fn on_sock_length<const THREAD: bool>(sk: *const u8, ret: i32, flags: i32, direction: u8) {
     let pid_tgid = bpf_get_current_pid_tgid();
     // Most processes are turned away by the array filter inside, with one load.
     let Some(route) = traced_route((pid_tgid >> 32) as u32) else {
@@ -51,8 +54,8 @@ pub fn on_sock_length(sk: *const u8, ret: i32, flags: i32, direction: u8) {
     };
     // `direction` is a constant in each program: one instance each.
     if direction == dir::SEND {
-        on_call::<true, false>(&call, pid_tgid);
+        on_call::<true, false, THREAD>(&call, pid_tgid);
     } else {
-        on_call::<false, false>(&call, pid_tgid);
+        on_call::<false, false, THREAD>(&call, pid_tgid);
     }
 }

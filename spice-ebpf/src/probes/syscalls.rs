@@ -199,5 +199,5 @@ pub fn on_sys_exit(ret: i64) {
         ret: ret as i32,
         args,
     };
-    on_call::<true, true>(&call, pid_tgid);
+    on_call::<true, true, false>(&call, pid_tgid);
 }

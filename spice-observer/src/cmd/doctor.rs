@@ -6,11 +6,12 @@
 //!   lockdown mode, the cgroup-v2 mount (sockops), tracefs, bpffs, `kernel.bpf_stats_enabled`,
 //!   `kernel.unprivileged_bpf_disabled`;
 //! * the capabilities of this process that loading and watching need;
-//! * each hook set: `tracepoints` and `syscalls` are loaded and attached for real (the
-//!   observer's own programs, [`Capture::load`] with that hook set forced, then released);
-//!   for the hook sets not built yet (`fentry`, `kprobes`) an empty program of that family is
-//!   loaded and attached for a moment (`spice-ebpf/src/main.rs`: `spice_probe_fentry`,
-//!   `spice_probe_kprobe`), so the line says whether the kernel would allow it; the no-BPF
+//! * each hook set: `tracepoints`, `syscalls` and `fentry` are loaded and attached for real
+//!   (the observer's own programs, [`Capture::load`] with that hook set forced, then
+//!   released; `auto`'s two choices first, `fentry` is used only when forced); for `kprobes`,
+//!   not built yet, an empty kprobe is loaded and attached for a moment
+//!   (`spice-ebpf/src/main.rs`: `spice_probe_kprobe`), so the line says whether the kernel
+//!   would allow it; the no-BPF
 //!   `tcpinfo` mode is built: its sock_diag socket is opened and dumps once (`available`,
 //!   never the framing hook set);
 //! * the libssl files each running QEMU maps (what TLS framing would hook).
@@ -22,10 +23,10 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, anyhow, bail};
 use aya::{
-    Btf, EbpfLoader,
-    programs::{FEntry, KProbe, ProgramError},
+    EbpfLoader,
+    programs::{KProbe, ProgramError},
 };
 use caps::{CapSet, Capability};
 use clap::Args;
@@ -213,7 +214,7 @@ pub fn probe() -> Report {
     let hook_sets = vec![
         full_set(loader::HookSet::Tracepoints),
         full_set(loader::HookSet::Syscalls),
-        fentry(),
+        full_set(loader::HookSet::Fentry),
         kprobes(),
         tcpinfo(),
     ];
@@ -561,24 +562,6 @@ fn family(
             None => hook(name, false, HookState::Refused, format!("{e:#}")),
         },
     }
-}
-
-/// `fentry`: a BPF trampoline on `tcp_sendmsg`.
-fn fentry() -> HookSet {
-    family(
-        "fentry",
-        || {
-            let mut ebpf = probe_object()?;
-            let btf = Btf::from_sys_fs().context("loading kernel BTF")?;
-            let p: &mut FEntry = probe_program(&mut ebpf, "spice_probe_fentry")?;
-            p.load("tcp_sendmsg", &btf)
-                .map_err(|e| prog_error("loading fentry/tcp_sendmsg", e))?;
-            p.attach()
-                .map_err(|e| prog_error("attaching fentry/tcp_sendmsg", e))?;
-            Ok("fentry/tcp_sendmsg attaches".into())
-        },
-        || None,
-    )
 }
 
 /// Where the kernel offers kprobes: the perf PMU, or the legacy tracefs file.

@@ -87,6 +87,15 @@ impl KernelBtf {
             .any(|t| matches!(t, TypeVariant::Typedef(td) if td.name().as_deref() == Some(name)))
     }
 
+    /// True if the BTF has a function named `name` (a `BTF_KIND_FUNC`): one that fentry/fexit
+    /// programs can attach to.
+    pub fn has_function(&self, name: &str) -> bool {
+        self.info
+            .get()
+            .values()
+            .any(|t| matches!(t, TypeVariant::Func(f) if f.name().as_deref() == Some(name)))
+    }
+
     /// Fills every offset of [`KernelConfig`]; `self_tgid` is set to this process and
     /// `ring_wakeup_bytes` to the machine's share for its possible CPUs
     /// (`/sys/devices/system/cpu/possible`, as per-CPU maps count them); `hook_set` is

@@ -32,7 +32,7 @@ use aya::{
     Btf, Ebpf, EbpfLoader,
     maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf},
     programs::{
-        BtfTracePoint, ProbeKind, ProgramError, ProgramType, RawTracePoint, SockOps, UProbe,
+        BtfTracePoint, FExit, ProbeKind, ProgramError, ProgramType, RawTracePoint, SockOps, UProbe,
         links::{CgroupAttachMode, FdLink, PinnedLink},
         uprobe::{UProbeLink, UProbeScope},
     },
@@ -68,18 +68,35 @@ const SOCK_TRACEPOINTS: usize = 2;
 /// Hook set `syscalls`' program (`raw_tracepoint/sys_exit`).
 const SYS_EXIT: (&str, &str) = ("spice_sys_exit", "sys_exit");
 
+/// Hook set `fentry`'s programs: (program name, kernel function), `fexit` on the TCP send and
+/// receive functions every socket-file path reaches (`inet_sendmsg` / `inet_recvmsg`,
+/// net/ipv4/af_inet.c), global functions on every kernel since BPF trampolines (5.5).
+const FEXITS: [(&str, &str); 2] = [
+    ("spice_fexit_send", "tcp_sendmsg"),
+    ("spice_fexit_recv", "tcp_recvmsg"),
+];
+
+/// Hook set `fentry`'s program on `tcp_sendpage` (sendfile and splice before Linux 6.5, which
+/// removed the function): attached where the kernel's BTF has it, so that those calls mark
+/// their direction `untraced bytes` as under the other sets. Not part of a pinned set's
+/// required links ([`HookSet::attached`]).
+const FEXIT_SENDPAGE: (&str, &str) = ("spice_fexit_sendpage", "tcp_sendpage");
+
 /// Which hook set to load, as asked for (`--hook-set`, the daemon's `hook_set`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum HookChoice {
     /// `tracepoints` where the kernel has both socket tracepoints, else `syscalls`
-    /// ([`choose_hook_set`]).
+    /// ([`choose_hook_set`]; `fentry` is not chosen yet, README "Kernel requirements").
     #[default]
     Auto,
     /// [`HookSet::Tracepoints`]; an error on a kernel without the socket tracepoints.
     Tracepoints,
     /// [`HookSet::Syscalls`].
     Syscalls,
+    /// [`HookSet::Fentry`]; an error with the kernel's refusal where BPF trampolines are not
+    /// allowed.
+    Fentry,
     /// No BPF: sock_diag polling of the watched processes' TCP sockets, TCP state only, no
     /// SPICE framing; never chosen by `auto`.
     // The mode is crate::cmd::tcpinfo (observe) and crate::cmd::tcpinfo_daemon; nothing in
@@ -95,6 +112,7 @@ impl HookChoice {
             HookChoice::Auto | HookChoice::Tcpinfo => None,
             HookChoice::Tracepoints => Some(HookSet::Tracepoints),
             HookChoice::Syscalls => Some(HookSet::Syscalls),
+            HookChoice::Fentry => Some(HookSet::Fentry),
         }
     }
 }
@@ -104,6 +122,7 @@ impl From<HookSet> for HookChoice {
         match set {
             HookSet::Tracepoints => HookChoice::Tracepoints,
             HookSet::Syscalls => HookChoice::Syscalls,
+            HookSet::Fentry => HookChoice::Fentry,
         }
     }
 }
@@ -120,6 +139,10 @@ pub enum HookSet {
     /// turns away all but the watched processes' socket reads and writes and finds the socket
     /// from the file descriptor. For kernels without the socket tracepoints.
     Syscalls,
+    /// `fexit/tcp_sendmsg` and `fexit/tcp_recvmsg` (BPF trampolines): one program run per TCP
+    /// send or receive, nothing on other syscalls; the arguments and the byte count are those
+    /// of the function. For kernels without the socket tracepoints that allow trampolines.
+    Fentry,
 }
 
 impl HookSet {
@@ -128,6 +151,7 @@ impl HookSet {
         match self {
             HookSet::Tracepoints => "tracepoints",
             HookSet::Syscalls => "syscalls",
+            HookSet::Fentry => "fentry",
         }
     }
 
@@ -136,6 +160,7 @@ impl HookSet {
         match self {
             HookSet::Tracepoints => hook_set::TRACEPOINTS,
             HookSet::Syscalls => hook_set::SYSCALLS,
+            HookSet::Fentry => hook_set::FENTRY,
         }
     }
 
@@ -143,15 +168,17 @@ impl HookSet {
     fn btf_tracepoints(self) -> &'static [(&'static str, &'static str)] {
         match self {
             HookSet::Tracepoints => &BTF_TRACEPOINTS,
-            HookSet::Syscalls => &BTF_TRACEPOINTS[SOCK_TRACEPOINTS..],
+            HookSet::Syscalls | HookSet::Fentry => &BTF_TRACEPOINTS[SOCK_TRACEPOINTS..],
         }
     }
 
     /// The names of every program it attaches at load (sock_ops aside).
     fn attached(self) -> Vec<&'static str> {
         let mut v: Vec<&str> = self.btf_tracepoints().iter().map(|(n, _)| *n).collect();
-        if self == HookSet::Syscalls {
-            v.push(SYS_EXIT.0);
+        match self {
+            HookSet::Syscalls => v.push(SYS_EXIT.0),
+            HookSet::Fentry => v.extend(FEXITS.iter().map(|(n, _)| *n)),
+            HookSet::Tracepoints => {}
         }
         v
     }
@@ -181,8 +208,11 @@ pub fn choose_hook_set(
         ),
         HookChoice::Tracepoints => probe().map(|()| (HookSet::Tracepoints, None)),
         HookChoice::Syscalls => Ok((HookSet::Syscalls, None)),
+        HookChoice::Fentry => Ok((HookSet::Fentry, None)),
         HookChoice::Auto => match probe() {
             Ok(()) => Ok((HookSet::Tracepoints, None)),
+            // Not `fentry` yet: it fails one kernel-path test on 6.1 (README, Kernel
+            // requirements), so it is only used when forced.
             Err(e) => Ok((
                 HookSet::Syscalls,
                 Some(format!(
@@ -192,6 +222,38 @@ pub fn choose_hook_set(
             )),
         },
     }
+}
+
+/// Loads and attaches hook set `fentry`'s programs ([`FEXITS`], and [`FEXIT_SENDPAGE`] with
+/// `sendpage`): (name, program id, link if `pin`).
+/// Errors with the kernel's refusal (a verifier log, EPERM where trampolines are not allowed,
+/// a missing function).
+fn attach_fexits(
+    ebpf: &mut Ebpf,
+    btf: &Btf,
+    pin: bool,
+    sendpage: bool,
+) -> Result<Vec<(&'static str, u32, Option<FdLink>)>> {
+    let mut out = Vec::new();
+    for &(name, func) in FEXITS.iter().chain(sendpage.then_some(&FEXIT_SENDPAGE)) {
+        let prog: &mut FExit = ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("program {name} missing from the object"))?
+            .try_into()?;
+        prog.load(func, btf)
+            .map_err(|e| load_error(name, &format!("fexit/{func}"), e))?;
+        let id = prog
+            .attach()
+            .with_context(|| format!("attaching fexit/{func}"))?;
+        let pid = prog.info()?.id();
+        // The link stays with the program (detached with it) unless it is to be pinned.
+        let link = match pin {
+            true => Some(prog.take_link(id)?.into()),
+            false => None,
+        };
+        out.push((name, pid, link));
+    }
+    Ok(out)
 }
 
 /// Turns on the kernel's BPF run-time statistics (`BPF_ENABLE_STATS` with
@@ -226,7 +288,7 @@ const SOCKOPS: &str = "spice_sockops";
 /// `prog_<name>`): the [`BTF_TRACEPOINTS`], [`SYS_EXIT`], sock_ops and the
 /// libssl uprobes ([`tls::PROGRAMS`]; pinned as `prog_<name>`; their links are per process,
 /// pinned by the daemon as `tls_…` ([`tls::PinName`])).
-const PROGRAMS: [&str; 14] = [
+const PROGRAMS: [&str; 17] = [
     BTF_TRACEPOINTS[0].0,
     BTF_TRACEPOINTS[1].0,
     BTF_TRACEPOINTS[2].0,
@@ -234,6 +296,9 @@ const PROGRAMS: [&str; 14] = [
     BTF_TRACEPOINTS[4].0,
     BTF_TRACEPOINTS[5].0,
     SYS_EXIT.0,
+    FEXITS[0].0,
+    FEXITS[1].0,
+    FEXIT_SENDPAGE.0,
     SOCKOPS,
     tls::PROGRAMS[0].name,
     tls::PROGRAMS[1].name,
@@ -900,9 +965,13 @@ fn require_tracepoint(
 /// The kernel refused to load program `name` (for `hook`): its errno and the verifier's log.
 /// A hard error (the kernel has the feature, it probed present): a rejection is a bug here.
 fn refused(name: &str, hook: &str, io_error: &std::io::Error, verifier_log: &str) -> anyhow::Error {
-    anyhow!(
-        "the kernel refused program `{name}` ({hook}): {io_error}\nverifier log:\n{verifier_log}"
-    )
+    // A refusal before the verifier ran (EPERM for a trampoline) leaves no log.
+    match verifier_log.trim() {
+        "" => anyhow!("the kernel refused program `{name}` ({hook}): {io_error} (no verifier log)"),
+        log => anyhow!(
+            "the kernel refused program `{name}` ({hook}): {io_error}\nverifier log:\n{log}"
+        ),
+    }
 }
 
 /// Explains a program load failure for `hook`, keeping the verifier's log. Never contains
@@ -1008,7 +1077,7 @@ impl Capture {
         // scans every type of the kernel's BTF).
         let probed = match set {
             HookSet::Tracepoints => SOCK_TRACEPOINTS,
-            HookSet::Syscalls => 0,
+            HookSet::Syscalls | HookSet::Fentry => 0,
         };
         for (i, &(name, tp)) in set.btf_tracepoints().iter().enumerate() {
             if i >= probed {
@@ -1030,6 +1099,17 @@ impl Capture {
             }
         }
 
+        // `fentry`: the kernel decides (trampolines are refused on hosts like the one this
+        // was built on: EPERM at the load, with no verifier log).
+        if set == HookSet::Fentry {
+            let sendpage = kbtf.has_function(FEXIT_SENDPAGE.1);
+            for (name, id, link) in attach_fexits(&mut ebpf, &btf, pin.is_some(), sendpage)? {
+                programs.push((name.into(), id));
+                if let Some(link) = link {
+                    pin_link(link, name, &mut links)?;
+                }
+            }
+        }
         if set == HookSet::Syscalls {
             let (name, tp) = SYS_EXIT;
             require(
@@ -1144,8 +1224,10 @@ impl Capture {
             } else {
                 0
             };
-            if set == HookSet::Syscalls {
-                hooks |= layout::HOOK_SYSCALLS;
+            match set {
+                HookSet::Syscalls => hooks |= layout::HOOK_SYSCALLS,
+                HookSet::Fentry => hooks |= layout::HOOK_FENTRY,
+                HookSet::Tracepoints => {}
             }
             lay.set(layout::HOOKS, hooks, 0)?;
         }
@@ -1230,6 +1312,8 @@ impl Capture {
         let sockops = layout[layout::HOOKS as usize] & layout::HOOK_SOCKOPS != 0;
         let set = if layout[layout::HOOKS as usize] & layout::HOOK_SYSCALLS != 0 {
             HookSet::Syscalls
+        } else if layout[layout::HOOKS as usize] & layout::HOOK_FENTRY != 0 {
+            HookSet::Fentry
         } else {
             HookSet::Tracepoints
         };
