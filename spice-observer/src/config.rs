@@ -301,7 +301,11 @@ mod tests {
             Config::parse("hook_set = \"tcpinfo\"\n").unwrap().hook_set,
             crate::kernel::loader::HookChoice::Tcpinfo
         );
-        assert!(err("hook_set = \"fentry\"\n").contains("line 1"));
+        assert_eq!(
+            Config::parse("hook_set = \"fentry\"\n").unwrap().hook_set,
+            crate::kernel::loader::HookChoice::Fentry
+        );
+        assert!(err("hook_set = \"kprobes\"\n").contains("line 1"));
         assert!(err("tls_hooks = \"no\"\n").contains("line 1"));
         assert!(!c.discovery.qemu);
         assert!(c.discovery.xspice);
