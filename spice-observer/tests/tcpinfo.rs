@@ -279,17 +279,9 @@ fn conn_of(r: &Report, port: u16) -> Result<&Connection> {
     Ok(found[0])
 }
 
-#[test]
-fn tcpinfo_mode_reads_a_real_session_unprivileged() -> Result<()> {
-    const T: &str = "tcpinfo_mode_reads_a_real_session_unprivileged";
-    if let Some(why) = missing() {
-        return cannot(T, &why);
-    }
-    let uid = run_uid();
-    let scratch = Scratch::new()?;
-    let dir = &scratch.0;
-    // Copies the unprivileged user can read and run (the checkout and the build tree may
-    // be private to root).
+/// Copies of the rig and the observer in `dir` that the unprivileged user can read and run
+/// (the checkout and the build tree may be private to root); returns the observer's path.
+fn stage(dir: &std::path::Path) -> Result<std::path::PathBuf> {
     sh(Command::new("cp")
         .arg("-r")
         .arg(common::rig())
@@ -301,6 +293,19 @@ fn tcpinfo_mode_reads_a_real_session_unprivileged() -> Result<()> {
         .arg("a+rX")
         .arg(dir.join("rig")))?;
     sh(Command::new("chmod").arg("755").arg(&bin))?;
+    Ok(bin)
+}
+
+#[test]
+fn tcpinfo_mode_reads_a_real_session_unprivileged() -> Result<()> {
+    const T: &str = "tcpinfo_mode_reads_a_real_session_unprivileged";
+    if let Some(why) = missing() {
+        return cannot(T, &why);
+    }
+    let uid = run_uid();
+    let scratch = Scratch::new()?;
+    let dir = &scratch.0;
+    let bin = stage(dir)?;
 
     // Noise frames (incompressible: megabytes on the display channel) for 5 s, then idle.
     let x = Xspice::start(
@@ -553,17 +558,7 @@ fn tcpinfo_daemon_serves_tcp_gauges_unprivileged() -> Result<()> {
     let uid = run_uid();
     let scratch = Scratch::new()?;
     let dir = &scratch.0;
-    sh(Command::new("cp")
-        .arg("-r")
-        .arg(common::rig())
-        .arg(dir.join("rig")))?;
-    let bin = dir.join("spice-observer");
-    std::fs::copy(BIN, &bin)?;
-    sh(Command::new("chmod")
-        .arg("-R")
-        .arg("a+rX")
-        .arg(dir.join("rig")))?;
-    sh(Command::new("chmod").arg("755").arg(&bin))?;
+    let bin = stage(dir)?;
     // An empty config file: the built-in defaults, whatever /etc holds.
     let config = dir.join("config.toml");
     std::fs::write(&config, "")?;
