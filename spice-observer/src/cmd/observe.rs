@@ -348,11 +348,12 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
         }
     };
     eprintln!("spice-observer: {}", engine.source().line());
+    // Nothing is reported unless the hooks count a known SPICE exchange exactly. Before the
+    // dump starts: the test's records are not the observation's.
+    engine.self_test()?;
     if let Some(p) = &opts.dump_events {
         engine.dump_events(p)?;
     }
-    // Nothing is reported unless the hooks count a known SPICE exchange exactly.
-    engine.self_test()?;
     // The libssl hooks of each process are attached before it is watched, so that its
     // sockets' first calls already run inside hooked functions; then at each tick for the
     // processes watched since (forked children), and again for those without a libssl.
