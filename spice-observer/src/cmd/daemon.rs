@@ -150,8 +150,9 @@ pub struct DaemonArgs {
     pub no_tls_hooks: bool,
     /// The programs that see the socket calls (`hook_set`): `auto` (the default:
     /// `tracepoints` where the kernel has the socket tracepoints, else `syscalls`),
-    /// `tracepoints`, `syscalls` or `fentry` (experimental, never chosen by `auto`); see README, Kernel requirements. `tcpinfo`: the no-BPF
-    /// mode, per-connection TCP gauges only, no SPICE framing
+    /// `tracepoints`, `syscalls` or `fentry` (experimental, never chosen by `auto`); see
+    /// README, Kernel requirements. `tcpinfo`: the no-BPF mode, per-connection TCP gauges
+    /// only, no SPICE framing
     /// ([`crate::cmd::tcpinfo_daemon`]).
     #[arg(long, value_enum, value_name = "SET", env = "SPICE_OBSERVER_HOOK_SET")]
     pub hook_set: Option<crate::kernel::loader::HookChoice>,

@@ -166,7 +166,7 @@ pub struct Engine {
     pin_dir: Option<PathBuf>,
     /// Set when the engine reads the daemon's pinned set beside it ([`Engine::start_beside`]).
     tap: Option<Tap>,
-    /// What the start-up self-test found ([`Engine::self_test`]).
+    /// What the start-up self-test found when it passed ([`Engine::self_test`]).
     self_test: Option<super::selftest::SelfTestReport>,
     /// The kernel counters' growth over the self-test, taken out of every snapshot's
     /// (zeros when something else was watched meanwhile: a continued pinned set).
@@ -1192,11 +1192,9 @@ impl Engine {
                 *d = a.saturating_sub(b);
             }
         }
-        res.map(Some)
-    }
-
-    pub(super) fn set_self_test(&mut self, rep: super::selftest::SelfTestReport) {
-        self.self_test = Some(rep);
+        let rep = res?;
+        self.self_test = Some(rep.clone());
+        Ok(Some(rep))
     }
 
     /// Drops the self-test child `pid` at once: unwatches it, takes its listening `port` out
