@@ -275,10 +275,37 @@ fn message_channel_type(st: &DirState, peer: &PeerView) -> u8 {
 /// record (counted) but never the kernel's state.
 ///
 /// Records are written in place in the ring: the BPF stack is 512 bytes for the whole chain.
-#[inline(never)]
+#[inline(always)]
 fn emit_message(ec: &EmitCtx, sock: *mut SockState, m: &MessageInfo, meta: u32) {
+    let _ = spice_emit_message(ec, sock, m, meta);
+}
+
+/// [`emit_message`] as a BPF global function: the verifier checks it once, on its own (its
+/// pointer arguments are memory of their types' sizes, maybe null), and each call of it only
+/// against its signature, with an unknown result (kernel/bpf/verifier.c, "Func#N is global
+/// and assumed valid"; Linux 5.6, pointer arguments 5.12). As a static function it was
+/// checked again on every path that reached a call, each path through the window rule
+/// multiplying the paths after it: inside the `bpf_loop` callbacks, where the verifier
+/// prunes only paths with the same constants, `spice_sock_send`, `spice_sys_exit` and
+/// `spice_ssl_ret` went past its 1M instructions on a Linux 6.18 build (6.18.44,
+/// November 2026; an earlier build of the same version had accepted them). `no_mangle` keeps
+/// the symbol external, so its BTF linkage is global (`bpftool btf dump file` shows
+/// `FUNC 'spice_emit_message' … linkage=global`). Returns 0.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub(crate) extern "C" fn spice_emit_message(
+    ec: *const EmitCtx,
+    sock: *mut SockState,
+    m: *const MessageInfo,
+    meta: u32,
+) -> i32 {
+    if ec.is_null() || sock.is_null() || m.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null; the caller's scratch entry and the socket's SOCKETS value.
+    let (ec, m) = unsafe { (&*ec, &*m) };
     if m.already_reported {
-        return;
+        return 0;
     }
     let (flags, role, channel_type) = (meta as u8, (meta >> 8) as u8, (meta >> 16) as u8);
     count(counter::MESSAGES_FRAMED);
@@ -311,6 +338,7 @@ fn emit_message(ec: &EmitCtx, sock: *mut SockState, m: &MessageInfo, meta: u32) 
         (*p).win_effects = fx;
         (*p)._pad = [0; 3];
     });
+    0
 }
 
 /// Takes a socket's window lock ([`SockState::window_lock`], at `lock`) within
@@ -1100,7 +1128,7 @@ fn offer_call_start(st: &mut DirState, call: &Call, at: u64, moved: u64) {
 /// reached through its `SOCKETS` value, passed beside it.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct EmitCtx {
+pub(crate) struct EmitCtx {
     hdr: EventHeader,
     seq_base: u32,
     /// The rings the records go to ([`CallArgs::watch`]).
