@@ -60,6 +60,7 @@ const BPF_NOEXIST: u64 = 1;
 static HUNT_TABLE: [u32; HUNT_TYPES_LEN] = HUNT_TYPES;
 
 /// One socket call as seen by a hook.
+#[repr(C)]
 pub struct Call {
     /// `struct sock *` of the socket (null for the plaintext of a libssl call).
     pub sk: *const u8,
@@ -720,17 +721,67 @@ fn store_tcp<const RAW: bool>(tp: *const u8, snap: &mut TcpSnapshot, now: u64, s
 /// receive hook's instance has no EAGAIN path, so its program does not contain
 /// [`peek_eagain`], whose frame would otherwise be on its deepest call chain. `RAW`: `call.tp`
 /// is not BTF-typed (hook set `syscalls`, [`kernel::tcp_u32`]).
+#[inline(always)]
 pub fn on_call<const SEND: bool, const RAW: bool, const THREAD: bool>(call: &Call, pid_tgid: u64) {
-    let tgid = (pid_tgid >> 32) as u32;
-    let now = unsafe { bpf_ktime_get_ns() };
     count(counter::CALLS_TRACED);
-    let eagain_send = SEND && call.dir == dirs::SEND && call.ret == -EAGAIN;
-    if call.ret <= 0 && !eagain_send {
+    // Decided here, in the hook's own frame, by the first test of `ret` in the program.
+    if SEND && call.dir == dirs::SEND && call.ret == -EAGAIN {
+        let _ = spice_eagain_send(call, pid_tgid, THREAD as u32);
+        return;
+    }
+    if call.ret <= 0 {
         // Errors, EOF and zero-length calls move nothing. Do not (re)create state: this also
         // keeps a socket read after its close from being announced again.
         return;
     }
-    let sp = if call.ret > 0 {
+    on_moved::<RAW, THREAD>(call, pid_tgid);
+}
+
+/// [`on_call`] for a call that moved bytes (`ret` > 0).
+#[inline(never)]
+fn on_moved<const RAW: bool, const THREAD: bool>(call: &Call, pid_tgid: u64) {
+    call_body::<false, RAW, THREAD>(call, pid_tgid);
+}
+
+/// A send that moved nothing (EAGAIN) on socket call `call` ([`on_call`]; `thread` 1 for a
+/// preemptible hook's per-thread scratch entry), as a BPF global function: the verifier
+/// checks its path on its own (see [`spice_emit_message`]). Inside one program, the 6.1
+/// verifier never checked the EAGAIN path under hook sets `fentry` and `kprobes`: where it
+/// joined the path of a call that moved bytes, it took the two states for one (their `ret`
+/// was not marked precise, though a later test of it had been decided by its range on the
+/// first path), so the EAGAIN code was never seen, and code the verifier never sees becomes
+/// a jump past it. bpf_printk in the 6.1 guest showed the calls reaching `on_call` with
+/// `ret` -11 and going no further; no EAGAIN message start was reported. In here `ret` is
+/// the constant -EAGAIN ([`call_body`]), so no test of it has two outcomes to join. The
+/// socket pointers are plain numbers in here (no BTF type crosses a global function's
+/// arguments), so the TCP state is read with `bpf_probe_read_kernel` (`RAW`). Returns 0.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub(crate) extern "C" fn spice_eagain_send(call: *const Call, pid_tgid: u64, thread: u32) -> i32 {
+    if call.is_null() {
+        return 0;
+    }
+    // A copy on this function's stack: the 6.1 verifier takes a map key only from the stack
+    // or a map value, not from memory passed in as an argument ("R2 type=mem expected=fp").
+    // SAFETY: non-null: the caller's Call.
+    let call: Call = unsafe { core::ptr::read_volatile(call) };
+    if thread != 0 {
+        call_body::<true, true, true>(&call, pid_tgid);
+    } else {
+        call_body::<true, true, false>(&call, pid_tgid);
+    }
+    0
+}
+
+/// [`on_call`]'s body: `EAGAIN`, a send that moved nothing (its socket must be known), else a
+/// call that moved bytes.
+#[inline(always)]
+fn call_body<const EAGAIN: bool, const RAW: bool, const THREAD: bool>(call: &Call, pid_tgid: u64) {
+    // The EAGAIN instance never reads `call.ret` (see spice_eagain_send).
+    let ret = if EAGAIN { -(crate::capture::EAGAIN) } else { call.ret };
+    let tgid = (pid_tgid >> 32) as u32;
+    let now = unsafe { bpf_ktime_get_ns() };
+    let sp = if !EAGAIN {
         match socket_state(call, tgid, now) {
             Some(sp) => sp,
             None => return,
@@ -743,7 +794,7 @@ pub fn on_call<const SEND: bool, const RAW: bool, const THREAD: bool>(call: &Cal
     };
     let sock = unsafe { &mut *sp };
     if sock.carrier != carrier::PLAIN {
-        if tls_socket_call::<RAW>(sock, call, pid_tgid, tgid, now) {
+        if tls_socket_call::<RAW>(sock, call, ret, pid_tgid, now) {
             return;
         }
     } else if sock.dir[0].reason == UnparsedReason::Tls as u8
@@ -763,7 +814,7 @@ pub fn on_call<const SEND: bool, const RAW: bool, const THREAD: bool>(call: &Cal
     let Some(sc) = sc else {
         return;
     };
-    run_call::<SEND>(sock, call, tgid, now, Some(seq_now), unsafe { &mut *sc });
+    run_call::<EAGAIN>(sock, call, ret, tgid, now, Some(seq_now), unsafe { &mut *sc });
 }
 
 /// The carrier part of a socket call on a socket that is not known to be plain: decides the
@@ -779,10 +830,11 @@ pub fn on_call<const SEND: bool, const RAW: bool, const THREAD: bool>(call: &Cal
 fn tls_socket_call<const RAW: bool>(
     sock: &mut SockState,
     call: &Call,
+    ret: i32,
     pid_tgid: u64,
-    tgid: u32,
     now: u64,
 ) -> bool {
+    let tgid = (pid_tgid >> 32) as u32;
     let tc = TLS_CALLS.get_ptr_mut(&pid_tgid);
     if sock.carrier == carrier::UNDECIDED {
         match tc {
@@ -809,17 +861,17 @@ fn tls_socket_call<const RAW: bool>(
     match tc {
         Some(t) => unsafe {
             (*t).cookie = call.cookie;
-            if call.ret == -EAGAIN {
+            if ret == -EAGAIN {
                 (*t).eagain = 1;
             }
         },
         None => {
-            if call.ret > 0 {
+            if ret > 0 {
                 count(counter::TLS_UNSEEN);
                 let st = &mut sock.dir[d];
                 if st.phase != Phase::Hunt as u8 && !st.is_unparsed() {
                     let at = st.pos;
-                    let _ = st.hunt(UnparsedReason::UntracedBytes, call.ret as u32, at);
+                    let _ = st.hunt(UnparsedReason::UntracedBytes, ret as u32, at);
                     let hdr = header(kind::HUNT, call.dir, call.cookie, tgid, now);
                     count(counter::RESYNCS);
                     emit_hunt(&hdr, call.args.watch, st);
@@ -828,8 +880,8 @@ fn tls_socket_call<const RAW: bool>(
         }
     }
     let _ = store_tcp::<RAW>(call.tp, &mut sock.tcp, now, call.dir == dirs::SEND);
-    if call.ret > 0 {
-        sock.wire_pos[d] += call.ret as u64;
+    if ret > 0 {
+        sock.wire_pos[d] += ret as u64;
     }
     true
 }
@@ -921,7 +973,7 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, pid_tgid: u64) {
         }
         return;
     };
-    run_call::<true>(sock, &call, tgid, now, None, unsafe { &mut *sc });
+    run_call::<true>(sock, &call, ret, tgid, now, None, unsafe { &mut *sc });
     if ret <= 0 {
         return;
     }
@@ -949,12 +1001,14 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, pid_tgid: u64) {
 /// Frames one call's bytes on socket state `sock`: the socket's own bytes (`seq_now`: its
 /// `write_seq` / `copied_seq` after the call, checked against the bytes traced) or a TLS
 /// socket's plaintext (`seq_now` `None`: plaintext has no TCP sequence of its own).
+/// `ret` is the call's result (`call.ret`, read by the caller: see [`call_body`]).
 /// `PEEK`: a call that moved nothing may be a send refused with EAGAIN ([`peek_eagain`]);
-/// false in the receive hook's instance.
+/// false in the instance for calls that moved bytes.
 #[inline(always)]
 fn run_call<const PEEK: bool>(
     sock: &mut SockState,
     call: &Call,
+    ret: i32,
     tgid: u32,
     now: u64,
     seq_now: Option<u32>,
@@ -969,7 +1023,7 @@ fn run_call<const PEEK: bool>(
         hdr.flags = hdr_flags::TLS;
     }
 
-    if call.ret <= 0 {
+    if ret <= 0 {
         if PEEK && call.args.kind != call_kind::UNSUPPORTED {
             let base = if sock.seq_init[d] != 0 {
                 sock.seq_base[d]
@@ -996,7 +1050,7 @@ fn run_call<const PEEK: bool>(
         }
         return;
     }
-    let moved = call.ret as u64;
+    let moved = ret as u64;
     let call_start = st.pos;
     let call_end = call_start + moved;
 
@@ -1023,7 +1077,7 @@ fn run_call<const PEEK: bool>(
 
     if call.args.kind == call_kind::UNSUPPORTED && !st.is_unparsed() {
         count(counter::UNTRACED_BYTES);
-        let out = st.stop(UnparsedReason::UntracedBytes, call.ret as u32);
+        let out = st.stop(UnparsedReason::UntracedBytes, ret as u32);
         emit_stop(&hdr, call.args.watch, &out);
     }
     if st.phase == Phase::Hunt as u8 {
