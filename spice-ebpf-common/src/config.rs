@@ -70,6 +70,13 @@ pub struct KernelConfig {
     pub fdtable_fd: u32,
     pub file_private_data: u32,
     pub socket_sk: u32,
+    /// Parameters of `tcp_recvmsg` in the kernel's BTF, for hook sets `fentry` and
+    /// `kprobes`: 6 before Linux 5.19 (`sk, msg, len, nonblock, flags, addr_len`), 5 since
+    /// ("net: remove noblock parameter from recvmsg() entities": `sk, msg, len, flags,
+    /// addr_len`), 4 on later kernels without `addr_len` (this machine's 6.18: `sk, msg,
+    /// len, flags`). `flags` is the fifth with 6, else the fourth; an fexit's return value
+    /// follows the last.
+    pub tcp_recvmsg_args: u32,
 }
 
 /// Values of [`KernelConfig::hook_set`].
@@ -81,6 +88,8 @@ pub mod hook_set {
     pub const SYSCALLS: u32 = 1;
     /// `fexit/tcp_sendmsg` and `fexit/tcp_recvmsg` (BPF trampolines, Linux 5.5+).
     pub const FENTRY: u32 = 2;
+    /// kprobe + kretprobe on `tcp_sendmsg` and `tcp_recvmsg`.
+    pub const KPROBES: u32 = 3;
 }
 
 /// Version of everything a restarted agent reuses from pinned kernel state: the layouts of
@@ -88,7 +97,7 @@ pub mod hook_set {
 /// ...), of the ring records and of [`KernelConfig`], and the meaning of their fields. Bump it
 /// with any such change: a new agent that finds another version pinned reloads the programs
 /// and marks the open channels `restarted` instead of misreading the old state.
-pub const LAYOUT_VERSION: u32 = 11;
+pub const LAYOUT_VERSION: u32 = 12;
 
 /// Ring-buffer wake-ups. A record submitted without flags wakes the agent (an `irq_work`,
 /// i.e. a self-IPI, then an epoll wake-up) whenever the agent has caught up with the ring,
@@ -224,7 +233,8 @@ pub mod layout {
     pub const MESSAGE_EVENT_SIZE: u32 = 3;
     /// Bit 0: the sock_ops program was attached (its pinned link belongs to the set); bit 1:
     /// the socket calls are hooked by hook set `syscalls` (`spice_sys_exit`), not by the
-    /// socket tracepoints; bit 2: by hook set `fentry` (`spice_fexit_send`, `spice_fexit_recv`).
+    /// socket tracepoints; bit 2: by hook set `fentry` (`spice_fexit_send`, `spice_fexit_recv`);
+    /// bit 3: by hook set `kprobes` (`spice_kprobe_*`, `spice_kretprobe_*`).
     pub const HOOKS: u32 = 4;
     /// Number of entries.
     pub const COUNT: u32 = 5;
@@ -234,6 +244,8 @@ pub mod layout {
     pub const HOOK_SYSCALLS: u32 = 2;
     /// [`HOOKS`] bit: hook set `fentry`.
     pub const HOOK_FENTRY: u32 = 4;
+    /// [`HOOKS`] bit: hook set `kprobes`.
+    pub const HOOK_KPROBES: u32 = 8;
 }
 
 /// Indexes into the per-CPU counter array `COUNTERS`.

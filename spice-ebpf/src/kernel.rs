@@ -38,6 +38,7 @@ pub static CONFIG: KernelConfig = KernelConfig {
     fdtable_fd: 0,
     file_private_data: 0,
     socket_sk: 0,
+    tcp_recvmsg_args: 0,
 };
 
 /// Reads one config field without letting the compiler constant-fold the zero initialiser.
@@ -138,6 +139,28 @@ pub fn seq_after_call<const RAW: bool>(tp: *const u8, send: bool) -> u32 {
     } else {
         tcp_u32::<RAW>(tp, konf!(tcp_copied_seq))
     }
+}
+
+/// `sk`, an address taken from a register (hook set `kprobes`: the first argument of a TCP
+/// function), if it is a user's TCP socket: `sk_protocol` IPPROTO_TCP, `sk_type`
+/// SOCK_STREAM, and a socket file behind it (`sk->sk_socket->file`, as [`user_socket`]),
+/// every read a `bpf_probe_read_kernel`; null otherwise.
+#[inline(always)]
+pub fn raw_tcp_sock(sk: *const u8) -> *const u8 {
+    let null = core::ptr::null();
+    if sk.is_null() {
+        return null;
+    }
+    let protocol: u16 = read_at(sk, konf!(sk_protocol));
+    let ty: u16 = read_at(sk, konf!(sk_type));
+    if protocol != IPPROTO_TCP || ty != SOCK_STREAM {
+        return null;
+    }
+    let sock = read_at::<u64>(sk, konf!(sk_socket)) as *const u8;
+    if sock.is_null() || read_at::<u64>(sock, konf!(socket_file)) == 0 {
+        return null;
+    }
+    sk
 }
 
 /// `SOCK_STREAM` (include/linux/net.h) and `IPPROTO_TCP`.

@@ -1,12 +1,12 @@
 //! spice-observer's kernel programs, hook sets `tracepoints` (`spice_sock_send`,
-//! `spice_sock_recv`), `fentry` (`spice_fexit_send`, `spice_fexit_recv`) and `syscalls`
-//! (`spice_sys_exit`) with the programs they share (see README "Kernel requirements"), plus
-//! uprobes on libssl for TLS plaintext (`probes/tls.rs`).
+//! `spice_sock_recv`), `fentry` (`spice_fexit_send`, `spice_fexit_recv`), `kprobes`
+//! (`spice_kprobe_*`, `spice_kretprobe_*`) and `syscalls` (`spice_sys_exit`) with the
+//! programs they share (see README "Kernel requirements"), plus uprobes on libssl for TLS
+//! plaintext (`probes/tls.rs`).
 //!
 //! Entry points are thin: they unpack their context and call the hook family in `probes/`,
 //! which hands socket calls to `capture`, where the shared framing state machine
-//! (`spice_ebpf_common::framing`) runs. Another hook set (kprobes) would add entry points here
-//! and reuse `capture` unchanged.
+//! (`spice_ebpf_common::framing`) runs.
 #![no_std]
 #![no_main]
 // The atomic intrinsics of `capture::take_window_lock` (the eBPF build uses a pinned nightly).
@@ -19,7 +19,9 @@ mod maps;
 mod probes;
 
 use aya_ebpf::{
-    macros::{btf_tracepoint, fexit, kprobe, raw_tracepoint, sock_ops, uprobe, uretprobe},
+    macros::{
+        btf_tracepoint, fexit, kprobe, kretprobe, raw_tracepoint, sock_ops, uprobe, uretprobe,
+    },
     programs::{
         BtfTracePointContext, FExitContext, ProbeContext, RawTracePointContext, RetProbeContext,
         SockOpsContext,
@@ -50,12 +52,34 @@ pub fn spice_fexit_send(ctx: FExitContext) -> i32 {
     0
 }
 
-/// Hook set `fentry`: `tcp_recvmsg(sk, msg, len, flags, addr_len)` returned (net/ipv4/tcp.c;
-/// five arguments since Linux 5.19, "net: remove noblock parameter from recvmsg() entities"): the bytes given.
+/// Hook set `fentry`: `tcp_recvmsg(sk, msg, len, flags, addr_len)` returned (net/ipv4/tcp.c):
+/// the bytes given. Six arguments before Linux 5.19 (`nonblock` before `flags`), four on
+/// kernels without `addr_len`: `KernelConfig::tcp_recvmsg_args`, from BTF.
 #[fexit(function = "tcp_recvmsg")]
 pub fn spice_fexit_recv(ctx: FExitContext) -> i32 {
-    probes::sock_calls::on_sock_length::<true>(ctx.arg(0), ctx.arg(5), ctx.arg(3), dir::RECV);
+    // Slots 3 and 4 exist with any of the three signatures: both are loaded, then one taken.
+    let (a3, a4) = (btf_slot(&ctx, 3), btf_slot(&ctx, 4));
+    let flags = if kernel::konf!(tcp_recvmsg_args) == 6 {
+        a4
+    } else {
+        a3
+    };
+    // The return value wherever it is (`bpf_get_func_ret`, Linux 5.17; inlined by the
+    // verifier).
+    let ret: i64 = ctx.ret().unwrap_or(0);
+    probes::sock_calls::on_sock_length::<true>(ctx.arg(0), ret as i32, flags as i32, dir::RECV);
     0
+}
+
+/// Slot `n` of a BTF context (the arguments, then an fexit's return value, as 64-bit words) by
+/// a volatile load at a constant offset. Loads in the branches of a choice were merged by
+/// LLVM into one load at a computed offset (volatile or not), which the verifier refuses
+/// ("dereference of modified ctx ptr", seen on 6.1): [`spice_fexit_recv`] loads both
+/// candidates, then chooses.
+#[inline(always)]
+fn btf_slot(ctx: &FExitContext, n: usize) -> u64 {
+    use aya_ebpf::EbpfContext as _;
+    unsafe { core::ptr::read_volatile((ctx.as_ptr() as *const u64).add(n)) }
 }
 
 /// Hook set `fentry`, kernels before 6.5: `tcp_sendpage(sk, page, offset, size, flags)`
@@ -65,6 +89,64 @@ pub fn spice_fexit_recv(ctx: FExitContext) -> i32 {
 #[fexit(function = "tcp_sendpage")]
 pub fn spice_fexit_sendpage(ctx: FExitContext) -> i32 {
     probes::sock_calls::on_sock_length::<true>(ctx.arg(0), ctx.arg(5), 0, dir::SEND);
+    0
+}
+
+/// Hook set `kprobes`: `tcp_sendmsg(sk, msg, size)` entry (the socket, for the return).
+#[kprobe]
+pub fn spice_kprobe_send(ctx: ProbeContext) -> u32 {
+    probes::kprobes::on_entry(ctx.arg(0).unwrap_or(0), 0);
+    0
+}
+
+/// Hook set `kprobes`: `tcp_sendmsg` returned (`ret`: the bytes taken, or a negative errno).
+#[kretprobe]
+pub fn spice_kretprobe_send(ctx: RetProbeContext) -> u32 {
+    probes::kprobes::on_return(ctx.ret(), dir::SEND);
+    0
+}
+
+/// Hook set `kprobes`: `tcp_recvmsg(sk, msg, len, flags, …)` entry (the socket and the flags,
+/// for the return; `flags` is the fifth argument before Linux 5.19, see
+/// [`spice_fexit_recv`]).
+#[kprobe]
+pub fn spice_kprobe_recv(ctx: ProbeContext) -> u32 {
+    // Both registers loaded (volatile, at constant offsets), then one taken: see btf_slot.
+    let (rcx, r8) = unsafe {
+        (
+            core::ptr::read_volatile(&raw const (*ctx.regs).rcx),
+            core::ptr::read_volatile(&raw const (*ctx.regs).r8),
+        )
+    };
+    let flags = if kernel::konf!(tcp_recvmsg_args) == 6 {
+        r8
+    } else {
+        rcx
+    };
+    probes::kprobes::on_entry(ctx.arg(0).unwrap_or(0), flags);
+    0
+}
+
+/// Hook set `kprobes`: `tcp_recvmsg` returned (`ret`: the bytes given, or a negative errno).
+#[kretprobe]
+pub fn spice_kretprobe_recv(ctx: RetProbeContext) -> u32 {
+    probes::kprobes::on_return(ctx.ret(), dir::RECV);
+    0
+}
+
+/// Hook set `kprobes`, kernels before 6.5: `tcp_sendpage(sk, page, offset, size, flags)`
+/// entry (see [`spice_fexit_sendpage`]).
+#[kprobe]
+pub fn spice_kprobe_sendpage(ctx: ProbeContext) -> u32 {
+    probes::kprobes::on_entry(ctx.arg(0).unwrap_or(0), 0);
+    0
+}
+
+/// Hook set `kprobes`: `tcp_sendpage` returned (a program of its own, so that each program
+/// has one link to pin).
+#[kretprobe]
+pub fn spice_kretprobe_sendpage(ctx: RetProbeContext) -> u32 {
+    probes::kprobes::on_return(ctx.ret(), dir::SEND);
     0
 }
 
@@ -201,15 +283,4 @@ pub fn spice_ref_sock_recv(_ctx: BtfTracePointContext) -> i32 {
 #[btf_tracepoint(function = "sock_send_length")]
 pub fn spice_ref_floor(ctx: BtfTracePointContext) -> i32 {
     probes::reference::floor(ctx.arg(0), ctx.arg(1))
-}
-
-// Probe programs for `spice-observer doctor` (`probes/reference.rs`): empty, each on a hook of
-// a program family another hook set would use, loaded and attached once to learn whether the
-// kernel allows that family; never attached by the observer.
-
-/// Empty `kprobe` (attached to `tcp_sendmsg`): does this kernel have kprobes (hook set
-/// `kprobes`)?
-#[kprobe]
-pub fn spice_probe_kprobe(_ctx: ProbeContext) -> u32 {
-    probes::reference::nothing() as u32
 }

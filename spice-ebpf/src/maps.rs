@@ -48,6 +48,13 @@ pub fn set_maybe_watched(tgid: u32) {
 #[map]
 pub static TLS_CALLS: HashMap<u64, TlsCall> = HashMap::with_max_entries(16384, 0);
 
+/// The hooked TCP call a watched thread is in: pid_tgid → `[struct sock *, flags]`. Written
+/// at the function's entry, taken at its return; a thread that exits inside the call (or
+/// whose return was not probed) leaves an entry that its next call overwrites, or that
+/// `sched_process_exit` removes (hook set `kprobes`, `probes/kprobes.rs`).
+#[map]
+pub static KPROBE_CALLS: HashMap<u64, [u64; 2]> = HashMap::with_max_entries(16384, 0);
+
 /// Each thread's working space for framing a libssl call's plaintext
 /// ([`crate::capture::CallScratch`]; per thread because a uprobe program can be preempted):
 /// pid_tgid → scratch, made at the thread's first framed call, removed at its exit with its

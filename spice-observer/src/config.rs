@@ -87,9 +87,9 @@ pub struct Config {
     /// (`--no-tls-hooks`): nothing is attached, TLS channels stay `unparsed: tls`. Needs a
     /// restart to change. Default true.
     pub tls_hooks: bool,
-    /// `hook_set`: the programs that see the socket calls, `"auto"` (default: `tracepoints`
-    /// where the kernel has the socket tracepoints, Linux 6.3+, else `syscalls`),
-    /// `"tracepoints"` or `"syscalls"` ([`crate::kernel::loader::HookChoice`]; `"tcpinfo"`:
+    /// `hook_set`: the programs that see the socket calls, `"auto"` (default: the first of
+    /// `tracepoints`, `fentry`, `kprobes`, `syscalls` that loads), or one of those
+    /// ([`crate::kernel::loader::HookChoice`]; `"tcpinfo"`:
     /// the no-BPF mode, TCP gauges per connection without framing,
     /// [`crate::cmd::tcpinfo_daemon`]). Needs a
     /// restart to change; a pinned set of another hook set is then reloaded, and its open
@@ -305,7 +305,11 @@ mod tests {
             Config::parse("hook_set = \"fentry\"\n").unwrap().hook_set,
             crate::kernel::loader::HookChoice::Fentry
         );
-        assert!(err("hook_set = \"kprobes\"\n").contains("line 1"));
+        assert_eq!(
+            Config::parse("hook_set = \"kprobes\"\n").unwrap().hook_set,
+            crate::kernel::loader::HookChoice::Kprobes
+        );
+        assert!(err("hook_set = \"kprobe\"\n").contains("line 1"));
         assert!(err("tls_hooks = \"no\"\n").contains("line 1"));
         assert!(!c.discovery.qemu);
         assert!(c.discovery.xspice);

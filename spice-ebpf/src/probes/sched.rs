@@ -10,7 +10,8 @@ use spice_ebpf_common::{
 use crate::{
     kernel::{konf, read_at},
     maps::{
-        TLS_CALLS, TLS_SCRATCH, WATCHED_TGIDS, count, maybe_watched, set_maybe_watched,
+        KPROBE_CALLS, TLS_CALLS, TLS_SCRATCH, WATCHED_TGIDS, count, maybe_watched,
+        set_maybe_watched,
         write_record,
     },
 };
@@ -83,6 +84,7 @@ pub fn on_exit() {
     // A thread that exits inside a hooked libssl call never reaches its return.
     let _ = TLS_CALLS.remove(&pid_tgid);
     let _ = TLS_SCRATCH.remove(&pid_tgid);
+    let _ = KPROBE_CALLS.remove(&pid_tgid);
     if pid == tgid {
         let _ = WATCHED_TGIDS.remove(&tgid);
         proc_event(kind::EXIT, tgid, tgid, route);

@@ -20,7 +20,8 @@ const TCP_CLOSE: i32 = 7;
 const IPPROTO_TCP: u16 = 6;
 
 ///
-/// Hook set `syscalls` reads a socket's cookie from `skc_cookie` ([`super::syscalls`]), where
+/// Hook sets `syscalls` and `kprobes` read a socket's cookie from `skc_cookie`
+/// ([`super::syscalls`], [`super::kprobes`]), where
 /// it is 0 until something asks for it (`sock_gen_cookie`, net/core/sock_diag.c):
 /// `bpf_get_socket_cookie` here, as a connection reaches TCP_ESTABLISHED (both sides: the
 /// connecting socket in `tcp_finish_connect`, an accepted one in `tcp_rcv_state_process`
@@ -29,7 +30,7 @@ const IPPROTO_TCP: u16 = 6;
 pub fn on_set_state(sk: *const u8, protocol: u16, newstate: i32) {
     if newstate == TCP_ESTABLISHED
         && protocol == IPPROTO_TCP
-        && konf!(hook_set) == hook_set::SYSCALLS
+        && (konf!(hook_set) == hook_set::SYSCALLS || konf!(hook_set) == hook_set::KPROBES)
     {
         let _ = unsafe { bpf_get_socket_cookie(sk as *mut _) };
         return;

@@ -148,9 +148,8 @@ pub struct DaemonArgs {
     /// uprobes on SSL_write, SSL_read and friends for that process only.
     #[arg(long)]
     pub no_tls_hooks: bool,
-    /// The programs that see the socket calls (`hook_set`): `auto` (the default:
-    /// `tracepoints` where the kernel has the socket tracepoints, else `syscalls`),
-    /// `tracepoints`, `syscalls` or `fentry` (experimental, never chosen by `auto`); see
+    /// The programs that see the socket calls (`hook_set`): `auto` (the default: the first
+    /// of `tracepoints`, `fentry`, `kprobes`, `syscalls` that loads), or one of those; see
     /// README, Kernel requirements. `tcpinfo`: the no-BPF mode, per-connection TCP gauges
     /// only, no SPICE framing
     /// ([`crate::cmd::tcpinfo_daemon`]).

@@ -6,14 +6,11 @@
 //!   lockdown mode, the cgroup-v2 mount (sockops), tracefs, bpffs, `kernel.bpf_stats_enabled`,
 //!   `kernel.unprivileged_bpf_disabled`;
 //! * the capabilities of this process that loading and watching need;
-//! * each hook set: `tracepoints`, `syscalls` and `fentry` are loaded and attached for real
-//!   (the observer's own programs, [`Capture::load`] with that hook set forced, then
-//!   released; `auto`'s two choices first, `fentry` is used only when forced); for `kprobes`,
-//!   not built yet, an empty kprobe is loaded and attached for a moment
-//!   (`spice-ebpf/src/main.rs`: `spice_probe_kprobe`), so the line says whether the kernel
-//!   would allow it; the no-BPF
-//!   `tcpinfo` mode is built: its sock_diag socket is opened and dumps once (`available`,
-//!   never the framing hook set);
+//! * each hook set: `tracepoints`, `fentry`, `kprobes` and `syscalls` are loaded and attached
+//!   for real (the observer's own programs, [`Capture::load`] with that hook set forced, then
+//!   released), in `auto`'s order of preference, so the first that loads is the one `auto`
+//!   takes; the no-BPF `tcpinfo` mode: its sock_diag socket is opened and dumps once
+//!   (`available`, never the framing hook set);
 //! * the libssl files each running QEMU maps (what TLS framing would hook).
 //!
 //! The programs are attached for well under a second and watch no process: their filter
@@ -23,11 +20,7 @@
 
 use std::path::Path;
 
-use anyhow::{Result, anyhow, bail};
-use aya::{
-    EbpfLoader,
-    programs::{KProbe, ProgramError},
-};
+use anyhow::{Result, bail};
 use caps::{CapSet, Capability};
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -213,9 +206,9 @@ pub fn probe() -> Report {
     checks.push(caps_check(caps::read(None, CapSet::Effective).ok()));
     let hook_sets = vec![
         full_set(loader::HookSet::Tracepoints),
-        full_set(loader::HookSet::Syscalls),
         full_set(loader::HookSet::Fentry),
-        kprobes(),
+        full_set(loader::HookSet::Kprobes),
+        full_set(loader::HookSet::Syscalls),
         tcpinfo(),
     ];
     let framing_hook_set = framing_choice(&hook_sets);
@@ -506,95 +499,6 @@ fn full_set(set: loader::HookSet) -> HookSet {
             hook(set.name(), true, state, msg)
         }
     }
-}
-
-/// Loads the object without the observer's configuration (the probe programs read no
-/// kernel offset).
-fn probe_object() -> Result<aya::Ebpf> {
-    EbpfLoader::new()
-        .load(loader::EBPF_OBJECT)
-        .map_err(|e| anyhow::Error::new(e).context("loading the eBPF object"))
-}
-
-/// Program `name` of a [`probe_object`], as its program type `T`.
-fn probe_program<'a, T>(ebpf: &'a mut aya::Ebpf, name: &str) -> Result<&'a mut T>
-where
-    &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
-{
-    let p = ebpf
-        .program_mut(name)
-        .ok_or_else(|| anyhow!("program {name} missing from the object"))?;
-    Ok(p.try_into()?)
-}
-
-/// A probe program's load or attach error, as the kernel gave it: the syscall's errno, and
-/// the verifier's log only when it said something.
-fn prog_error(what: &str, e: ProgramError) -> anyhow::Error {
-    match e {
-        ProgramError::LoadError {
-            io_error,
-            verifier_log,
-        } => {
-            let log = verifier_log.to_string();
-            if log.trim().is_empty() {
-                anyhow!("{what}: BPF_PROG_LOAD refused: {io_error}")
-            } else {
-                anyhow!(
-                    "{what}: BPF_PROG_LOAD refused: {io_error}; verifier: {}",
-                    log.trim()
-                )
-            }
-        }
-        other => anyhow::Error::new(other).context(what.to_string()),
-    }
-}
-
-/// Runs one family's probe; a refusal is an error whose text is the kernel's.
-fn family(
-    name: &str,
-    probe: impl FnOnce() -> Result<String>,
-    absent: impl Fn() -> Option<String>,
-) -> HookSet {
-    match probe() {
-        Ok(detail) => hook(name, false, HookState::Allowed, detail),
-        Err(e) => match absent() {
-            Some(why) => hook(name, false, HookState::Absent, format!("{why} ({e:#})")),
-            None => hook(name, false, HookState::Refused, format!("{e:#}")),
-        },
-    }
-}
-
-/// Where the kernel offers kprobes: the perf PMU, or the legacy tracefs file.
-const KPROBE_PMU: &str = "/sys/bus/event_source/devices/kprobe";
-
-/// `kprobes`: a kprobe on `tcp_sendmsg`.
-fn kprobes() -> HookSet {
-    family(
-        "kprobes",
-        || {
-            let mut ebpf = probe_object()?;
-            let p: &mut KProbe = probe_program(&mut ebpf, "spice_probe_kprobe")?;
-            p.load()
-                .map_err(|e| prog_error("loading kprobe program", e))?;
-            p.attach("tcp_sendmsg", 0)
-                .map_err(|e| prog_error("attaching kprobe/tcp_sendmsg", e))?;
-            Ok("kprobe/tcp_sendmsg attaches".into())
-        },
-        || {
-            let legacy = [
-                "/sys/kernel/tracing/kprobe_events",
-                "/sys/kernel/debug/tracing/kprobe_events",
-            ];
-            (!Path::new(KPROBE_PMU).exists() && !legacy.iter().any(|p| Path::new(p).exists())).then(
-                || {
-                    format!(
-                        "the kernel has no kprobes: no {KPROBE_PMU} and no kprobe_events in \
-                         tracefs (built without CONFIG_KPROBES)"
-                    )
-                },
-            )
-        },
-    )
 }
 
 /// `tcpinfo`: the no-BPF mode ([`crate::cmd::tcpinfo`]): its sock_diag socket opens and

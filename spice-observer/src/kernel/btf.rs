@@ -96,6 +96,19 @@ impl KernelBtf {
             .any(|t| matches!(t, TypeVariant::Func(f) if f.name().as_deref() == Some(name)))
     }
 
+    /// Number of parameters of function `name` (the prototype of its `BTF_KIND_FUNC`), `None`
+    /// if the BTF has no such function.
+    pub fn function_params(&self, name: &str) -> Option<usize> {
+        let proto = self.info.get().values().find_map(|t| match t {
+            TypeVariant::Func(f) if f.name().as_deref() == Some(name) => Some(f.prototype_tid()),
+            _ => None,
+        })?;
+        match self.info.from_id(*proto)? {
+            TypeVariant::FuncProto(p) => Some(p.parameter_list().len()),
+            _ => None,
+        }
+    }
+
     /// Fills every offset of [`KernelConfig`]; `self_tgid` is set to this process and
     /// `ring_wakeup_bytes` to the machine's share for its possible CPUs
     /// (`/sys/devices/system/cpu/possible`, as per-CPU maps count them); `hook_set` is
@@ -139,6 +152,8 @@ impl KernelBtf {
             fdtable_fd: self.offset("fdtable", "fd")?,
             file_private_data: self.offset("file", "private_data")?,
             socket_sk: self.offset("socket", "sk")?,
+            // Without the function in BTF, fentry cannot attach; kprobes then assume 5.19+.
+            tcp_recvmsg_args: self.function_params("tcp_recvmsg").unwrap_or(5) as u32,
         })
     }
 }
@@ -160,6 +175,36 @@ mod tests {
         // struct sock starts with struct sock_common; skc_daddr is its first member.
         assert_eq!(c.skc_daddr, 0);
         assert_eq!(c.skc_rcv_saddr, 4);
+        // tcp_sendmsg(sk, msg, size) on every kernel; tcp_recvmsg has 4 to 6 (see
+        // KernelConfig::tcp_recvmsg_args): held against bpftool's dump of the same BTF.
+        assert_eq!(btf.function_params("tcp_sendmsg"), Some(3));
+        assert!(matches!(c.tcp_recvmsg_args, 4..=6), "{}", c.tcp_recvmsg_args);
+        match std::process::Command::new("bpftool")
+            .args(["btf", "dump", "file", VMLINUX_BTF, "format", "raw"])
+            .output()
+        {
+            Ok(o) if o.status.success() => {
+                let dump = String::from_utf8_lossy(&o.stdout);
+                let proto = dump
+                    .lines()
+                    .find_map(|l| {
+                        l.split_once("] FUNC 'tcp_recvmsg' type_id=")
+                            .and_then(|(_, r)| r.split_whitespace().next())
+                    })
+                    .expect("bpftool lists FUNC tcp_recvmsg");
+                let vlen = dump
+                    .lines()
+                    .find_map(|l| {
+                        l.strip_prefix(&format!("[{proto}] FUNC_PROTO "))
+                            .and_then(|r| r.split("vlen=").nth(1))
+                    })
+                    .expect("bpftool lists its FUNC_PROTO");
+                assert_eq!(c.tcp_recvmsg_args.to_string(), vlen.trim());
+            }
+            _ if std::env::var_os("CI").is_some() => panic!("bpftool btf dump failed (CI)"),
+            _ => eprintln!("SKIP: no bpftool to check tcp_recvmsg's parameters against"),
+        }
+        assert_eq!(btf.function_params("no_such_function_here"), None);
         assert!(
             c.tcp_write_seq > 1000,
             "tcp_sock members sit after inet_connection_sock"

@@ -32,7 +32,7 @@ use aya::{
     Btf, Ebpf, EbpfLoader,
     maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf},
     programs::{
-        BtfTracePoint, FExit, ProbeKind, ProgramError, ProgramType, RawTracePoint, SockOps, UProbe,
+        BtfTracePoint, FExit, KProbe, ProbeKind, ProgramError, ProgramType, RawTracePoint, SockOps, UProbe,
         links::{CgroupAttachMode, FdLink, PinnedLink},
         uprobe::{UProbeLink, UProbeScope},
     },
@@ -82,12 +82,38 @@ const FEXITS: [(&str, &str); 2] = [
 /// required links ([`HookSet::attached`]).
 const FEXIT_SENDPAGE: (&str, &str) = ("spice_fexit_sendpage", "tcp_sendpage");
 
+/// Hook set `kprobes`' programs: (program name, kernel function, return probe), a kprobe and
+/// a kretprobe on each of the functions of [`FEXITS`] (the kretprobe sees only the return
+/// registers: the kprobe keeps the socket and flags for it, `spice-ebpf/src/probes/kprobes.rs`).
+const KPROBES: [(&str, &str, bool); 4] = [
+    ("spice_kprobe_send", "tcp_sendmsg", false),
+    ("spice_kretprobe_send", "tcp_sendmsg", true),
+    ("spice_kprobe_recv", "tcp_recvmsg", false),
+    ("spice_kretprobe_recv", "tcp_recvmsg", true),
+];
+
+/// Hook set `kprobes`' programs on `tcp_sendpage` (see [`FEXIT_SENDPAGE`]): attached where the
+/// function exists, not part of a pinned set's required links.
+const KPROBES_SENDPAGE: [(&str, &str, bool); 2] = [
+    ("spice_kprobe_sendpage", "tcp_sendpage", false),
+    ("spice_kretprobe_sendpage", "tcp_sendpage", true),
+];
+
+/// Where a kernel offers kprobes to perf (and so to BPF): the `kprobe` PMU (Linux 4.17), or
+/// the older tracefs file through which aya creates them otherwise.
+const KPROBE_PMU: &str = "/sys/bus/event_source/devices/kprobe";
+const KPROBE_EVENTS: [&str; 2] = [
+    "/sys/kernel/tracing/kprobe_events",
+    "/sys/kernel/debug/tracing/kprobe_events",
+];
+
 /// Which hook set to load, as asked for (`--hook-set`, the daemon's `hook_set`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum HookChoice {
-    /// `tracepoints` where the kernel has both socket tracepoints, else `syscalls`
-    /// ([`choose_hook_set`]; `fentry` is not chosen yet, README "Kernel requirements").
+    /// The cheapest set that loads ([`choose_hook_set`]): `tracepoints` where the kernel has
+    /// both socket tracepoints, else `fentry`, `kprobes`, `syscalls`, the first the kernel
+    /// accepts.
     #[default]
     Auto,
     /// [`HookSet::Tracepoints`]; an error on a kernel without the socket tracepoints.
@@ -97,6 +123,8 @@ pub enum HookChoice {
     /// [`HookSet::Fentry`]; an error with the kernel's refusal where BPF trampolines are not
     /// allowed.
     Fentry,
+    /// [`HookSet::Kprobes`]; an error where the kernel has no kprobes.
+    Kprobes,
     /// No BPF: sock_diag polling of the watched processes' TCP sockets, TCP state only, no
     /// SPICE framing; never chosen by `auto`.
     // The mode is crate::cmd::tcpinfo (observe) and crate::cmd::tcpinfo_daemon; nothing in
@@ -113,6 +141,7 @@ impl HookChoice {
             HookChoice::Tracepoints => Some(HookSet::Tracepoints),
             HookChoice::Syscalls => Some(HookSet::Syscalls),
             HookChoice::Fentry => Some(HookSet::Fentry),
+            HookChoice::Kprobes => Some(HookSet::Kprobes),
         }
     }
 }
@@ -123,6 +152,7 @@ impl From<HookSet> for HookChoice {
             HookSet::Tracepoints => HookChoice::Tracepoints,
             HookSet::Syscalls => HookChoice::Syscalls,
             HookSet::Fentry => HookChoice::Fentry,
+            HookSet::Kprobes => HookChoice::Kprobes,
         }
     }
 }
@@ -143,6 +173,10 @@ pub enum HookSet {
     /// send or receive, nothing on other syscalls; the arguments and the byte count are those
     /// of the function. For kernels without the socket tracepoints that allow trampolines.
     Fentry,
+    /// `kprobe` + `kretprobe` on the same functions as [`HookSet::Fentry`]: two program runs
+    /// per TCP send or receive of the host (the entry's filter turns away the unwatched
+    /// processes), nothing on other syscalls. For kernels without trampolines.
+    Kprobes,
 }
 
 impl HookSet {
@@ -152,6 +186,7 @@ impl HookSet {
             HookSet::Tracepoints => "tracepoints",
             HookSet::Syscalls => "syscalls",
             HookSet::Fentry => "fentry",
+            HookSet::Kprobes => "kprobes",
         }
     }
 
@@ -161,6 +196,7 @@ impl HookSet {
             HookSet::Tracepoints => hook_set::TRACEPOINTS,
             HookSet::Syscalls => hook_set::SYSCALLS,
             HookSet::Fentry => hook_set::FENTRY,
+            HookSet::Kprobes => hook_set::KPROBES,
         }
     }
 
@@ -168,7 +204,9 @@ impl HookSet {
     fn btf_tracepoints(self) -> &'static [(&'static str, &'static str)] {
         match self {
             HookSet::Tracepoints => &BTF_TRACEPOINTS,
-            HookSet::Syscalls | HookSet::Fentry => &BTF_TRACEPOINTS[SOCK_TRACEPOINTS..],
+            HookSet::Syscalls | HookSet::Fentry | HookSet::Kprobes => {
+                &BTF_TRACEPOINTS[SOCK_TRACEPOINTS..]
+            }
         }
     }
 
@@ -178,22 +216,25 @@ impl HookSet {
         match self {
             HookSet::Syscalls => v.push(SYS_EXIT.0),
             HookSet::Fentry => v.extend(FEXITS.iter().map(|(n, _)| *n)),
+            HookSet::Kprobes => v.extend(KPROBES.iter().map(|(n, _, _)| *n)),
             HookSet::Tracepoints => {}
         }
         v
     }
 }
 
-/// Resolves `choice` to the hook set to load, and says why when the choice was automatic and
-/// fell back. Probes the kernel, never its version: `tracepoints` needs the typedefs
-/// `btf_trace_sock_send_length` and `btf_trace_sock_recv_length` in its BTF
-/// (`has_typedef`, see [`require_tracepoint`]), which a backport brings along with the
-/// tracepoints. Errors when `tracepoints` is forced and missing (the error contains
-/// [`UNAVAILABLE`]).
+/// Resolves `choice` to the hook sets to try, in order: one when forced, and for `auto` the
+/// cheapest first, `tracepoints` where the kernel has the socket tracepoints, else `fentry`,
+/// `kprobes`, `syscalls`; the loader takes the first the kernel accepts. Probes the kernel,
+/// never its version: `tracepoints` needs the typedefs `btf_trace_sock_send_length` and
+/// `btf_trace_sock_recv_length` in its BTF (`has_typedef`, see [`require_tracepoint`]),
+/// which a backport brings along with the tracepoints; the others are tried by loading them.
+/// The second value says why `auto` did not take `tracepoints`. Errors when `tracepoints` is
+/// forced and missing (the error contains [`UNAVAILABLE`]), and for `tcpinfo`.
 pub fn choose_hook_set(
     choice: HookChoice,
     has_typedef: &dyn Fn(&str) -> bool,
-) -> Result<(HookSet, Option<String>)> {
+) -> Result<(Vec<HookSet>, Option<String>)> {
     let needed_by = "the `tracepoints` hook set";
     let probe = || -> Result<()> {
         for (_, tp) in &BTF_TRACEPOINTS[..SOCK_TRACEPOINTS] {
@@ -206,22 +247,167 @@ pub fn choose_hook_set(
             "hook set `tcpinfo` loads no BPF program: it is observe's sock_diag mode \
              (`spice-observer observe --hook-set tcpinfo`), not a set of programs to load"
         ),
-        HookChoice::Tracepoints => probe().map(|()| (HookSet::Tracepoints, None)),
-        HookChoice::Syscalls => Ok((HookSet::Syscalls, None)),
-        HookChoice::Fentry => Ok((HookSet::Fentry, None)),
+        HookChoice::Tracepoints => probe().map(|()| (vec![HookSet::Tracepoints], None)),
         HookChoice::Auto => match probe() {
-            Ok(()) => Ok((HookSet::Tracepoints, None)),
-            // Not `fentry` yet: it fails one kernel-path test on 6.1 (README, Kernel
-            // requirements), so it is only used when forced.
+            Ok(()) => Ok((vec![HookSet::Tracepoints], None)),
             Err(e) => Ok((
-                HookSet::Syscalls,
-                Some(format!(
-                    "hook set `syscalls`, not `tracepoints`: {e:#}; a program runs at every \
-                     syscall exit of the host (its filter turns away the unwatched processes)"
-                )),
+                vec![HookSet::Fentry, HookSet::Kprobes, HookSet::Syscalls],
+                Some(format!("{e:#}")),
             )),
         },
+        forced => Ok((vec![forced.forced().expect("a hook set")], None)),
     }
+}
+
+/// What `auto` says when it did not load `tracepoints` (`why_not_tracepoints`): which set it
+/// loaded, why not the cheaper ones (`refusals`, one per set tried before), and what the set
+/// costs the host. `None` when there was no fallback.
+fn fallback_note(
+    set: HookSet,
+    why_not_tracepoints: Option<&str>,
+    refusals: &[String],
+) -> Option<String> {
+    let why = why_not_tracepoints?;
+    let mut note = format!("hook set `{}`, not `tracepoints`: {why}", set.name());
+    if !refusals.is_empty() {
+        note += &format!("; refused before it: {}", refusals.join("; "));
+    }
+    note += match set {
+        HookSet::Syscalls => {
+            "; a program runs at every syscall exit of the host (its filter turns away the \
+             unwatched processes)"
+        }
+        HookSet::Kprobes => {
+            "; a kprobe and a kretprobe run at every TCP send and receive of the host (their \
+             filter turns away the unwatched processes)"
+        }
+        HookSet::Fentry | HookSet::Tracepoints => "",
+    };
+    Some(note)
+}
+
+/// Loads the eBPF object with `config` (nothing is attached).
+fn load_object(config: &KernelConfig) -> Result<Ebpf> {
+    EbpfLoader::new()
+        .override_global("CONFIG", config, true)
+        .load(EBPF_OBJECT)
+        .map_err(|e| match e {
+            aya::EbpfError::MapError(aya::maps::MapError::CreateError {
+                name, io_error, ..
+            }) if io_error.kind() == std::io::ErrorKind::PermissionDenied => {
+                anyhow!(
+                    "creating BPF map `{name}`: permission denied (run spice-observer as \
+                     root; it needs CAP_BPF or CAP_SYS_ADMIN)"
+                )
+            }
+            other => anyhow!("loading the eBPF object: {other}"),
+        })
+}
+
+/// Loads and attaches the programs that see `set`'s socket calls: (name, program id, link if
+/// `pin`). Links are not pinned here, so that a set refused half-way leaves no pin.
+fn attach_socket_hooks(
+    ebpf: &mut Ebpf,
+    btf: &Btf,
+    kbtf: &KernelBtf,
+    set: HookSet,
+    pin: bool,
+) -> Result<Vec<(&'static str, u32, Option<FdLink>)>> {
+    let needed_by = format!("the `{}` hook set", set.name());
+    match set {
+        HookSet::Tracepoints => {
+            let mut out = Vec::new();
+            for &(name, tp) in &BTF_TRACEPOINTS[..SOCK_TRACEPOINTS] {
+                let prog: &mut BtfTracePoint = ebpf
+                    .program_mut(name)
+                    .ok_or_else(|| anyhow!("program {name} missing from the object"))?
+                    .try_into()?;
+                prog.load(tp, btf)
+                    .map_err(|e| load_error(name, &format!("tp_btf/{tp}"), e))?;
+                let id = prog
+                    .attach()
+                    .with_context(|| format!("attaching tp_btf/{tp}"))?;
+                let pid = prog.info()?.id();
+                let link = match pin {
+                    true => Some(prog.take_link(id)?.into()),
+                    false => None,
+                };
+                out.push((name, pid, link));
+            }
+            Ok(out)
+        }
+        // The kernel decides (trampolines are refused on hosts like the one this was built
+        // on: EPERM at the load, with no verifier log).
+        HookSet::Fentry => attach_fexits(ebpf, btf, pin, kbtf.has_function(FEXIT_SENDPAGE.1)),
+        HookSet::Kprobes => {
+            require(
+                "kprobes (perf's `kprobe` PMU or tracefs `kprobe_events`)",
+                &needed_by,
+                Ok(Path::new(KPROBE_PMU).exists()
+                    || KPROBE_EVENTS.iter().any(|p| Path::new(p).exists())),
+            )?;
+            attach_kprobes(ebpf, pin, kbtf.has_function(KPROBES_SENDPAGE[0].1))
+        }
+        HookSet::Syscalls => {
+            let (name, tp) = SYS_EXIT;
+            require(
+                "BPF program type `raw_tracepoint`",
+                &needed_by,
+                is_program_supported(ProgramType::RawTracePoint).map_err(anyhow::Error::from),
+            )?;
+            let prog: &mut RawTracePoint = ebpf
+                .program_mut(name)
+                .ok_or_else(|| anyhow!("program {name} missing from the object"))?
+                .try_into()?;
+            prog.load()
+                .map_err(|e| load_error(name, &format!("raw_tracepoint/{tp}"), e))?;
+            let id = prog
+                .attach(tp)
+                .with_context(|| format!("attaching raw_tracepoint/{tp}"))?;
+            let pid = prog.info()?.id();
+            let link = match pin {
+                true => Some(prog.take_link(id)?.into()),
+                false => None,
+            };
+            Ok(vec![(name, pid, link)])
+        }
+    }
+}
+
+/// Loads and attaches hook set `kprobes`' programs ([`KPROBES`], and [`KPROBES_SENDPAGE`]
+/// with `sendpage`): (name, program id, link if `pin`). Errors with the kernel's refusal.
+fn attach_kprobes(
+    ebpf: &mut Ebpf,
+    pin: bool,
+    sendpage: bool,
+) -> Result<Vec<(&'static str, u32, Option<FdLink>)>> {
+    let mut out = Vec::new();
+    let all = KPROBES.iter().chain(match sendpage {
+        true => &KPROBES_SENDPAGE[..],
+        false => &[],
+    });
+    for &(name, func, ret) in all {
+        let hook = format!("{}/{func}", if ret { "kretprobe" } else { "kprobe" });
+        let prog: &mut KProbe = ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("program {name} missing from the object"))?
+            .try_into()?;
+        prog.load().map_err(|e| load_error(name, &hook, e))?;
+        let id = prog
+            .attach(func, 0)
+            .with_context(|| format!("attaching {hook}"))?;
+        let pid = prog.info()?.id();
+        let link = match pin {
+            true => Some(
+                prog.take_link(id)?
+                    .try_into()
+                    .map_err(|e| anyhow!("{hook} is attached without a bpf_link, cannot pin it: {e}"))?,
+            ),
+            false => None,
+        };
+        out.push((name, pid, link));
+    }
+    Ok(out)
 }
 
 /// Loads and attaches hook set `fentry`'s programs ([`FEXITS`], and [`FEXIT_SENDPAGE`] with
@@ -285,10 +471,10 @@ pub const MAP_NAMES: [&str; 10] = [
 const SOCKOPS: &str = "spice_sockops";
 
 /// Every program of the object that may be attached and pinned (`link_<name>`,
-/// `prog_<name>`): the [`BTF_TRACEPOINTS`], [`SYS_EXIT`], sock_ops and the
+/// `prog_<name>`): the [`BTF_TRACEPOINTS`], [`SYS_EXIT`], [`FEXITS`], [`KPROBES`], sock_ops and the
 /// libssl uprobes ([`tls::PROGRAMS`]; pinned as `prog_<name>`; their links are per process,
 /// pinned by the daemon as `tls_…` ([`tls::PinName`])).
-const PROGRAMS: [&str; 17] = [
+const PROGRAMS: [&str; 23] = [
     BTF_TRACEPOINTS[0].0,
     BTF_TRACEPOINTS[1].0,
     BTF_TRACEPOINTS[2].0,
@@ -299,6 +485,12 @@ const PROGRAMS: [&str; 17] = [
     FEXITS[0].0,
     FEXITS[1].0,
     FEXIT_SENDPAGE.0,
+    KPROBES[0].0,
+    KPROBES[1].0,
+    KPROBES[2].0,
+    KPROBES[3].0,
+    KPROBES_SENDPAGE[0].0,
+    KPROBES_SENDPAGE[1].0,
     SOCKOPS,
     tls::PROGRAMS[0].name,
     tls::PROGRAMS[1].name,
@@ -1045,44 +1237,59 @@ impl Capture {
         }
         let kbtf = KernelBtf::open(std::path::Path::new(VMLINUX_BTF))?;
         let mut config: KernelConfig = kbtf.kernel_config()?;
-        let (set, fallback) = choose_hook_set(choice, &|name: &str| kbtf.has_typedef(name))?;
-        config.hook_set = set.config_value();
-        // The loader parses the kernel's BTF for itself and drops it after the load; the copy
-        // for the tp_btf programs is parsed after that, so that the two are never held at once
-        // (each costs tens of MB of heap).
-        let mut ebpf = EbpfLoader::new()
-            .override_global("CONFIG", &config, true)
-            .load(EBPF_OBJECT)
-            .map_err(|e| match e {
-                aya::EbpfError::MapError(aya::maps::MapError::CreateError {
-                    name,
-                    io_error,
-                    ..
-                }) if io_error.kind() == std::io::ErrorKind::PermissionDenied => {
-                    anyhow!(
-                        "creating BPF map `{name}`: permission denied (run spice-observer as \
-                         root; it needs CAP_BPF or CAP_SYS_ADMIN)"
-                    )
+        let (candidates, why_not_tracepoints) =
+            choose_hook_set(choice, &|name: &str| kbtf.has_typedef(name))?;
+        // The BTF for the tp_btf and fexit programs: parsed after the loader has parsed (and
+        // dropped) its own copy, so that the two are never held at once (each costs tens of
+        // MB of heap).
+        let mut btf: Option<Btf> = None;
+        let mut refusals: Vec<String> = Vec::new();
+        let mut chosen = None;
+        for (i, &set) in candidates.iter().enumerate() {
+            config.hook_set = set.config_value();
+            let mut ebpf = load_object(&config)?;
+            if btf.is_none() {
+                btf = Some(Btf::from_sys_fs().context("loading kernel BTF for tp_btf programs")?);
+            }
+            match attach_socket_hooks(&mut ebpf, btf.as_ref().unwrap(), &kbtf, set, pin.is_some())
+            {
+                Ok(hooks) => {
+                    chosen = Some((set, ebpf, hooks));
+                    break;
                 }
-                other => anyhow!("loading the eBPF object: {other}"),
-            })?;
-
-        let btf = Btf::from_sys_fs().context("loading kernel BTF for tp_btf programs")?;
+                // `auto`: the next candidate (the object is dropped, with what it attached).
+                Err(e) if i + 1 < candidates.len() => {
+                    debug!("hook set `{}` did not load: {e:#}", set.name());
+                    // The first line: a verifier log follows on the next ones.
+                    let why = format!("{e:#}");
+                    let why = why.lines().next().unwrap_or("");
+                    refusals.push(format!("`{}`: {why}", set.name()));
+                }
+                Err(e) if refusals.is_empty() => return Err(e),
+                Err(e) => {
+                    return Err(e.context(format!(
+                        "no hook set loads (refused before: {})",
+                        refusals.join("; ")
+                    )));
+                }
+            }
+        }
+        let (set, mut ebpf, hooks) = chosen.ok_or_else(|| anyhow!("no hook set to load"))?;
+        let btf = btf.expect("parsed with the first object");
+        for (name, id, link) in hooks {
+            programs.push((name.into(), id));
+            if let Some(link) = link {
+                pin_link(link, name, &mut links)?;
+            }
+        }
+        let fallback = fallback_note(set, why_not_tracepoints.as_deref(), &refusals);
         let needed_by = format!("the `{}` hook set", set.name());
         let has_typedef = |name: &str| kbtf.has_typedef(name);
 
         // No program-type probe for tp_btf: aya's probe for BPF_PROG_TYPE_TRACING attaches an
         // fentry trampoline, which the kernels this was built on refuse while tp_btf works.
-        // The socket tracepoints of `tracepoints` were probed by choose_hook_set (each probe
-        // scans every type of the kernel's BTF).
-        let probed = match set {
-            HookSet::Tracepoints => SOCK_TRACEPOINTS,
-            HookSet::Syscalls | HookSet::Fentry => 0,
-        };
-        for (i, &(name, tp)) in set.btf_tracepoints().iter().enumerate() {
-            if i >= probed {
-                require_tracepoint(tp, &needed_by, &has_typedef)?;
-            }
+        for &(name, tp) in &BTF_TRACEPOINTS[SOCK_TRACEPOINTS..] {
+            require_tracepoint(tp, &needed_by, &has_typedef)?;
             let prog: &mut BtfTracePoint = ebpf
                 .program_mut(name)
                 .ok_or_else(|| anyhow!("program {name} missing from the object"))?
@@ -1098,41 +1305,6 @@ impl Capture {
                 pin_link(link, name, &mut links)?;
             }
         }
-
-        // `fentry`: the kernel decides (trampolines are refused on hosts like the one this
-        // was built on: EPERM at the load, with no verifier log).
-        if set == HookSet::Fentry {
-            let sendpage = kbtf.has_function(FEXIT_SENDPAGE.1);
-            for (name, id, link) in attach_fexits(&mut ebpf, &btf, pin.is_some(), sendpage)? {
-                programs.push((name.into(), id));
-                if let Some(link) = link {
-                    pin_link(link, name, &mut links)?;
-                }
-            }
-        }
-        if set == HookSet::Syscalls {
-            let (name, tp) = SYS_EXIT;
-            require(
-                "BPF program type `raw_tracepoint`",
-                &needed_by,
-                is_program_supported(ProgramType::RawTracePoint).map_err(anyhow::Error::from),
-            )?;
-            let prog: &mut RawTracePoint = ebpf
-                .program_mut(name)
-                .ok_or_else(|| anyhow!("program {name} missing from the object"))?
-                .try_into()?;
-            prog.load()
-                .map_err(|e| load_error(name, &format!("raw_tracepoint/{tp}"), e))?;
-            let id = prog
-                .attach(tp)
-                .with_context(|| format!("attaching raw_tracepoint/{tp}"))?;
-            programs.push((name.into(), prog.info()?.id()));
-            if pin.is_some() {
-                let link: FdLink = prog.take_link(id)?.into();
-                pin_link(link, name, &mut links)?;
-            }
-        }
-
         let mut hook_set = String::from(set.name());
         let mut degraded = Vec::new();
         if let Some(why) = fallback {
@@ -1227,6 +1399,7 @@ impl Capture {
             match set {
                 HookSet::Syscalls => hooks |= layout::HOOK_SYSCALLS,
                 HookSet::Fentry => hooks |= layout::HOOK_FENTRY,
+                HookSet::Kprobes => hooks |= layout::HOOK_KPROBES,
                 HookSet::Tracepoints => {}
             }
             lay.set(layout::HOOKS, hooks, 0)?;
@@ -1314,6 +1487,8 @@ impl Capture {
             HookSet::Syscalls
         } else if layout[layout::HOOKS as usize] & layout::HOOK_FENTRY != 0 {
             HookSet::Fentry
+        } else if layout[layout::HOOKS as usize] & layout::HOOK_KPROBES != 0 {
+            HookSet::Kprobes
         } else {
             HookSet::Tracepoints
         };
@@ -2064,6 +2239,53 @@ mod tests {
 
     fn text(e: &anyhow::Error) -> String {
         format!("{e:#}")
+    }
+
+    /// `auto` takes `tracepoints` alone where both typedefs are in the BTF, else tries the
+    /// other sets cheapest first; a forced set is the only candidate.
+    #[test]
+    fn auto_tries_the_cheapest_set_first() {
+        let all = |_: &str| true;
+        let none = |_: &str| false;
+        let (c, why) = choose_hook_set(HookChoice::Auto, &all).unwrap();
+        assert_eq!((c, why), (vec![HookSet::Tracepoints], None));
+        let (c, why) = choose_hook_set(HookChoice::Auto, &none).unwrap();
+        assert_eq!(
+            c,
+            [HookSet::Fentry, HookSet::Kprobes, HookSet::Syscalls]
+        );
+        assert!(why.unwrap().contains("sock_send_length"));
+        for forced in [HookChoice::Fentry, HookChoice::Kprobes, HookChoice::Syscalls] {
+            let (c, why) = choose_hook_set(forced, &none).unwrap();
+            assert_eq!((c, why), (vec![forced.forced().unwrap()], None));
+        }
+        let e = choose_hook_set(HookChoice::Tracepoints, &none).unwrap_err();
+        assert!(text(&e).contains(UNAVAILABLE), "{e:#}");
+        assert!(choose_hook_set(HookChoice::Tcpinfo, &all).is_err());
+    }
+
+    /// The fallback note names the set, why not `tracepoints`, each refusal before it, and
+    /// the host-wide cost of the two sets that have one.
+    #[test]
+    fn fallback_note_says_why() {
+        assert_eq!(fallback_note(HookSet::Tracepoints, None, &[]), None);
+        let n = fallback_note(HookSet::Fentry, Some("no tp"), &[]).unwrap();
+        assert_eq!(n, "hook set `fentry`, not `tracepoints`: no tp");
+        let n = fallback_note(
+            HookSet::Syscalls,
+            Some("no tp"),
+            &["`fentry`: EPERM".into(), "`kprobes`: absent".into()],
+        )
+        .unwrap();
+        assert!(
+            n.starts_with(
+                "hook set `syscalls`, not `tracepoints`: no tp; refused before it: `fentry`: \
+                 EPERM; `kprobes`: absent; a program runs at every syscall exit"
+            ),
+            "{n}"
+        );
+        let n = fallback_note(HookSet::Kprobes, Some("no tp"), &[]).unwrap();
+        assert!(n.contains("kretprobe run at every TCP send and receive"), "{n}");
     }
 
     /// Batch reads start at 1/32 of the map: 256 of the 8192-entry `SOCKETS`, one of a

@@ -744,13 +744,14 @@ fn missing_keys(typed: &Value, raw: &Value, path: &str, what: &str) -> Result<()
 
 /// The hook set every privileged test expects: `tracepoints+sockops+libssl` (this project's
 /// machines: the libssl uprobe programs load whether or not a watched process maps libssl),
-/// with `syscalls` or `fentry` first when `$SPICE_OBSERVER_HOOK_SET` (which the observer's binaries
+/// with `fentry`, `kprobes` or `syscalls` first when `$SPICE_OBSERVER_HOOK_SET` (which the observer's binaries
 /// read, and `.ci/run` sets for its second pass) forces it; or
 /// `$SPICE_OBSERVER_EXPECT_HOOK_SET`.
 pub fn expected_hook_set() -> String {
     let set = match std::env::var("SPICE_OBSERVER_HOOK_SET").as_deref() {
         Ok("syscalls") => "syscalls",
         Ok("fentry") => "fentry",
+        Ok("kprobes") => "kprobes",
         _ => "tracepoints",
     };
     std::env::var("SPICE_OBSERVER_EXPECT_HOOK_SET")
