@@ -18,10 +18,14 @@
 //! * The result: every line the guest prints starting with `guest-matrix:` is parsed; the
 //!   whole console log is kept in `target/guest/<kernel>.log`.
 //!
-//! It fails when a hook set that loaded fails a test (an [`EXPERIMENTAL`] one's failure is
-//! only shown), when a set this project expects on a
-//! kernel does not load there (6.1: `syscalls`; 6.12: `tracepoints` and `syscalls`), or when
-//! the guest does not finish.
+//! It fails when a hook set that loaded fails a test, when a set this project expects on a
+//! kernel does not load there (6.1: `fentry`, `kprobes`, `syscalls`; 6.12: all four), when
+//! `auto` picks another set than the cheapest expected there (6.1: `fentry`; 6.12:
+//! `tracepoints`), or when the guest does not finish.
+//!
+//! For work on one case: `--hook-set NAME` (repeatable) runs only those sets, `--test FILTER`
+//! only the tests whose names contain FILTER, and `SPICE_OBSERVER_GUEST_TRACE=1` prints the
+//! kernel's trace buffer (`bpf_printk` output) after each suite.
 
 use std::{
     collections::BTreeMap,
@@ -41,11 +45,8 @@ pub(crate) const CACHE: &str = "/var/tmp/spice-observer-guest";
 const RIG_QEMU: &str = "/var/tmp/rig-qemu/qemu";
 /// How long one guest may run (boot, doctor, both suites under each hook set).
 const GUEST_TIMEOUT: Duration = Duration::from_secs(25 * 60);
-/// The framing hook sets this version builds, cheapest first.
-const HOOK_SETS: [&str; 3] = ["tracepoints", "syscalls", "fentry"];
-/// Hook sets whose failures are shown in the matrix but do not fail the run: `fentry`, which
-/// `auto` does not choose yet (README, Kernel requirements).
-const EXPERIMENTAL: [&str; 1] = ["fentry"];
+/// The framing hook sets this version builds, in `auto`'s order (cheapest first).
+const HOOK_SETS: [&str; 4] = ["tracepoints", "fentry", "kprobes", "syscalls"];
 /// Tests that cannot run in the guest: it re-runs a test as `nobody` through setpriv, which
 /// the initramfs lacks (it checks the test harness, not a kernel path).
 const SKIPPED: [&str; 1] = ["ci_true_turns_a_skip_into_a_failure"];
@@ -59,6 +60,8 @@ pub(crate) struct Kernel {
     pub(crate) package: String,
     /// The hook sets that must load and pass there.
     pub(crate) required: &'static [&'static str],
+    /// The set `auto` must pick there (the cheapest that loads).
+    pub(crate) auto: &'static str,
 }
 
 /// The package of a series, from apt's lists: 6.1 is what `linux-image-amd64` depends on in
@@ -68,7 +71,7 @@ fn resolve(series: &'static str) -> Result<Kernel> {
         let o = Command::new("apt-cache").args(args).output()?;
         Ok(String::from_utf8_lossy(&o.stdout).into_owned())
     };
-    let (package, required): (String, &'static [&'static str]) = match series {
+    let (package, required, auto): (String, &'static [&'static str], &'static str) = match series {
         "6.1" => (
             out(&["depends", "linux-image-amd64"])?
                 .lines()
@@ -76,7 +79,8 @@ fn resolve(series: &'static str) -> Result<Kernel> {
                 .find(|p| p.starts_with("linux-image-6.1."))
                 .ok_or_else(|| anyhow!("apt-cache: linux-image-amd64 depends on no 6.1 image"))?
                 .to_string(),
-            &["syscalls"],
+            &["fentry", "kprobes", "syscalls"],
+            "fentry",
         ),
         "6.12" => {
             let mut v: Vec<String> = out(&[
@@ -100,7 +104,8 @@ fn resolve(series: &'static str) -> Result<Kernel> {
             (
                 v.pop()
                     .ok_or_else(|| anyhow!("apt-cache: no linux-image-6.12.*+deb12-amd64 (is bookworm-security in the apt sources?)"))?,
-                &["tracepoints", "syscalls"],
+                &HOOK_SETS,
+                "tracepoints",
             )
         }
         _ => bail!("unknown kernel series {series} (6.1 or 6.12)"),
@@ -109,6 +114,7 @@ fn resolve(series: &'static str) -> Result<Kernel> {
         series,
         package,
         required,
+        auto,
     })
 }
 
@@ -247,8 +253,11 @@ fn copy_with_libs(root: &Path, bin: &Path) -> Result<()> {
 }
 
 /// The guest's `/init`.
-fn init_script(observer: &Path, tests: &BTreeMap<String, PathBuf>) -> String {
-    let skip: String = SKIPPED.iter().map(|t| format!(" --skip {t}")).collect();
+fn init_script(observer: &Path, tests: &BTreeMap<String, PathBuf>, pick: &Pick) -> String {
+    let mut skip: String = SKIPPED.iter().map(|t| format!(" --skip {t}")).collect();
+    if let Some(f) = &pick.test {
+        skip.push_str(&format!(" '{f}'"));
+    }
     let suites: String = tests
         .iter()
         .map(|(name, exe)| {
@@ -257,8 +266,10 @@ fn init_script(observer: &Path, tests: &BTreeMap<String, PathBuf>) -> String {
     if CI=true RUST_LIB_BACKTRACE=0 SPICE_OBSERVER_HOOK_SET=$hs {exe} --test-threads=1{skip} > /tmp/{name}.out 2>&1; then r=pass; else r=fail; fi
     sed 's/^/  | /' /tmp/{name}.out | grep -E '^  \| (test |Error|---- |thread |  )' | tail -n 60
     echo "guest-matrix: result $hs {name} $r $(grep -o 'test result: .*' /tmp/{name}.out | head -1)"
+    if [ -n "{trace}" ]; then sed 's/^/  trace| /' /sys/kernel/tracing/trace | tail -n 200; echo > /sys/kernel/tracing/trace; fi
 "#,
-                exe = exe.display()
+                exe = exe.display(),
+                trace = if std::env::var_os("SPICE_OBSERVER_GUEST_TRACE").is_some() { "1" } else { "" },
             )
         })
         .collect();
@@ -287,7 +298,7 @@ echo "guest-matrix: end"
 poweroff -f
 "#,
         observer = observer.display(),
-        sets = HOOK_SETS.join(" "),
+        sets = pick.sets.join(" "),
         modules = MODULES.join(" "),
     )
 }
@@ -300,6 +311,7 @@ fn initramfs(
     peer: &Path,
     tests: &BTreeMap<String, PathBuf>,
     modules: &[PathBuf],
+    pick: &Pick,
 ) -> Result<()> {
     let root = out.with_extension("root");
     let _ = fs::remove_dir_all(&root);
@@ -340,7 +352,7 @@ fn initramfs(
         )?;
     }
     let init = root.join("init");
-    fs::write(&init, init_script(observer, tests))?;
+    fs::write(&init, init_script(observer, tests, pick))?;
     crate::run(Command::new("chmod").arg("755").arg(&init))?;
     let status = Command::new("sh")
         .arg("-c")
@@ -522,9 +534,39 @@ fn boot(k: &Kernel, image: &Path, initrd: &Path, log: &Path) -> Result<GuestRun>
     Ok(run)
 }
 
-/// Entry point of `cargo xtask guest`.
-pub(crate) fn guest(root: &Path, series: &[String]) -> Result<()> {
+/// What a run covers: the hook sets whose suites run (all of [`HOOK_SETS`] by default) and
+/// an optional test-name filter.
+pub(crate) struct Pick {
+    sets: Vec<&'static str>,
+    test: Option<String>,
+}
+
+/// Entry point of `cargo xtask guest`: `series` (`6.1`, `6.12`; both if empty), `sets` (hook
+/// set names; all if empty), `test` (a test-name filter).
+pub(crate) fn guest(
+    root: &Path,
+    series: &[String],
+    sets: &[String],
+    test: Option<&str>,
+) -> Result<()> {
     let t0 = Instant::now();
+    let pick = Pick {
+        sets: if sets.is_empty() {
+            HOOK_SETS.to_vec()
+        } else {
+            sets.iter()
+                .map(|s| {
+                    HOOK_SETS.iter().find(|h| **h == s.as_str()).copied().ok_or_else(|| {
+                        anyhow!("--hook-set {s}: one of {}", HOOK_SETS.join(", "))
+                    })
+                })
+                .collect::<Result<_>>()?
+        },
+        test: match test {
+            Some(t) if t.contains('\'') => bail!("--test {t}: no quotes"),
+            t => t.map(str::to_string),
+        },
+    };
     let series: Vec<&'static str> = if series.is_empty() {
         vec!["6.1", "6.12"]
     } else {
@@ -547,7 +589,7 @@ pub(crate) fn guest(root: &Path, series: &[String]) -> Result<()> {
     let initrd = dir.join("initrd.gz");
     let images: Vec<(PathBuf, PathBuf)> = kernels.iter().map(vmlinuz).collect::<Result<_>>()?;
     let modules: Vec<PathBuf> = images.iter().map(|(_, m)| m.clone()).collect();
-    initramfs(&initrd, &observer, &peer, &tests, &modules)?;
+    initramfs(&initrd, &observer, &peer, &tests, &modules, &pick)?;
     let mut rows = Vec::new();
     let mut problems = Vec::new();
     for (k, (image, _)) in kernels.iter().zip(&images) {
@@ -564,16 +606,23 @@ pub(crate) fn guest(root: &Path, series: &[String]) -> Result<()> {
         for set in HOOK_SETS {
             let c = run.cell(set);
             match &c {
-                Cell::Fail(l) if !EXPERIMENTAL.contains(&set) => {
+                Cell::Fail(l) => {
                     problems.push(format!("{} {set}: failed: {}", k.series, l.join("; ")))
                 }
-                Cell::NotLoaded(state, d) if k.required.contains(&set) => problems.push(format!(
+                Cell::NotLoaded(state, d) if k.required.contains(&set) && pick.sets.contains(&set) => problems.push(format!(
                     "{} {set}: must load there, doctor says {state}: {d}",
                     k.series
                 )),
                 _ => {}
             }
             cells.push(c);
+        }
+        let auto = run.auto.as_deref().unwrap_or("?");
+        if auto.split('+').next() != Some(k.auto) {
+            problems.push(format!(
+                "{}: `auto` picked `{auto}`, expected `{}`",
+                k.series, k.auto
+            ));
         }
         rows.push((k.clone(), run, cells));
     }
@@ -595,8 +644,8 @@ fn matrix(rows: &[(Kernel, GuestRun, Vec<Cell>)]) -> String {
     for s in HOOK_SETS {
         md.push_str(&format!(" `{s}` |"));
     }
-    md.push_str(" `kprobes` | `tcpinfo` | `auto` picks |\n|---|");
-    md.push_str(&"---|".repeat(HOOK_SETS.len() + 3));
+    md.push_str(" `tcpinfo` | `auto` picks |\n|---|");
+    md.push_str(&"---|".repeat(HOOK_SETS.len() + 2));
     md.push('\n');
     for (k, run, cells) in rows {
         md.push_str(&format!(
@@ -614,7 +663,7 @@ fn matrix(rows: &[(Kernel, GuestRun, Vec<Cell>)]) -> String {
                 }
             ));
         }
-        for other in ["kprobes", "tcpinfo"] {
+        for other in ["tcpinfo"] {
             md.push_str(&format!(
                 " {} |",
                 match run.cell(other) {

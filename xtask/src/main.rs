@@ -76,6 +76,14 @@ enum Cmd {
         /// both (the default).
         #[arg(long = "kernel", value_name = "SERIES")]
         kernels: Vec<String>,
+        /// Run only this hook set (repeat for several; default: every framing set this
+        /// version builds). The run then requires only the sets named.
+        #[arg(long = "hook-set", value_name = "NAME")]
+        hook_sets: Vec<String>,
+        /// Run only the tests whose names contain FILTER (the test harness's filter), e.g.
+        /// `eagain_starts`.
+        #[arg(long, value_name = "FILTER")]
+        test: Option<String>,
     },
 }
 
@@ -299,9 +307,13 @@ fn main() -> Result<()> {
             smoke,
             write_readme,
         } => bench(smoke, write_readme),
-        Cmd::Guest { kernels } => {
+        Cmd::Guest {
+            kernels,
+            hook_sets,
+            test,
+        } => {
             setup(false)?;
-            guest::guest(&root(), &kernels)
+            guest::guest(&root(), &kernels, &hook_sets, test.as_deref())
         }
     }
 }
