@@ -151,9 +151,7 @@ pub fn raw_tcp_sock(sk: *const u8) -> *const u8 {
     if sk.is_null() {
         return null;
     }
-    let protocol: u16 = read_at(sk, konf!(sk_protocol));
-    let ty: u16 = read_at(sk, konf!(sk_type));
-    if protocol != IPPROTO_TCP || ty != SOCK_STREAM {
+    if !raw_is_tcp(sk) {
         return null;
     }
     let sock = read_at::<u64>(sk, konf!(sk_socket)) as *const u8;
@@ -216,10 +214,17 @@ pub fn fd_tcp_sock(task: *const u8, fd: i32) -> *const u8 {
     if sk.is_null() {
         return null;
     }
-    let protocol: u16 = read_at(sk, konf!(sk_protocol));
-    let ty: u16 = read_at(sk, konf!(sk_type));
-    if protocol != IPPROTO_TCP || ty != SOCK_STREAM {
+    if !raw_is_tcp(sk) {
         return null;
     }
     sk
+}
+
+/// Whether `sk` (any address) is a TCP socket: `sk_protocol` IPPROTO_TCP and `sk_type`
+/// SOCK_STREAM, read with `bpf_probe_read_kernel`.
+#[inline(always)]
+fn raw_is_tcp(sk: *const u8) -> bool {
+    let protocol: u16 = read_at(sk, konf!(sk_protocol));
+    let ty: u16 = read_at(sk, konf!(sk_type));
+    protocol == IPPROTO_TCP && ty == SOCK_STREAM
 }

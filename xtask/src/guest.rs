@@ -263,7 +263,7 @@ fn init_script(observer: &Path, tests: &BTreeMap<String, PathBuf>, pick: &Pick) 
         .map(|(name, exe)| {
             format!(
                 r#"    echo "guest-matrix: run $hs {name}"
-    if CI=true RUST_LIB_BACKTRACE=0 SPICE_OBSERVER_HOOK_SET=$hs {exe} --test-threads=1{skip} > /tmp/{name}.out 2>&1; then r=pass; else r=fail; fi
+    if CI=true RUST_LIB_BACKTRACE=0 SPICE_OBSERVER_TEST_TIME_SCALE=1.5 SPICE_OBSERVER_HOOK_SET=$hs {exe} --test-threads=1{skip} > /tmp/{name}.out 2>&1; then r=pass; else r=fail; fi
     sed 's/^/  | /' /tmp/{name}.out | grep -E '^  \| (test |Error|---- |thread |  )' | tail -n 60
     echo "guest-matrix: result $hs {name} $r $(grep -o 'test result: .*' /tmp/{name}.out | head -1)"
     if [ -n "{trace}" ]; then sed 's/^/  trace| /' /sys/kernel/tracing/trace | tail -n 200; echo > /sys/kernel/tracing/trace; fi

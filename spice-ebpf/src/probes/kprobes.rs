@@ -21,18 +21,14 @@
 //! sequence check (counted, and the direction marked), never misread.
 
 use aya_ebpf::helpers::bpf_get_current_pid_tgid;
-use spice_ebpf_common::{
-    config::counter,
-    event::{call_kind, dir},
-};
+use spice_ebpf_common::event::{call_kind, dir};
 
 use crate::{
-    capture::{Call, on_call},
-    kernel::{konf, raw_tcp_sock, read_at},
-    maps::{KPROBE_CALLS, count, traced_route},
+    kernel::raw_tcp_sock,
+    maps::{KPROBE_CALLS, traced_route},
     probes::{
         sock_calls::{MSG_ERRQUEUE, MSG_PEEK, MSG_TRUNC},
-        syscalls::current_call,
+        syscalls::{current_call, on_raw_sock_call},
     },
 };
 
@@ -68,28 +64,15 @@ pub fn on_return(ret: i64, direction: u8) {
     if sk.is_null() {
         return;
     }
-    let cookie: u64 = read_at(sk, konf!(skc_cookie));
-    if cookie == 0 {
-        if ret > 0 {
-            count(counter::NO_COOKIE);
-        }
-        return;
-    }
     let mut args = current_call(route);
     if direction == dir::RECV && flags & MSG_TRUNC != 0 {
         args.kind = call_kind::UNSUPPORTED;
     }
-    let call = Call {
-        sk,
-        tp: sk,
-        cookie,
-        dir: direction,
-        ret: ret as i32,
-        args,
-    };
+    // The function returns an `int`: the low half of the register.
+    let ret = ret as i32;
     if direction == dir::SEND {
-        on_call::<true, true, false>(&call, pid_tgid);
+        on_raw_sock_call::<true>(sk, direction, ret, args, pid_tgid);
     } else {
-        on_call::<false, true, false>(&call, pid_tgid);
+        on_raw_sock_call::<false>(sk, direction, ret, args, pid_tgid);
     }
 }

@@ -184,6 +184,22 @@ pub fn on_sys_exit(ret: i64) {
     if sk.is_null() {
         return;
     }
+    on_raw_sock_call::<true>(sk, direction, ret as i32, args, pid_tgid);
+}
+
+/// A call of direction `direction` on TCP socket `sk`, an address the hook computed or took
+/// from a register (hook sets `syscalls` and `kprobes`: no BTF-typed socket), with result
+/// `ret` and buffers `args`: its cookie is read from `skc_cookie` (see [`on_sys_exit`]); a
+/// call that moved bytes on a socket with none yet is counted ([`counter::NO_COOKIE`]) and
+/// dropped. `SEND`: the instance may see sends (see [`on_call`]).
+#[inline(always)]
+pub fn on_raw_sock_call<const SEND: bool>(
+    sk: *const u8,
+    direction: u8,
+    ret: i32,
+    args: CallArgs,
+    pid_tgid: u64,
+) {
     let cookie: u64 = read_at(sk, konf!(skc_cookie));
     if cookie == 0 {
         if ret > 0 {
@@ -196,8 +212,8 @@ pub fn on_sys_exit(ret: i64) {
         tp: sk,
         cookie,
         dir: direction,
-        ret: ret as i32,
+        ret,
         args,
     };
-    on_call::<true, true, false>(&call, pid_tgid);
+    on_call::<SEND, true, false>(&call, pid_tgid);
 }
