@@ -778,7 +778,11 @@ pub(crate) extern "C" fn spice_eagain_send(call: *const Call, pid_tgid: u64, thr
 #[inline(always)]
 fn call_body<const EAGAIN: bool, const RAW: bool, const THREAD: bool>(call: &Call, pid_tgid: u64) {
     // The EAGAIN instance never reads `call.ret` (see spice_eagain_send).
-    let ret = if EAGAIN { -(crate::capture::EAGAIN) } else { call.ret };
+    let ret = if EAGAIN {
+        -(crate::capture::EAGAIN)
+    } else {
+        call.ret
+    };
     let tgid = (pid_tgid >> 32) as u32;
     let now = unsafe { bpf_ktime_get_ns() };
     let sp = if !EAGAIN {
@@ -814,7 +818,9 @@ fn call_body<const EAGAIN: bool, const RAW: bool, const THREAD: bool>(call: &Cal
     let Some(sc) = sc else {
         return;
     };
-    run_call::<EAGAIN>(sock, call, ret, tgid, now, Some(seq_now), unsafe { &mut *sc });
+    run_call::<EAGAIN>(sock, call, ret, tgid, now, Some(seq_now), unsafe {
+        &mut *sc
+    });
 }
 
 /// The carrier part of a socket call on a socket that is not known to be plain: decides the

@@ -180,7 +180,10 @@ fn doctor_as_root_names_what_loads_and_leaves_nothing_behind() -> Result<()> {
         if has_kprobes { "" } else { "not " }
     );
     if kp.state == HookState::Refused {
-        ensure!(kp.detail.contains("os error"), "{kp:?} names no kernel error");
+        ensure!(
+            kp.detail.contains("os error"),
+            "{kp:?} names no kernel error"
+        );
     }
     let caps = check_line(&r, "capabilities")?;
     ensure!(caps.status == Status::Ok, "{caps:?}");

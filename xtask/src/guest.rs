@@ -556,9 +556,11 @@ pub(crate) fn guest(
         } else {
             sets.iter()
                 .map(|s| {
-                    HOOK_SETS.iter().find(|h| **h == s.as_str()).copied().ok_or_else(|| {
-                        anyhow!("--hook-set {s}: one of {}", HOOK_SETS.join(", "))
-                    })
+                    HOOK_SETS
+                        .iter()
+                        .find(|h| **h == s.as_str())
+                        .copied()
+                        .ok_or_else(|| anyhow!("--hook-set {s}: one of {}", HOOK_SETS.join(", ")))
                 })
                 .collect::<Result<_>>()?
         },
@@ -609,10 +611,14 @@ pub(crate) fn guest(
                 Cell::Fail(l) => {
                     problems.push(format!("{} {set}: failed: {}", k.series, l.join("; ")))
                 }
-                Cell::NotLoaded(state, d) if k.required.contains(&set) && pick.sets.contains(&set) => problems.push(format!(
-                    "{} {set}: must load there, doctor says {state}: {d}",
-                    k.series
-                )),
+                Cell::NotLoaded(state, d)
+                    if k.required.contains(&set) && pick.sets.contains(&set) =>
+                {
+                    problems.push(format!(
+                        "{} {set}: must load there, doctor says {state}: {d}",
+                        k.series
+                    ))
+                }
                 _ => {}
             }
             cells.push(c);

@@ -11,8 +11,7 @@ use crate::{
     kernel::{konf, read_at},
     maps::{
         KPROBE_CALLS, TLS_CALLS, TLS_SCRATCH, WATCHED_TGIDS, count, maybe_watched,
-        set_maybe_watched,
-        write_record,
+        set_maybe_watched, write_record,
     },
 };
 

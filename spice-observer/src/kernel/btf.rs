@@ -178,7 +178,11 @@ mod tests {
         // tcp_sendmsg(sk, msg, size) on every kernel; tcp_recvmsg has 4 to 6 (see
         // KernelConfig::tcp_recvmsg_args): held against bpftool's dump of the same BTF.
         assert_eq!(btf.function_params("tcp_sendmsg"), Some(3));
-        assert!(matches!(c.tcp_recvmsg_args, 4..=6), "{}", c.tcp_recvmsg_args);
+        assert!(
+            matches!(c.tcp_recvmsg_args, 4..=6),
+            "{}",
+            c.tcp_recvmsg_args
+        );
         match std::process::Command::new("bpftool")
             .args(["btf", "dump", "file", VMLINUX_BTF, "format", "raw"])
             .output()

@@ -32,7 +32,8 @@ use aya::{
     Btf, Ebpf, EbpfLoader,
     maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf},
     programs::{
-        BtfTracePoint, FExit, KProbe, ProbeKind, ProgramError, ProgramType, RawTracePoint, SockOps, UProbe,
+        BtfTracePoint, FExit, KProbe, ProbeKind, ProgramError, ProgramType, RawTracePoint, SockOps,
+        UProbe,
         links::{CgroupAttachMode, FdLink, PinnedLink},
         uprobe::{UProbeLink, UProbeScope},
     },
@@ -398,11 +399,9 @@ fn attach_kprobes(
             .with_context(|| format!("attaching {hook}"))?;
         let pid = prog.info()?.id();
         let link = match pin {
-            true => Some(
-                prog.take_link(id)?
-                    .try_into()
-                    .map_err(|e| anyhow!("{hook} is attached without a bpf_link, cannot pin it: {e}"))?,
-            ),
+            true => Some(prog.take_link(id)?.try_into().map_err(|e| {
+                anyhow!("{hook} is attached without a bpf_link, cannot pin it: {e}")
+            })?),
             false => None,
         };
         out.push((name, pid, link));
@@ -1251,8 +1250,7 @@ impl Capture {
             if btf.is_none() {
                 btf = Some(Btf::from_sys_fs().context("loading kernel BTF for tp_btf programs")?);
             }
-            match attach_socket_hooks(&mut ebpf, btf.as_ref().unwrap(), &kbtf, set, pin.is_some())
-            {
+            match attach_socket_hooks(&mut ebpf, btf.as_ref().unwrap(), &kbtf, set, pin.is_some()) {
                 Ok(hooks) => {
                     chosen = Some((set, ebpf, hooks));
                     break;
@@ -2250,12 +2248,13 @@ mod tests {
         let (c, why) = choose_hook_set(HookChoice::Auto, &all).unwrap();
         assert_eq!((c, why), (vec![HookSet::Tracepoints], None));
         let (c, why) = choose_hook_set(HookChoice::Auto, &none).unwrap();
-        assert_eq!(
-            c,
-            [HookSet::Fentry, HookSet::Kprobes, HookSet::Syscalls]
-        );
+        assert_eq!(c, [HookSet::Fentry, HookSet::Kprobes, HookSet::Syscalls]);
         assert!(why.unwrap().contains("sock_send_length"));
-        for forced in [HookChoice::Fentry, HookChoice::Kprobes, HookChoice::Syscalls] {
+        for forced in [
+            HookChoice::Fentry,
+            HookChoice::Kprobes,
+            HookChoice::Syscalls,
+        ] {
             let (c, why) = choose_hook_set(forced, &none).unwrap();
             assert_eq!((c, why), (vec![forced.forced().unwrap()], None));
         }
@@ -2285,7 +2284,10 @@ mod tests {
             "{n}"
         );
         let n = fallback_note(HookSet::Kprobes, Some("no tp"), &[]).unwrap();
-        assert!(n.contains("kretprobe run at every TCP send and receive"), "{n}");
+        assert!(
+            n.contains("kretprobe run at every TCP send and receive"),
+            "{n}"
+        );
     }
 
     /// Batch reads start at 1/32 of the map: 256 of the 8192-entry `SOCKETS`, one of a
