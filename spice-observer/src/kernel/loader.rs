@@ -113,8 +113,9 @@ const KPROBE_EVENTS: [&str; 2] = [
 #[serde(rename_all = "lowercase")]
 pub enum HookChoice {
     /// The cheapest set that loads ([`choose_hook_set`]): `tracepoints` where the kernel has
-    /// both socket tracepoints, else `fentry`, `kprobes`, `syscalls`, the first the kernel
-    /// accepts.
+    /// both socket tracepoints, else `fentry`, then `syscalls`, the first the kernel
+    /// accepts. `kprobes` only when forced: in the 6.12 guest it once began a stream
+    /// mid-way (README, Kernel requirements).
     #[default]
     Auto,
     /// [`HookSet::Tracepoints`]; an error on a kernel without the socket tracepoints.
@@ -226,7 +227,9 @@ impl HookSet {
 
 /// Resolves `choice` to the hook sets to try, in order: one when forced, and for `auto` the
 /// cheapest first, `tracepoints` where the kernel has the socket tracepoints, else `fentry`,
-/// `kprobes`, `syscalls`; the loader takes the first the kernel accepts. Probes the kernel,
+/// then `syscalls`; the loader takes the first the kernel accepts. `kprobes` is not among
+/// them until its open failure in the 6.12 guest is understood (README, Kernel
+/// requirements). Probes the kernel,
 /// never its version: `tracepoints` needs the typedefs `btf_trace_sock_send_length` and
 /// `btf_trace_sock_recv_length` in its BTF (`has_typedef`, see [`require_tracepoint`]),
 /// which a backport brings along with the tracepoints; the others are tried by loading them.
@@ -252,7 +255,7 @@ pub fn choose_hook_set(
         HookChoice::Auto => match probe() {
             Ok(()) => Ok((vec![HookSet::Tracepoints], None)),
             Err(e) => Ok((
-                vec![HookSet::Fentry, HookSet::Kprobes, HookSet::Syscalls],
+                vec![HookSet::Fentry, HookSet::Syscalls],
                 Some(format!("{e:#}")),
             )),
         },
@@ -2248,7 +2251,7 @@ mod tests {
         let (c, why) = choose_hook_set(HookChoice::Auto, &all).unwrap();
         assert_eq!((c, why), (vec![HookSet::Tracepoints], None));
         let (c, why) = choose_hook_set(HookChoice::Auto, &none).unwrap();
-        assert_eq!(c, [HookSet::Fentry, HookSet::Kprobes, HookSet::Syscalls]);
+        assert_eq!(c, [HookSet::Fentry, HookSet::Syscalls]);
         assert!(why.unwrap().contains("sock_send_length"));
         for forced in [
             HookChoice::Fentry,
