@@ -88,7 +88,7 @@ pub struct Config {
     /// restart to change. Default true.
     pub tls_hooks: bool,
     /// `hook_set`: the programs that see the socket calls, `"auto"` (default: the first of
-    /// `tracepoints`, `fentry`, `syscalls` that loads), or one of those or `kprobes`
+    /// `tracepoints`, `fentry`, `kprobes`, `syscalls` that loads), or one of those
     /// ([`crate::kernel::loader::HookChoice`]; `"tcpinfo"`:
     /// the no-BPF mode, TCP gauges per connection without framing,
     /// [`crate::cmd::tcpinfo_daemon`]). Needs a

@@ -77,8 +77,8 @@ enum Command {
         no_tls_hooks: bool,
         /// The programs that see the socket calls, when observe loads its own (beside a
         /// daemon it reads the daemon's): `auto` (the first that loads of `tracepoints`, the
-        /// socket tracepoints of Linux 6.3+; `fentry`, BPF trampolines; `syscalls`, a filter
-        /// at every syscall exit), or one of those or `kprobes` forced; or
+        /// socket tracepoints of Linux 6.3+; `fentry`, BPF trampolines; `kprobes`; `syscalls`,
+        /// a filter at every syscall exit), or one of those forced; or
         /// `tcpinfo`, the no-BPF mode: TCP state of the processes' sockets polled over
         /// sock_diag every --sample-ms, no SPICE framing, no privilege needed for one's own
         /// processes (never chosen by `auto`). See README, Kernel requirements.

@@ -161,11 +161,10 @@ fn doctor_as_root_names_what_loads_and_leaves_nothing_behind() -> Result<()> {
     // The no-BPF mode is built, usable here, and never the framing hook set.
     let ti = hook_set(&r, "tcpinfo")?;
     ensure!(ti.built && ti.state == HookState::Available, "{ti:?}");
-    // Every framing set is built, listed in `auto`'s order of preference (`kprobes`, which
-    // `auto` does not take, last).
+    // Every framing set is built, listed in `auto`'s order of preference.
     let names: Vec<&str> = r.hook_sets.iter().map(|h| h.name.as_str()).collect();
     ensure!(
-        names == ["tracepoints", "fentry", "syscalls", "kprobes", "tcpinfo"],
+        names == ["tracepoints", "fentry", "kprobes", "syscalls", "tcpinfo"],
         "hook sets {names:?}"
     );
     ensure!(r.hook_sets.iter().all(|h| h.built), "{:?}", r.hook_sets);

@@ -18,8 +18,7 @@
 //! * The result: every line the guest prints starting with `guest-matrix:` is parsed; the
 //!   whole console log is kept in `target/guest/<kernel>.log`.
 //!
-//! It fails when a hook set that loaded fails a test ([`EXPERIMENTAL`] sets' failures are
-//! only shown), when a set this project expects on a
+//! It fails when a hook set that loaded fails a test, when a set this project expects on a
 //! kernel does not load there (6.1: `fentry`, `kprobes`, `syscalls`; 6.12: all four), when
 //! `auto` picks another set than the cheapest expected there (6.1: `fentry`; 6.12:
 //! `tracepoints`), or when the guest does not finish.
@@ -48,12 +47,6 @@ const RIG_QEMU: &str = "/var/tmp/rig-qemu/qemu";
 const GUEST_TIMEOUT: Duration = Duration::from_secs(25 * 60);
 /// The framing hook sets this version builds, in `auto`'s order (cheapest first).
 const HOOK_SETS: [&str; 4] = ["tracepoints", "fentry", "kprobes", "syscalls"];
-/// Sets whose test failures are shown in the matrix but do not fail the run: `kprobes`,
-/// which `auto` does not take (it must still load). In the 6.12 guest it once began a stream
-/// mid-way (`unreadable_streams_and_refusals`: first bytes `01 00 00 00` at offset 0): a
-/// socket's first call seen was not its first, suspected a kretprobe that found no free
-/// instance (README, Kernel requirements).
-const EXPERIMENTAL: [&str; 1] = ["kprobes"];
 /// Tests that cannot run in the guest: it re-runs a test as `nobody` through setpriv, which
 /// the initramfs lacks (it checks the test harness, not a kernel path).
 const SKIPPED: [&str; 1] = ["ci_true_turns_a_skip_into_a_failure"];
@@ -275,7 +268,7 @@ fn init_script(observer: &Path, tests: &BTreeMap<String, PathBuf>, pick: &Pick) 
             format!(
                 r#"    echo "guest-matrix: run $hs {name}"
     if CI=true RUST_LIB_BACKTRACE=0 SPICE_OBSERVER_TEST_TIME_SCALE=1.5 SPICE_OBSERVER_HOOK_SET=$hs {exe} --test-threads=1{skip} > /tmp/{name}.out 2>&1; then r=pass; else r=fail; fi
-    sed 's/^/  | /' /tmp/{name}.out | grep -E '^  \| (test |Error|---- |thread |  )' | tail -n 60
+    sed 's/^/  | /' /tmp/{name}.out | grep -E '^  \| (test |Error|---- |thread |  )|no free instance' | tail -n 60
     echo "guest-matrix: result $hs {name} $r $(grep -o 'test result: .*' /tmp/{name}.out | head -1)"
     if [ -n "{trace}" ]; then sed 's/^/  trace| /' /sys/kernel/tracing/trace | tail -n 200; echo > /sys/kernel/tracing/trace; fi
 "#,
@@ -305,6 +298,7 @@ for hs in {sets}; do
 done
 RUST_LIB_BACKTRACE=0 $O observe --pid 1 --duration 1 --no-progress --json /tmp/auto.json > /tmp/auto.out 2>&1
 echo "guest-matrix: auto $(tr -d ' \n' < /tmp/auto.json | grep -o '"hook_set":"[^"]*"' | head -1)"
+echo "guest-matrix: leftover $(grep -c spice_observer/ /sys/kernel/tracing/kprobe_events)"
 echo "guest-matrix: end"
 poweroff -f
 "#,
@@ -399,6 +393,9 @@ pub(crate) struct GuestRun {
     /// hook set → suite → (passed, test result line).
     pub(crate) results: BTreeMap<String, BTreeMap<String, (bool, String)>>,
     pub(crate) auto: Option<String>,
+    /// The observer's return-probe events still defined in tracefs after every run (each
+    /// observer removes its own at exit, `spice-observer/src/kernel/kretprobe.rs`).
+    pub(crate) leftover_kprobe_events: Option<u32>,
     pub(crate) ended: bool,
 }
 
@@ -430,6 +427,7 @@ pub(crate) fn parse_line(run: &mut GuestRun, line: &str) {
                 .and_then(|s| s.strip_suffix('"'))
                 .map(str::to_string)
         }
+        "leftover" => run.leftover_kprobe_events = rest.trim().parse().ok(),
         "end" => run.ended = true,
         _ => {}
     }
@@ -652,7 +650,7 @@ pub(crate) fn guest(
         for set in HOOK_SETS {
             let c = run.cell(set);
             match &c {
-                Cell::Fail(l) if !EXPERIMENTAL.contains(&set) => {
+                Cell::Fail(l) => {
                     problems.push(format!("{} {set}: failed: {}", k.series, l.join("; ")))
                 }
                 Cell::NotLoaded(state, d)
@@ -666,6 +664,13 @@ pub(crate) fn guest(
                 _ => {}
             }
             cells.push(c);
+        }
+        if let Some(n @ 1..) = run.leftover_kprobe_events {
+            problems.push(format!(
+                "{}: {n} kprobe event(s) of group spice_observer left in kprobe_events after \
+                 the runs (each observer removes its own at exit)",
+                k.series
+            ));
         }
         let auto = run.auto.as_deref().unwrap_or("?");
         if auto.split('+').next() != Some(k.auto) {
@@ -740,6 +745,7 @@ mod tests {
             "noise guest-matrix: result syscalls kernel_paths pass test result: ok. 12 passed; 0 failed",
             "guest-matrix: result syscalls selftest fail test result: FAILED. 1 passed; 1 failed",
             r#"guest-matrix: auto "hook_set":"syscalls+sockops+libssl""#,
+            "guest-matrix: leftover 0",
             "guest-matrix: end",
         ] {
             parse_line(&mut r, l);
@@ -747,6 +753,7 @@ mod tests {
         assert_eq!(r.uname.as_deref(), Some("6.1.0-57-amd64"));
         assert_eq!(r.auto.as_deref(), Some("syscalls+sockops+libssl"));
         assert!(r.ended);
+        assert_eq!(r.leftover_kprobe_events, Some(0));
         assert_eq!(
             r.cell("tracepoints"),
             Cell::NotLoaded("absent".into(), "no tp".into())

@@ -149,7 +149,7 @@ pub struct DaemonArgs {
     #[arg(long)]
     pub no_tls_hooks: bool,
     /// The programs that see the socket calls (`hook_set`): `auto` (the default: the first
-    /// of `tracepoints`, `fentry`, `syscalls` that loads), or one of those or `kprobes`; see
+    /// of `tracepoints`, `fentry`, `kprobes`, `syscalls` that loads), or one of those; see
     /// README, Kernel requirements. `tcpinfo`: the no-BPF mode, per-connection TCP gauges
     /// only, no SPICE framing
     /// ([`crate::cmd::tcpinfo_daemon`]).

@@ -8,8 +8,8 @@
 //! * the capabilities of this process that loading and watching need;
 //! * each hook set: `tracepoints`, `fentry`, `kprobes` and `syscalls` are loaded and attached
 //!   for real (the observer's own programs, [`Capture::load`] with that hook set forced, then
-//!   released), in `auto`'s order of preference (then `kprobes`, which `auto` does not
-//!   take), so the first that loads is the one `auto` takes; the no-BPF `tcpinfo` mode: its sock_diag socket is opened and dumps once
+//!   released), in `auto`'s order of preference, so the first that loads is the one `auto`
+//!   takes; the no-BPF `tcpinfo` mode: its sock_diag socket is opened and dumps once
 //!   (`available`, never the framing hook set);
 //! * the libssl files each running QEMU maps (what TLS framing would hook).
 //!
@@ -207,8 +207,8 @@ pub fn probe() -> Report {
     let hook_sets = vec![
         full_set(loader::HookSet::Tracepoints),
         full_set(loader::HookSet::Fentry),
-        full_set(loader::HookSet::Syscalls),
         full_set(loader::HookSet::Kprobes),
+        full_set(loader::HookSet::Syscalls),
         tcpinfo(),
     ];
     let framing_hook_set = framing_choice(&hook_sets);

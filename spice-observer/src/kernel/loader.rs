@@ -46,7 +46,7 @@ use spice_ebpf_common::{
 };
 
 use crate::btf::{KernelBtf, VMLINUX_BTF};
-use crate::kernel::tls;
+use crate::kernel::{kretprobe, tls};
 
 /// The compiled kernel programs (built by `build.rs` with bpf-linker).
 pub(crate) static EBPF_OBJECT: &[u8] =
@@ -113,9 +113,8 @@ const KPROBE_EVENTS: [&str; 2] = [
 #[serde(rename_all = "lowercase")]
 pub enum HookChoice {
     /// The cheapest set that loads ([`choose_hook_set`]): `tracepoints` where the kernel has
-    /// both socket tracepoints, else `fentry`, then `syscalls`, the first the kernel
-    /// accepts. `kprobes` only when forced: in the 6.12 guest it once began a stream
-    /// mid-way (README, Kernel requirements).
+    /// both socket tracepoints, else `fentry`, `kprobes`, then `syscalls`, the first the
+    /// kernel accepts.
     #[default]
     Auto,
     /// [`HookSet::Tracepoints`]; an error on a kernel without the socket tracepoints.
@@ -227,9 +226,9 @@ impl HookSet {
 
 /// Resolves `choice` to the hook sets to try, in order: one when forced, and for `auto` the
 /// cheapest first, `tracepoints` where the kernel has the socket tracepoints, else `fentry`,
-/// then `syscalls`; the loader takes the first the kernel accepts. `kprobes` is not among
-/// them until its open failure in the 6.12 guest is understood (README, Kernel
-/// requirements). Probes the kernel,
+/// `kprobes` (probes on the TCP functions only: cheaper for the rest of the host than a
+/// program at every syscall exit), then `syscalls`; the loader takes the first the kernel
+/// accepts. Probes the kernel,
 /// never its version: `tracepoints` needs the typedefs `btf_trace_sock_send_length` and
 /// `btf_trace_sock_recv_length` in its BTF (`has_typedef`, see [`require_tracepoint`]),
 /// which a backport brings along with the tracepoints; the others are tried by loading them.
@@ -255,7 +254,7 @@ pub fn choose_hook_set(
         HookChoice::Auto => match probe() {
             Ok(()) => Ok((vec![HookSet::Tracepoints], None)),
             Err(e) => Ok((
-                vec![HookSet::Fentry, HookSet::Syscalls],
+                vec![HookSet::Fentry, HookSet::Kprobes, HookSet::Syscalls],
                 Some(format!("{e:#}")),
             )),
         },
@@ -315,8 +314,10 @@ fn attach_socket_hooks(
     btf: &Btf,
     kbtf: &KernelBtf,
     set: HookSet,
-    pin: bool,
+    pin_dir: Option<&Path>,
+    kretprobes: &mut Vec<KretprobeHeld>,
 ) -> Result<Vec<(&'static str, u32, Option<FdLink>)>> {
+    let pin = pin_dir.is_some();
     let needed_by = format!("the `{}` hook set", set.name());
     match set {
         HookSet::Tracepoints => {
@@ -350,7 +351,12 @@ fn attach_socket_hooks(
                 Ok(Path::new(KPROBE_PMU).exists()
                     || KPROBE_EVENTS.iter().any(|p| Path::new(p).exists())),
             )?;
-            attach_kprobes(ebpf, pin, kbtf.has_function(KPROBES_SENDPAGE[0].1))
+            attach_kprobes(
+                ebpf,
+                pin_dir,
+                kbtf.has_function(KPROBES_SENDPAGE[0].1),
+                kretprobes,
+            )
         }
         HookSet::Syscalls => {
             let (name, tp) = SYS_EXIT;
@@ -378,12 +384,20 @@ fn attach_socket_hooks(
     }
 }
 
+/// A return probe of hook set `kprobes` ([`kretprobe`]): its link's descriptor (`None` once
+/// the link is an [`FdLink`] to be pinned) and its tracefs event, kept for the capture's
+/// lifetime.
+type KretprobeHeld = (Option<OwnedFd>, kretprobe::Event);
+
 /// Loads and attaches hook set `kprobes`' programs ([`KPROBES`], and [`KPROBES_SENDPAGE`]
-/// with `sendpage`): (name, program id, link if `pin`). Errors with the kernel's refusal.
+/// with `sendpage`): (name, program id, link if `pin_dir`). The return probes go through
+/// tracefs with [`kretprobe::MAXACTIVE`] instances ([`kretprobe`]); what they hold goes to
+/// `kretprobes`. Errors with the kernel's refusal.
 fn attach_kprobes(
     ebpf: &mut Ebpf,
-    pin: bool,
+    pin_dir: Option<&Path>,
     sendpage: bool,
+    kretprobes: &mut Vec<KretprobeHeld>,
 ) -> Result<Vec<(&'static str, u32, Option<FdLink>)>> {
     let mut out = Vec::new();
     let all = KPROBES.iter().chain(match sendpage {
@@ -397,15 +411,40 @@ fn attach_kprobes(
             .ok_or_else(|| anyhow!("program {name} missing from the object"))?
             .try_into()?;
         prog.load().map_err(|e| load_error(name, &hook, e))?;
+        let pid = prog.info()?.id();
+        if ret {
+            let (fd, event) = kretprobe::attach(prog.fd()?.as_fd(), name, func)
+                .with_context(|| format!("attaching {hook}"))?;
+            let link = match pin_dir {
+                // An FdLink for the caller to pin like the others: pinned here under a
+                // temporary name, opened through aya and unpinned.
+                Some(dir) => {
+                    let tmp = dir.join(format!("tmp_{name}"));
+                    kretprobe::pin(fd.as_fd(), &tmp)?;
+                    drop(fd);
+                    let l: FdLink = PinnedLink::from_pin(&tmp)
+                        .with_context(|| format!("opening {}", tmp.display()))?
+                        .unpin()
+                        .with_context(|| format!("removing {}", tmp.display()))?;
+                    kretprobes.push((None, event));
+                    Some(l)
+                }
+                None => {
+                    kretprobes.push((Some(fd), event));
+                    None
+                }
+            };
+            out.push((name, pid, link));
+            continue;
+        }
         let id = prog
             .attach(func, 0)
             .with_context(|| format!("attaching {hook}"))?;
-        let pid = prog.info()?.id();
-        let link = match pin {
-            true => Some(prog.take_link(id)?.try_into().map_err(|e| {
+        let link = match pin_dir {
+            Some(_) => Some(prog.take_link(id)?.try_into().map_err(|e| {
                 anyhow!("{hook} is attached without a bpf_link, cannot pin it: {e}")
             })?),
-            false => None,
+            None => None,
         };
         out.push((name, pid, link));
     }
@@ -523,6 +562,8 @@ pub fn is_owned_pin(name: &str) -> bool {
         || name
             .strip_prefix("link_")
             .or_else(|| name.strip_prefix("prog_"))
+            // A return probe's link between its pin and unpin in `attach_kprobes`.
+            .or_else(|| name.strip_prefix("tmp_"))
             .is_some_and(|p| PROGRAMS.contains(&p))
         || tls::PinName::parse(name).is_some()
 }
@@ -862,6 +903,13 @@ pub fn unpin(dir: &Path) -> Result<(Vec<String>, DirLeft)> {
     }
     let mut rest = unpin_contents(dir)?;
     names.append(&mut rest);
+    // Hook set `kprobes`' return-probe events, unused once their links' pins are gone.
+    for events in ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"] {
+        if Path::new(events).join("kprobe_events").exists() {
+            kretprobe::remove_stale(Path::new(events));
+            break;
+        }
+    }
     match std::fs::remove_dir(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -947,6 +995,9 @@ pub struct Capture {
     pub hook_set: String,
     /// Kernel features that were missing and what that costs (empty when all present).
     pub degraded: Vec<String>,
+    /// Hook set `kprobes`' return probes: links and tracefs events ([`kretprobe`]); dropped
+    /// after the object, so that an event is unused when its removal is tried.
+    _kretprobes: Vec<KretprobeHeld>,
     /// Own descriptors of the hash maps read in batches ([`Capture::tcp_states`],
     /// [`Capture::sock_states`]), found at their first use; `None`: read key by key.
     batch_fds: StdHashMap<&'static str, Option<(OwnedFd, u32)>>,
@@ -1247,19 +1298,29 @@ impl Capture {
         let mut btf: Option<Btf> = None;
         let mut refusals: Vec<String> = Vec::new();
         let mut chosen = None;
+        // Hook set `kprobes`' return probes (attached outside aya, [`kretprobe`]).
+        let mut kretprobes: Vec<KretprobeHeld> = Vec::new();
         for (i, &set) in candidates.iter().enumerate() {
             config.hook_set = set.config_value();
             let mut ebpf = load_object(&config)?;
             if btf.is_none() {
                 btf = Some(Btf::from_sys_fs().context("loading kernel BTF for tp_btf programs")?);
             }
-            match attach_socket_hooks(&mut ebpf, btf.as_ref().unwrap(), &kbtf, set, pin.is_some()) {
+            match attach_socket_hooks(
+                &mut ebpf,
+                btf.as_ref().unwrap(),
+                &kbtf,
+                set,
+                pin,
+                &mut kretprobes,
+            ) {
                 Ok(hooks) => {
                     chosen = Some((set, ebpf, hooks));
                     break;
                 }
                 // `auto`: the next candidate (the object is dropped, with what it attached).
                 Err(e) if i + 1 < candidates.len() => {
+                    kretprobes.clear();
                     debug!("hook set `{}` did not load: {e:#}", set.name());
                     // The first line: a verifier log follows on the next ones.
                     let why = format!("{e:#}");
@@ -1442,6 +1503,7 @@ impl Capture {
             tls,
             hook_set,
             degraded,
+            _kretprobes: kretprobes,
             batch_fds: StdHashMap::new(),
         })
     }
@@ -1610,6 +1672,7 @@ impl Capture {
             tls,
             hook_set,
             degraded,
+            _kretprobes: Vec::new(),
             batch_fds: StdHashMap::new(),
         })))
     }
@@ -2251,7 +2314,7 @@ mod tests {
         let (c, why) = choose_hook_set(HookChoice::Auto, &all).unwrap();
         assert_eq!((c, why), (vec![HookSet::Tracepoints], None));
         let (c, why) = choose_hook_set(HookChoice::Auto, &none).unwrap();
-        assert_eq!(c, [HookSet::Fentry, HookSet::Syscalls]);
+        assert_eq!(c, [HookSet::Fentry, HookSet::Kprobes, HookSet::Syscalls]);
         assert!(why.unwrap().contains("sock_send_length"));
         for forced in [
             HookChoice::Fentry,

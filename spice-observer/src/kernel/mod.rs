@@ -5,6 +5,7 @@
 
 pub mod btf;
 pub mod events;
+pub mod kretprobe;
 pub mod loader;
 mod stack;
 pub mod tls;
