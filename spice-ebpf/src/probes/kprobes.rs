@@ -14,11 +14,15 @@
 //! kernel/trace/bpf_trace.c, counts per-CPU `bpf_prog_active`), so the call uses this CPU's
 //! scratch entry.
 //!
-//! A kretprobe has a bounded number of instances (`maxactive`, by default
-//! max(10, 2 × possible CPUs), kernel/kprobes.c `register_kretprobe`), held by every thread
-//! of the host that is inside the function, blocked receivers included. A call that finds
-//! none free has no return probe: its bytes are then found untraced by the next call's
-//! sequence check (counted, and the direction marked), never misread.
+//! A kretprobe has a bounded number of instances (`maxactive`), held by every thread of the
+//! host that is inside the function, blocked receivers included. A call that finds none free
+//! has no return probe. perf's `kprobe` PMU gives the default, max(10, 2 × possible CPUs)
+//! (kernel/kprobes.c `register_kretprobe`), which the 6.12 guest's test peers used up, so the
+//! agent defines these return probes through tracefs with 4096
+//! (`spice-observer/src/kernel/kretprobe.rs`). A call that still finds none is counted by the
+//! kernel (`kprobe_profile`, warned by the agent); its bytes are found untraced by the
+//! direction's next call, except on a socket's first call, where nothing yet shows that
+//! bytes came before.
 
 use aya_ebpf::helpers::bpf_get_current_pid_tgid;
 use spice_ebpf_common::event::{call_kind, dir};
