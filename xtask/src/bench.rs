@@ -949,6 +949,25 @@ fn git_commit(root: &Path) -> String {
 }
 
 /// Entry point of `cargo xtask bench`.
+/// What every bench run sets up first: SIGINT stops it between runs, this process reaps the
+/// load generator's detached clients, and its scratch directory; the binaries it runs.
+fn prepare(observer: PathBuf, peer: PathBuf) -> Result<Bins> {
+    // SAFETY: installing a handler that only stores to an atomic; prctl with integer args:
+    // detached load clients (re-parented past their dead parent) come to us to be reaped.
+    unsafe {
+        libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);
+        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong);
+    }
+    let tmp = std::env::temp_dir().join("spice-observer-bench");
+    fs::create_dir_all(&tmp)?;
+    Ok(Bins {
+        observer,
+        peer,
+        tmp,
+        hook_set: None,
+    })
+}
+
 pub(crate) fn bench(
     root: &Path,
     observer: PathBuf,
@@ -958,20 +977,7 @@ pub(crate) fn bench(
 ) -> Result<()> {
     let t_start = Instant::now();
     let plan = Plan::new(smoke);
-    // SAFETY: installing a handler that only stores to an atomic; prctl with integer args:
-    // detached load clients (re-parented past their dead parent) come to us to be reaped.
-    unsafe {
-        libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);
-        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong);
-    }
-    let tmp = std::env::temp_dir().join("spice-observer-bench");
-    fs::create_dir_all(&tmp)?;
-    let bins = Bins {
-        observer,
-        peer,
-        tmp,
-        hook_set: None,
-    };
+    let bins = prepare(observer, peer)?;
     let stats = BpfStats::take()?;
     stats.set(false)?;
     let load_start = loadavg();
@@ -1342,8 +1348,9 @@ struct SetRow {
     on_getppid: String,
 }
 
-/// The programs a hook set runs on the socket calls themselves, and the empty reference
-/// program on the hook that also fires for unrelated syscalls (if it has one).
+/// The programs a hook set runs on the socket calls themselves (kernel names, cut at 15
+/// characters: `spice_kretprobe` is the return probe of both directions), and the empty
+/// reference program on the hook that also fires for unrelated syscalls (if it has one).
 fn set_programs(
     set: &str,
 ) -> (
@@ -1354,6 +1361,11 @@ fn set_programs(
         "syscalls" => (
             &["spice_sys_exit"],
             Some(("sys_exit", "spice_ref_sys_exit")),
+        ),
+        "fentry" => (&["spice_fexit_sen", "spice_fexit_rec"], None),
+        "kprobes" => (
+            &["spice_kprobe_se", "spice_kprobe_re", "spice_kretprobe"],
+            None,
         ),
         _ => (&[SOCK_SEND, "spice_sock_recv"], None),
     }
@@ -1366,6 +1378,7 @@ fn set_programs(
 fn per_hook_set(bins: &Bins, plan: &Plan, stats: &BpfStats, target: u32) -> Result<Vec<SetRow>> {
     let mut out = Vec::new();
     for set in loaded_hook_sets(bins)? {
+        check_interrupted()?;
         let bins = Bins {
             hook_set: Some(set.clone()),
             ..bins.clone()
@@ -1488,6 +1501,38 @@ fn per_hook_set(bins: &Bins, plan: &Plan, stats: &BpfStats, target: u32) -> Resu
         });
     }
     Ok(out)
+}
+
+/// The per-hook-set pass alone, for a QEMU guest (`cargo xtask guest --bench`, run inside
+/// the guest as `xtask guest-bench`): every framing set that loads there, one repeat, a 2 s
+/// saturated sender and 200 k getppid calls (TCG runs the guest's code about an order of
+/// magnitude slower than the host, so absolute times mean little; the ratios against the
+/// same run's figures do). Prints one `guest-matrix: bench SET\tRATIO\tPER_CALL\tGETPPID\t
+/// ON_GETPPID` line per set.
+pub(crate) fn guest_sets(observer: PathBuf, peer: PathBuf) -> Result<()> {
+    let bins = prepare(observer, peer)?;
+    let plan = Plan {
+        sat_secs: 2.0,
+        getppid_calls: 200_000,
+        ..Plan::new(true)
+    };
+    let stats = BpfStats::take()?;
+    stats.set(false)?;
+    let mut target = Command::new("sleep")
+        .arg("3600")
+        .stdin(Stdio::null())
+        .spawn()
+        .context("starting `sleep` (the process the observer watches)")?;
+    let res = per_hook_set(&bins, &plan, &stats, target.id());
+    let _ = target.kill();
+    let _ = target.wait();
+    for r in res? {
+        println!(
+            "guest-matrix: bench {}\t{}\t{}\t{}\t{}",
+            r.set, r.ratio, r.per_call, r.getppid, r.on_getppid
+        );
+    }
+    Ok(())
 }
 
 /// The unrelated-process workloads: getppid, pipe, iperf3, and the reference programs.

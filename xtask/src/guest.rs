@@ -277,6 +277,23 @@ fn init_script(observer: &Path, tests: &BTreeMap<String, PathBuf>, pick: &Pick) 
             )
         })
         .collect();
+    let body = match &pick.bench {
+        None => format!(
+            r#"for hs in {sets}; do
+  if tr -d ' \n' < /tmp/doctor.json | grep -q "\"name\":\"$hs\",\"built\":true,\"state\":\"loaded\""; then
+{suites}  fi
+done"#,
+            sets = pick.sets.join(" "),
+        ),
+        Some(xtask) => format!(
+            r#"echo "guest-matrix: run bench"
+{xtask} guest-bench --observer $O --peer {peer} > /tmp/bench.out 2> /tmp/bench.err || echo "guest-matrix: bench-failed $(tail -n 3 /tmp/bench.err | tr '\n' ' ')"
+grep '^guest-matrix: bench ' /tmp/bench.out
+grep -E '^bench:' /tmp/bench.err | tail -n 20"#,
+            xtask = xtask.display(),
+            peer = observer.with_file_name("spice-peer").display(),
+        ),
+    };
     format!(
         r#"#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -292,10 +309,7 @@ O={observer}
 echo "guest-matrix: kernel $(uname -r)"
 $O doctor --json > /tmp/doctor.json 2>/tmp/doctor.err
 echo "guest-matrix: doctor $(tr -d '\n' < /tmp/doctor.json)"
-for hs in {sets}; do
-  if tr -d ' \n' < /tmp/doctor.json | grep -q "\"name\":\"$hs\",\"built\":true,\"state\":\"loaded\""; then
-{suites}  fi
-done
+{body}
 RUST_LIB_BACKTRACE=0 $O observe --pid 1 --duration 1 --no-progress --json /tmp/auto.json > /tmp/auto.out 2>&1
 echo "guest-matrix: auto $(tr -d ' \n' < /tmp/auto.json | grep -o '"hook_set":"[^"]*"' | head -1)"
 echo "guest-matrix: leftover $(grep -c spice_observer/ /sys/kernel/tracing/kprobe_events)"
@@ -303,7 +317,6 @@ echo "guest-matrix: end"
 poweroff -f
 "#,
         observer = observer.display(),
-        sets = pick.sets.join(" "),
         modules = MODULES.join(" "),
     )
 }
@@ -344,6 +357,7 @@ fn initramfs(
     }
     for b in [observer, peer]
         .into_iter()
+        .chain(pick.bench.as_deref())
         .chain(tests.values().map(PathBuf::as_path))
     {
         copy_with_libs(&root, b)?;
@@ -396,6 +410,10 @@ pub(crate) struct GuestRun {
     /// The observer's return-probe events still defined in tracefs after every run (each
     /// observer removes its own at exit, `spice-observer/src/kernel/kretprobe.rs`).
     pub(crate) leftover_kprobe_events: Option<u32>,
+    /// `guest --bench`: per hook set, its cells (set, ratio, per call, getppid, on getppid).
+    pub(crate) bench: Vec<Vec<String>>,
+    /// `guest --bench`: the pass failed (the last lines of its stderr).
+    pub(crate) bench_failed: Option<String>,
     pub(crate) ended: bool,
 }
 
@@ -428,6 +446,10 @@ pub(crate) fn parse_line(run: &mut GuestRun, line: &str) {
                 .map(str::to_string)
         }
         "leftover" => run.leftover_kprobe_events = rest.trim().parse().ok(),
+        "bench" => run
+            .bench
+            .push(rest.split('\t').map(str::to_string).collect()),
+        "bench-failed" => run.bench_failed = Some(rest.trim().to_string()),
         "end" => run.ended = true,
         _ => {}
     }
@@ -564,6 +586,9 @@ fn console_tail(log: &Path, n: usize) -> String {
 pub(crate) struct Pick {
     sets: Vec<&'static str>,
     test: Option<String>,
+    /// The benchmarks' per-hook-set pass instead of the suites: this `xtask` (copied into
+    /// the initramfs) runs `guest-bench` there.
+    bench: Option<PathBuf>,
 }
 
 /// Entry point of `cargo xtask guest`: `series` (`6.1`, `6.12`; both if empty), `sets` (hook
@@ -573,6 +598,7 @@ pub(crate) fn guest(
     series: &[String],
     sets: &[String],
     test: Option<&str>,
+    bench: bool,
 ) -> Result<()> {
     let t0 = Instant::now();
     let pick = Pick {
@@ -592,6 +618,10 @@ pub(crate) fn guest(
         test: match test {
             Some(t) if t.contains('\'') => bail!("--test {t}: no quotes"),
             t => t.map(str::to_string),
+        },
+        bench: match bench {
+            true => Some(std::env::current_exe().context("the xtask executable")?),
+            false => None,
         },
     };
     let series: Vec<&'static str> = if series.is_empty() {
@@ -649,6 +679,19 @@ pub(crate) fn guest(
         let mut cells = Vec::new();
         for set in HOOK_SETS {
             let c = run.cell(set);
+            if pick.bench.is_some() {
+                // No suites ran: each set that loads must have its bench line.
+                if matches!(&c, Cell::NotLoaded(s, _) if s == "loaded")
+                    && !run
+                        .bench
+                        .iter()
+                        .any(|b| b.first().map(String::as_str) == Some(set))
+                {
+                    problems.push(format!("{} {set}: loads, but has no bench line", k.series));
+                }
+                cells.push(c);
+                continue;
+            }
             match &c {
                 Cell::Fail(l) => {
                     problems.push(format!("{} {set}: failed: {}", k.series, l.join("; ")))
@@ -672,6 +715,9 @@ pub(crate) fn guest(
                 k.series
             ));
         }
+        if let Some(why) = &run.bench_failed {
+            problems.push(format!("{}: the bench pass failed: {why}", k.series));
+        }
         let auto = run.auto.as_deref().unwrap_or("?");
         if auto.split('+').next() != Some(k.auto) {
             problems.push(format!(
@@ -681,14 +727,37 @@ pub(crate) fn guest(
         }
         rows.push((k.clone(), run, cells));
     }
-    let md = matrix(&rows);
+    let (md, file) = match pick.bench {
+        None => (matrix(&rows), "matrix.md"),
+        Some(_) => (bench_table(&rows), "bench.md"),
+    };
     println!("{md}");
-    fs::write(dir.join("matrix.md"), &md)?;
+    fs::write(dir.join(file), &md)?;
     eprintln!("guest: finished in {:.0} s", t0.elapsed().as_secs_f64());
     if !problems.is_empty() {
         bail!("guest matrix:\n  {}", problems.join("\n  "));
     }
     Ok(())
+}
+
+/// `guest --bench`'s results as a Markdown table: one row per kernel and hook set.
+fn bench_table(rows: &[(Kernel, GuestRun, Vec<Cell>)]) -> String {
+    let mut md = String::from(
+        "| kernel | hook set | throughput ratio (msgs/s without → with) | kernel time per \
+         observed send call | getppid, unwatched | its programs on the getppid loop (bpf_stats) \
+         |\n|---|---|---|---|---|---|\n",
+    );
+    for (k, run, _) in rows {
+        for b in run.bench.iter().filter(|b| !b.is_empty()) {
+            md.push_str(&format!(
+                "| {} | `{}` | {} |\n",
+                run.uname.as_deref().unwrap_or(&k.package),
+                b[0],
+                b[1..].join(" | ")
+            ));
+        }
+    }
+    md
 }
 
 /// The matrix as a Markdown table: one row per kernel, one column per hook set (the framing

@@ -85,6 +85,19 @@ enum Cmd {
         /// `eagain_starts`.
         #[arg(long, value_name = "FILTER")]
         test: Option<String>,
+        /// Instead of the test suites: the benchmarks' per-hook-set pass in each guest
+        /// (throughput ratio and kernel time per send call, getppid with and without the
+        /// observer), printed as a table per kernel and written to `target/guest/bench.md`.
+        #[arg(long)]
+        bench: bool,
+    },
+    /// Inside a guest (`guest --bench`): the per-hook-set benchmark pass with these binaries.
+    #[command(hide = true)]
+    GuestBench {
+        #[arg(long)]
+        observer: PathBuf,
+        #[arg(long)]
+        peer: PathBuf,
     },
 }
 
@@ -312,9 +325,11 @@ fn main() -> Result<()> {
             kernels,
             hook_sets,
             test,
+            bench,
         } => {
             setup(false)?;
-            guest::guest(&root(), &kernels, &hook_sets, test.as_deref())
+            guest::guest(&root(), &kernels, &hook_sets, test.as_deref(), bench)
         }
+        Cmd::GuestBench { observer, peer } => bench::guest_sets(observer, peer),
     }
 }
