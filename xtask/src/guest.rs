@@ -281,7 +281,8 @@ fn init_script(observer: &Path, tests: &BTreeMap<String, PathBuf>, pick: &Pick) 
         None => format!(
             r#"for hs in {sets}; do
   if tr -d ' \n' < /tmp/doctor.json | grep -q "\"name\":\"$hs\",\"built\":true,\"state\":\"loaded\""; then
-{suites}  fi
+{suites}    if [ $hs = kprobes ]; then pinned_cycle; fi
+  fi
 done"#,
             sets = pick.sets.join(" "),
         ),
@@ -296,6 +297,23 @@ grep -E '^bench:' /tmp/bench.err | tail -n 20"#,
     };
     format!(
         r#"#!/bin/busybox sh
+# The daemon on hook set $hs with its state pinned, stopped for a restart in place (SIGUSR2,
+# exit 75) twice, the second continuing the first's pins; then --unpin. Each step prints its
+# exit status, the link pins and the observer's kprobe events still defined.
+pinned_cycle() {{
+  D=/sys/fs/bpf/spice-observer-guest
+  for round in 1 2; do
+    $O daemon --hook-set $hs --pin-dir $D --listen 127.0.0.1:19590 --no-bpf-stats --no-tls-hooks > /tmp/daemon.$round.out 2>&1 &
+    d=$!
+    i=0
+    while [ $i -lt 180 ] && ! wget -q -O /tmp/metrics http://127.0.0.1:19590/metrics 2>/dev/null; do sleep 1; i=$((i+1)); done
+    kill -USR2 $d; wait $d; rc=$?
+    echo "guest-matrix: pinned $hs $round $rc $(ls $D | grep -c '^link_') $(grep -c spice_observer/ /sys/kernel/tracing/kprobe_events) $(grep -c "hook_set=\"$hs+" /tmp/metrics)"
+    sed 's/^/  daemon| /' /tmp/daemon.$round.out | grep -iE 'error|warn' | tail -n 5
+  done
+  $O daemon --unpin --pin-dir $D > /tmp/unpin.out 2>&1; rc=$?
+  echo "guest-matrix: unpinned $hs $rc $(grep -c spice_observer/ /sys/kernel/tracing/kprobe_events)"
+}}
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp; mount -t tmpfs run /run
@@ -410,6 +428,9 @@ pub(crate) struct GuestRun {
     /// The observer's return-probe events still defined in tracefs after every run (each
     /// observer removes its own at exit, `spice-observer/src/kernel/kretprobe.rs`).
     pub(crate) leftover_kprobe_events: Option<u32>,
+    /// The `pinned` and `unpinned` lines of the daemon's pinned cycle under `kprobes`, as
+    /// printed (`pinned SET ROUND STATUS LINKS EVENTS METRIC`, `unpinned SET STATUS EVENTS`).
+    pub(crate) pinned: Vec<String>,
     /// `guest --bench`: per hook set, its cells (set, ratio, per call, getppid, on getppid).
     pub(crate) bench: Vec<Vec<String>>,
     /// `guest --bench`: the pass failed (the last lines of its stderr).
@@ -446,6 +467,7 @@ pub(crate) fn parse_line(run: &mut GuestRun, line: &str) {
                 .map(str::to_string)
         }
         "leftover" => run.leftover_kprobe_events = rest.trim().parse().ok(),
+        "pinned" | "unpinned" => run.pinned.push(format!("{word} {}", rest.trim())),
         "bench" => run
             .bench
             .push(rest.split('\t').map(str::to_string).collect()),
@@ -708,6 +730,12 @@ pub(crate) fn guest(
             }
             cells.push(c);
         }
+        if pick.bench.is_none() && pick.sets.contains(&"kprobes") && k.required.contains(&"kprobes")
+        {
+            if let Err(e) = check_pinned(&run.pinned) {
+                problems.push(format!("{} kprobes, daemon with pins: {e}", k.series));
+            }
+        }
         if let Some(n @ 1..) = run.leftover_kprobe_events {
             problems.push(format!(
                 "{}: {n} kprobe event(s) of group spice_observer left in kprobe_events after \
@@ -736,6 +764,44 @@ pub(crate) fn guest(
     eprintln!("guest: finished in {:.0} s", t0.elapsed().as_secs_f64());
     if !problems.is_empty() {
         bail!("guest matrix:\n  {}", problems.join("\n  "));
+    }
+    Ok(())
+}
+
+/// The daemon's pinned cycle under `kprobes` (see the init script's `pinned_cycle`): both
+/// rounds stopped for a restart in place (exit 75) with every link pinned, the return-probe
+/// events still defined (the pinned links hold them) and the set named in the metrics; then
+/// `--unpin` exits 0 and leaves no event defined.
+fn check_pinned(lines: &[String]) -> Result<()> {
+    let mut rounds = 0;
+    let mut unpinned = false;
+    for l in lines {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        match f.as_slice() {
+            ["pinned", _, round, status, links, events, metric] => {
+                rounds += 1;
+                let n = |s: &str| s.parse::<u32>().unwrap_or(0);
+                if *status != "75" || n(links) < 4 || n(events) == 0 || n(metric) == 0 {
+                    bail!(
+                        "round {round}: exit status {status} (75 expected), {links} link pins, \
+                         {events} kprobe events, hook set in the metrics: {metric}"
+                    );
+                }
+            }
+            ["unpinned", _, status, events] => {
+                if *status != "0" || *events != "0" {
+                    bail!("--unpin: exit status {status}, {events} kprobe events left");
+                }
+                unpinned = true;
+            }
+            _ => bail!("unreadable line `{l}`"),
+        }
+    }
+    if rounds != 2 || !unpinned {
+        bail!(
+            "{rounds} of 2 rounds reported, unpin {}",
+            if unpinned { "ran" } else { "missing" }
+        );
     }
     Ok(())
 }
@@ -815,6 +881,9 @@ mod tests {
             "guest-matrix: result syscalls selftest fail test result: FAILED. 1 passed; 1 failed",
             r#"guest-matrix: auto "hook_set":"syscalls+sockops+libssl""#,
             "guest-matrix: leftover 0",
+            "guest-matrix: pinned kprobes 1 75 9 2 1",
+            "guest-matrix: pinned kprobes 2 75 9 2 1",
+            "guest-matrix: unpinned kprobes 0 0",
             "guest-matrix: end",
         ] {
             parse_line(&mut r, l);
@@ -823,6 +892,9 @@ mod tests {
         assert_eq!(r.auto.as_deref(), Some("syscalls+sockops+libssl"));
         assert!(r.ended);
         assert_eq!(r.leftover_kprobe_events, Some(0));
+        check_pinned(&r.pinned).unwrap();
+        assert!(check_pinned(&r.pinned[..2]).is_err());
+        assert!(check_pinned(&["pinned kprobes 1 1 9 2 1".into()]).is_err());
         assert_eq!(
             r.cell("tracepoints"),
             Cell::NotLoaded("absent".into(), "no tp".into())

@@ -116,18 +116,24 @@ pub enum HookChoice {
     /// both socket tracepoints, else `fentry`, `kprobes`, then `syscalls`, the first the
     /// kernel accepts.
     #[default]
+    #[value(help = "the first of tracepoints, fentry, kprobes, syscalls that loads")]
     Auto,
     /// [`HookSet::Tracepoints`]; an error on a kernel without the socket tracepoints.
+    #[value(help = "the socket tracepoints sock_send_length / sock_recv_length (Linux 6.3)")]
     Tracepoints,
-    /// [`HookSet::Syscalls`].
-    Syscalls,
     /// [`HookSet::Fentry`]; an error with the kernel's refusal where BPF trampolines are not
     /// allowed.
+    #[value(help = "fexit on tcp_sendmsg / tcp_recvmsg (BPF trampolines)")]
     Fentry,
     /// [`HookSet::Kprobes`]; an error where the kernel has no kprobes.
+    #[value(help = "kprobe + kretprobe on tcp_sendmsg / tcp_recvmsg")]
     Kprobes,
+    /// [`HookSet::Syscalls`].
+    #[value(help = "raw_tracepoint/sys_exit: a filter at every syscall exit of the host")]
+    Syscalls,
     /// No BPF: sock_diag polling of the watched processes' TCP sockets, TCP state only, no
     /// SPICE framing; never chosen by `auto`.
+    #[value(help = "no BPF: TCP state by sock_diag only, no SPICE framing")]
     // The mode is crate::cmd::tcpinfo (observe) and crate::cmd::tcpinfo_daemon; nothing in
     // this module loads it (choose_hook_set refuses it).
     Tcpinfo,
