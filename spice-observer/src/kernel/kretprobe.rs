@@ -154,15 +154,37 @@ pub fn pin(fd: BorrowedFd<'_>, path: &Path) -> Result<()> {
 
 /// Removes the definitions of this group whose process (`spice_<pid>_…`) is gone and that
 /// nothing uses (the kernel refuses to remove a used one with EBUSY; a pinned link uses it).
-pub fn remove_stale(tracefs: &Path) {
+/// Returns how many it left.
+pub fn remove_stale(tracefs: &Path) -> usize {
     let Ok(text) = fs::read_to_string(tracefs.join("kprobe_events")) else {
-        return;
+        return 0;
     };
+    let mut left = 0;
     for name in stale_names(&text, &|pid| Path::new(&format!("/proc/{pid}")).exists()) {
         match remove(tracefs, &name) {
             Ok(()) => debug!("removed stale kprobe event {GROUP}/{name}"),
-            Err(e) => debug!("stale kprobe event {GROUP}/{name} kept: {e}"),
+            Err(e) => {
+                debug!("stale kprobe event {GROUP}/{name} kept: {e}");
+                left += 1;
+            }
         }
+    }
+    left
+}
+
+/// [`remove_stale`] after the pins of the links that held the events were removed: the
+/// kernel may release such a link after the unlink returns (Linux 6.12 puts a link's last
+/// reference from a workqueue, `bpf_link_put`, and the perf event's file after that), so the
+/// events stay busy for a moment. Tries again every 20 ms for up to `wait`; returns how many
+/// are left then.
+pub fn remove_stale_after_unpin(tracefs: &Path, wait: std::time::Duration) -> usize {
+    let t0 = std::time::Instant::now();
+    loop {
+        let left = remove_stale(tracefs);
+        if left == 0 || t0.elapsed() >= wait {
+            return left;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
 

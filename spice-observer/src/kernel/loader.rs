@@ -912,7 +912,17 @@ pub fn unpin(dir: &Path) -> Result<(Vec<String>, DirLeft)> {
     // Hook set `kprobes`' return-probe events, unused once their links' pins are gone.
     for events in ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"] {
         if Path::new(events).join("kprobe_events").exists() {
-            kretprobe::remove_stale(Path::new(events));
+            let left = kretprobe::remove_stale_after_unpin(
+                Path::new(events),
+                std::time::Duration::from_secs(2),
+            );
+            if left > 0 {
+                warn!(
+                    "{left} kprobe event(s) of group {} still in use 2 s after the unpin; the \
+                     next start removes them",
+                    kretprobe::GROUP
+                );
+            }
             break;
         }
     }
