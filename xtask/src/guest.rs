@@ -11,7 +11,7 @@
 //!   `spice-observer` and `spice-peer`, the release test binaries of `tests/kernel_paths.rs`
 //!   and `tests/selftest.rs` (at the host paths their `CARGO_BIN_EXE_*` point to), and the
 //!   host's copies of the libraries they link. Its `/init` mounts proc, sys, dev, bpffs,
-//!   tracefs, cgroup2 and tmpfs, brings up `lo`, runs `spice-observer doctor --json`, then for
+//!   tracefs, cgroup2 and a tmpfs on /run, brings up `lo`, runs `spice-observer doctor --json`, then for
 //!   each hook set doctor says loads, both test binaries with `CI=true` and
 //!   `SPICE_OBSERVER_HOOK_SET` set (the tests then expect that set in every report), and
 //!   `observe` with no `--hook-set` for the automatic choice.
@@ -256,7 +256,9 @@ fn copy_with_libs(root: &Path, bin: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The guest's `/init`.
+/// The guest's `/init`. It writes its scratch files to the initramfs's own `/tmp` (the
+/// root is a tmpfs already): a tmpfs mounted there would hide the binaries of a checkout
+/// under `/tmp`, which sit at their host paths.
 fn init_script(observer: &Path, tests: &BTreeMap<String, PathBuf>, pick: &Pick) -> String {
     let mut skip: String = SKIPPED.iter().map(|t| format!(" --skip {t}")).collect();
     if let Some(f) = &pick.test {
@@ -316,7 +318,7 @@ pinned_cycle() {{
 }}
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
-mount -t tmpfs tmp /tmp; mount -t tmpfs run /run
+mount -t tmpfs run /run
 mount -t bpf bpf /sys/fs/bpf; mount -t tracefs tracefs /sys/kernel/tracing
 mount -t debugfs debugfs /sys/kernel/debug; mount -t cgroup2 cgroup2 /sys/fs/cgroup
 ip link set lo up
