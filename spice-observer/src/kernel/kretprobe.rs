@@ -19,7 +19,7 @@
 //! Linux 5.15; the hook set needs `bpf_loop`, 5.17, anyway). The link holds the perf event, so
 //! it can be pinned like any other. The event definition is removed when the [`Event`] is
 //! dropped, if nothing uses it any more (a pinned link does), and definitions left by processes
-//! that are gone are removed at the next attach ([`remove_stale`]).
+//! that are gone are removed at the next load of the hook set ([`remove_stale`]).
 
 use std::{
     ffi::CString,
@@ -30,7 +30,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use aya_obj::generated::{
     PERF_FLAG_FD_CLOEXEC, bpf_attach_type, bpf_attr, bpf_cmd, perf_event_attr, perf_type_id,
 };
@@ -45,10 +45,20 @@ pub const MAXACTIVE: u32 = 4096;
 pub const GROUP: &str = "spice_observer";
 
 /// Where a kernel offers `kprobe_events` (tracefs, or tracefs under debugfs on older setups).
-const KPROBE_EVENTS: [&str; 2] = [
+pub const KPROBE_EVENTS: [&str; 2] = [
     "/sys/kernel/tracing/kprobe_events",
     "/sys/kernel/debug/tracing/kprobe_events",
 ];
+
+/// The tracefs directory holding the first of [`KPROBE_EVENTS`] that exists, if any.
+pub fn tracefs() -> Option<PathBuf> {
+    KPROBE_EVENTS
+        .iter()
+        .map(Path::new)
+        .find(|p| p.exists())
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+}
 
 /// One return-probe event defined in tracefs; removed on drop when unused.
 #[derive(Debug)]
@@ -95,27 +105,25 @@ impl Drop for Event {
     }
 }
 
-/// A return probe on `func` running program `prog` (a loaded kprobe program): the
-/// `BPF_LINK_CREATE` link's descriptor and the event it holds. Errors: no tracefs
-/// `kprobe_events`, a definition the kernel refuses (unknown or unprobeable `func`), or
+/// A return probe on `func` running program `prog` (a loaded kprobe program), defined in
+/// `tracefs` ([`tracefs`]): the `BPF_LINK_CREATE` link's descriptor and the event it holds.
+/// Errors: a definition the kernel refuses (unknown or unprobeable `func`), or
 /// `perf_event_open` / `BPF_LINK_CREATE` failing (with the errno).
-pub fn attach(prog: BorrowedFd<'_>, program: &str, func: &str) -> Result<(OwnedFd, Event)> {
-    let events = KPROBE_EVENTS
-        .iter()
-        .map(Path::new)
-        .find(|p| p.exists())
-        .ok_or_else(|| {
-            anyhow!("no tracefs kprobe_events (mount tracefs on /sys/kernel/tracing)")
-        })?;
-    let tracefs = events.parent().unwrap().to_path_buf();
-    remove_stale(&tracefs);
+pub fn attach(
+    tracefs: &Path,
+    prog: BorrowedFd<'_>,
+    program: &str,
+    func: &str,
+) -> Result<(OwnedFd, Event)> {
+    let events = tracefs.join("kprobe_events");
+    let tracefs = tracefs.to_path_buf();
     let name = format!("spice_{}_{program}", std::process::id());
     // A definition of the same name left by this process (a second load in one run).
     let _ = remove(&tracefs, &name);
     let line = format!("r{MAXACTIVE}:{GROUP}/{name} {func}\n");
     fs::OpenOptions::new()
         .append(true)
-        .open(events)
+        .open(&events)
         .and_then(|mut f| f.write_all(line.as_bytes()))
         .with_context(|| format!("defining `{}` in {}", line.trim_end(), events.display()))?;
     let event = Event { tracefs, name };

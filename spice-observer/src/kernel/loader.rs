@@ -101,12 +101,8 @@ const KPROBES_SENDPAGE: [(&str, &str, bool); 2] = [
 ];
 
 /// Where a kernel offers kprobes to perf (and so to BPF): the `kprobe` PMU (Linux 4.17), or
-/// the older tracefs file through which aya creates them otherwise.
+/// the older tracefs file through which aya creates them otherwise ([`kretprobe::KPROBE_EVENTS`]).
 const KPROBE_PMU: &str = "/sys/bus/event_source/devices/kprobe";
-const KPROBE_EVENTS: [&str; 2] = [
-    "/sys/kernel/tracing/kprobe_events",
-    "/sys/kernel/debug/tracing/kprobe_events",
-];
 
 /// Which hook set to load, as asked for (`--hook-set`, the daemon's `hook_set`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
@@ -354,8 +350,7 @@ fn attach_socket_hooks(
             require(
                 "kprobes (perf's `kprobe` PMU or tracefs `kprobe_events`)",
                 &needed_by,
-                Ok(Path::new(KPROBE_PMU).exists()
-                    || KPROBE_EVENTS.iter().any(|p| Path::new(p).exists())),
+                Ok(Path::new(KPROBE_PMU).exists() || kretprobe::tracefs().is_some()),
             )?;
             attach_kprobes(
                 ebpf,
@@ -405,6 +400,13 @@ fn attach_kprobes(
     sendpage: bool,
     kretprobes: &mut Vec<KretprobeHeld>,
 ) -> Result<Vec<(&'static str, u32, Option<FdLink>)>> {
+    let tracefs = kretprobe::tracefs().ok_or_else(|| {
+        anyhow!(
+            "no tracefs kprobe_events, which the return probes need (mount tracefs on \
+             /sys/kernel/tracing)"
+        )
+    })?;
+    kretprobe::remove_stale(&tracefs);
     let mut out = Vec::new();
     let all = KPROBES.iter().chain(match sendpage {
         true => &KPROBES_SENDPAGE[..],
@@ -419,7 +421,7 @@ fn attach_kprobes(
         prog.load().map_err(|e| load_error(name, &hook, e))?;
         let pid = prog.info()?.id();
         if ret {
-            let (fd, event) = kretprobe::attach(prog.fd()?.as_fd(), name, func)
+            let (fd, event) = kretprobe::attach(&tracefs, prog.fd()?.as_fd(), name, func)
                 .with_context(|| format!("attaching {hook}"))?;
             let link = match pin_dir {
                 // An FdLink for the caller to pin like the others: pinned here under a
@@ -910,20 +912,14 @@ pub fn unpin(dir: &Path) -> Result<(Vec<String>, DirLeft)> {
     let mut rest = unpin_contents(dir)?;
     names.append(&mut rest);
     // Hook set `kprobes`' return-probe events, unused once their links' pins are gone.
-    for events in ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"] {
-        if Path::new(events).join("kprobe_events").exists() {
-            let left = kretprobe::remove_stale_after_unpin(
-                Path::new(events),
-                std::time::Duration::from_secs(2),
+    if let Some(tracefs) = kretprobe::tracefs() {
+        let left = kretprobe::remove_stale_after_unpin(&tracefs, std::time::Duration::from_secs(2));
+        if left > 0 {
+            warn!(
+                "{left} kprobe event(s) of group {} still in use 2 s after the unpin; the next \
+                 start removes them",
+                kretprobe::GROUP
             );
-            if left > 0 {
-                warn!(
-                    "{left} kprobe event(s) of group {} still in use 2 s after the unpin; the \
-                     next start removes them",
-                    kretprobe::GROUP
-                );
-            }
-            break;
         }
     }
     match std::fs::remove_dir(dir) {
