@@ -240,11 +240,32 @@ fn demo(seconds: u32, mode: &str) -> Result<()> {
             &relay.to_string(),
         ])
         .args(["--duration", &seconds.to_string()])
+        .stderr(Stdio::piped())
         .spawn()
         .with_context(|| format!("starting {}", observer.display()))?;
-    thread::sleep(Duration::from_millis(1500));
-    if let Some(status) = obs.try_wait()? {
-        bail!("spice-observer exited early: {status}");
+    // The client only once the observer says it is attached (`spice-observer: watching …`):
+    // a fixed wait let the client connect first on a loaded machine, and the demo then
+    // joined every channel mid-stream. Its stderr is passed through meanwhile.
+    let (attached_tx, attached) = std::sync::mpsc::channel();
+    let err = obs.stderr.take().expect("piped stderr");
+    thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            eprintln!("{line}");
+            if line.starts_with("spice-observer: watching") {
+                let _ = attached_tx.send(());
+            }
+        }
+    });
+    if attached.recv_timeout(Duration::from_secs(60)).is_err() {
+        let _ = obs.kill();
+        bail!(
+            "spice-observer did not attach within 60 s ({})",
+            match obs.wait() {
+                Ok(s) => s.to_string(),
+                Err(e) => e.to_string(),
+            }
+        );
     }
     let mut client = Command::new("/usr/bin/python3")
         .arg(rig.join("client.py"))
