@@ -1010,7 +1010,7 @@ pub struct Capture {
     /// Hook set `kprobes`' return probes: links and tracefs events ([`kretprobe`]); dropped
     /// after the object, so that an event is unused when its removal is tried.
     _kretprobes: Vec<KretprobeHeld>,
-    /// Own descriptors of the hash maps read in batches ([`Capture::tcp_states`],
+    /// Own descriptors of the hash maps read in batches ([`Capture::sock_entries`],
     /// [`Capture::sock_states`]), found at their first use; `None`: read key by key.
     batch_fds: StdHashMap<&'static str, Option<(OwnedFd, u32)>>,
 }
@@ -1885,24 +1885,30 @@ impl Capture {
         }
     }
 
-    /// [`Capture::tcp_state`] of each of `cookies` that has one: the whole `SOCKETS` map in
-    /// one batch read (a few `bpf(2)` calls for thousands of sockets), else key by key.
-    pub fn tcp_states(&mut self, cookies: &[u64]) -> StdHashMap<u64, TcpSnapshot> {
+    /// One read of the `SOCKETS` entry of each of `cookies` that has one: the whole map in
+    /// one batch read (a few `bpf(2)` calls for thousands of sockets) when that pays
+    /// ([`batch_pays`]), else one lookup per cookie. The programs update a value in place
+    /// while it is read, so a value's counts and window may be torn: trust them only where a
+    /// second read agrees ([`same_counts`]; [`Capture::sock_state`] reads until two do). Its
+    /// `tcp.write_seq` and `tcp.copied_seq` are aligned 32-bit words, never torn.
+    pub fn sock_entries(&mut self, cookies: &[u64]) -> StdHashMap<u64, SockState> {
         if cookies.is_empty() {
             return StdHashMap::new();
         }
         match self.entries_batch::<SockState>("SOCKETS", cookies.len()) {
             Some(all) => {
                 let want: std::collections::HashSet<u64> = cookies.iter().copied().collect();
-                all.into_iter()
-                    .filter(|(c, s)| want.contains(c) && s.tcp.ts_ns != 0)
-                    .map(|(c, s)| (c, s.tcp))
+                all.into_iter().filter(|(c, _)| want.contains(c)).collect()
+            }
+            None => {
+                let Ok(map) = self.hash::<u64, SockState>("SOCKETS") else {
+                    return StdHashMap::new();
+                };
+                cookies
+                    .iter()
+                    .filter_map(|&c| Some((c, map.get(&c, 0).ok()?)))
                     .collect()
             }
-            None => cookies
-                .iter()
-                .filter_map(|&c| Some((c, self.tcp_state(c)?)))
-                .collect(),
         }
     }
 
@@ -2142,11 +2148,10 @@ impl Capture {
     }
 }
 
-/// The bytes of a plain-data value, to compare two reads of it.
 /// Whether two reads of a `SOCKETS` value agree on what [`Capture::sock_state`] must read
 /// consistently: the window, the byte totals, each direction's message count and its
 /// early-announced message.
-fn same_counts(a: &SockState, b: &SockState) -> bool {
+pub fn same_counts(a: &SockState, b: &SockState) -> bool {
     a.window == b.window
         && a.msg_bytes == b.msg_bytes
         && (0..2).all(|d| {

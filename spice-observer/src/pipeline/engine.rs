@@ -1043,9 +1043,11 @@ impl Engine {
     }
 
     /// One TCP sample of every chain (pairs new sockets first): applies the ring's records,
-    /// reads the positions ([`sampler::Sampler::read`]), applies the records of the calls made up to
-    /// those reads (so the count and the messages match `write_seq` / `copied_seq`), then
-    /// places ([`sampler::place`]). Returns the per-chain sample lines for front ends that
+    /// reads the positions and the kernel's state of every open socket
+    /// ([`sampler::Sampler::read`], which hands the latter to the model), applies the records
+    /// of the calls made up to those reads (so the count and the messages match `write_seq` /
+    /// `copied_seq`, and the model compares its window with the kernel's), then places
+    /// ([`sampler::place`]). Returns the per-chain sample lines for front ends that
     /// write or plot them; empty when a sock_diag query failed. `now_ns` is the front end's
     /// tick (CLOCK_MONOTONIC); the lines carry the instants the positions were read.
     pub fn sample(&mut self, now_ns: u64) -> Vec<SampleLine> {
@@ -1069,18 +1071,18 @@ impl Engine {
             .sampler
             .read(&mut self.cap, &mut self.model, &mut self.chains)?;
         self.drain();
-        self.read_kernel_state();
         Some(sampler::place(&self.model, &mut self.chains, pos))
     }
 
     /// Reads the kernel's state (`SOCKETS`, in batches: [`Capture::sock_states`]) of every
-    /// open socket and hands it to the model,
-    /// which takes the bytes of every traced call (framed or not) from it, and, for a socket
-    /// that carried messages, the message and byte totals (records lost
-    /// since the previous read are then in the totals) and compares it with the
-    /// record-derived window and byte totals once it has applied exactly the records the
-    /// kernel had written at the read ([`crate::model::KernelCheck`]; report `kernel_window`). Called by [`Engine::sample`];
-    /// call it before the last [`Engine::drain`] for a comparison at the end.
+    /// open socket and hands it to the model, which takes the bytes of every traced call
+    /// (framed or not) from it, and, for a socket that carried messages, the message and byte
+    /// totals (records lost since the previous read are then in the totals) and compares it
+    /// with the record-derived window and byte totals once it has applied exactly the records
+    /// the kernel had written at the read ([`crate::model::KernelCheck`]; report
+    /// `kernel_window`). Each sample does the same from its own reads
+    /// ([`sampler::Sampler::read`]); call this before the last [`Engine::drain`] for a
+    /// comparison at the end.
     pub fn read_kernel_state(&mut self) {
         let now = monotonic_ns();
         let open: Vec<u64> = self
