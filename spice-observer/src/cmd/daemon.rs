@@ -66,7 +66,10 @@ use crate::host::privilege;
 use crate::kernel::tls::{self, TlsHooks};
 use crate::model::tls::TlsAttach;
 use crate::output::metrics::{self, ProgramCost, ScrapeInput};
-use crate::pipeline::{Engine, EngineOptions, Restart, monotonic_ns};
+use crate::pipeline::{
+    Engine, EngineOptions, Restart, monotonic_ns,
+    ticker::{Due, SampleClock, Ticker},
+};
 
 /// Config file read when `--config` is not given, if it exists.
 pub const DEFAULT_CONFIG: &str = "/etc/spice-observer/spice-observer.toml";
@@ -653,11 +656,10 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     let mut targets: Vec<Target> = Vec::new();
     // Targets whose watch failed (warned once), retried at each scan.
     let mut pending: Vec<Target> = Vec::new();
-    let mut scan = tokio::time::interval(Duration::from_millis(cfg.scan_ms));
-    scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut sample = tokio::time::interval(Duration::from_millis(cfg.sample_ms));
-    sample.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut loss_check = tokio::time::interval(LOSS_CHECK);
+    // Kernel timers, one wake-up per period (pipeline::ticker says why not tokio's).
+    let mut scan = Ticker::new(Duration::from_millis(cfg.scan_ms))?;
+    let mut sample = SampleClock::new(Duration::from_millis(cfg.sample_ms))?;
+    let mut loss_check = Ticker::new(LOSS_CHECK)?;
     let mut lost_seen = [0u64; counter::COUNT as usize];
     let mut decode_seen = 0u64;
     let mut sigint = signal(SignalKind::interrupt())?;
@@ -673,7 +675,8 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
     let stop = loop {
         tokio::select! {
             r = engine.drain_ready() => r.context("reading the kernel's event ring")?,
-            _ = scan.tick() => {
+            r = scan.tick() => {
+                r.context("the scan timer")?;
                 let s = match discovery.scan() {
                     Ok(mut s) => {
                         scan_failed = false;
@@ -764,10 +767,12 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                     server = Some(tokio::spawn(async move { axum::serve(listener, app).await }));
                 }
             }
-            _ = sample.tick() => {
-                engine.sample_only(monotonic_ns());
-            }
-            _ = loss_check.tick() => {
+            due = sample.tick() => match due.context("the sample timer")? {
+                Due::Sample => engine.sample_only(monotonic_ns()),
+                Due::Drain => engine.drain(),
+            },
+            r = loss_check.tick() => {
+                r.context("the loss-check timer")?;
                 if let Ok(c) = engine.counters() {
                     let grew: Vec<String> = (0..counter::COUNT)
                         .filter(|&i| counter::is_loss(i) && c[i as usize] > lost_seen[i as usize])
@@ -806,17 +811,15 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                         let plan = service::Reload::plan(&resolved, &new);
                         plan.log(&file);
                         if let Some(d) = plan.sample {
-                            sample = tokio::time::interval(d);
-                            sample.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                            sample = SampleClock::new(d).context("the sample timer")?;
                         }
                         if let Some(d) = plan.scan {
-                            scan = tokio::time::interval(d);
-                            scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                            scan = Ticker::new(d).context("the scan timer")?;
                         }
                         if plan.discovery {
                             discovery = Discovery::new(&new.discovery);
                             rediff = true;
-                            scan.reset_immediately();
+                            scan.reset_immediately().context("the scan timer")?;
                         }
                         cfg = plan.apply(&cfg, &new);
                         resolved = plan.apply(&resolved, &new);

@@ -14,7 +14,10 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
     kernel::tls::{self, TlsHooks},
-    pipeline::{Beside, Engine, EngineOptions, Progress, monotonic_ns},
+    pipeline::{
+        Beside, Engine, EngineOptions, Progress, monotonic_ns,
+        ticker::{Due, SampleClock, Ticker},
+    },
     report::{self, Report},
     samples::SampleLine,
     sockdiag,
@@ -398,8 +401,9 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
 
     // The plot needs the whole series of the display channels: kept here, in the front end.
     let mut plot_lines = PlotLines::default();
-    let mut sample = tokio::time::interval(opts.sample);
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    // Kernel timers, one wake-up per period (pipeline::ticker says why not tokio's).
+    let mut sample = SampleClock::new(opts.sample)?;
+    let mut tick = Ticker::new(Duration::from_secs(1))?;
     let deadline = tokio::time::sleep(opts.duration.unwrap_or(Duration::from_secs(u64::MAX / 4)));
     tokio::pin!(deadline);
     let tty = std::io::stderr().is_terminal();
@@ -407,7 +411,11 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
     loop {
         tokio::select! {
             r = engine.drain_ready() => r?,
-            _ = sample.tick() => {
+            due = sample.tick() => {
+                if due? == Due::Drain {
+                    engine.drain();
+                    continue;
+                }
                 if samples_out.is_none() && opts.plot.is_none() {
                     engine.sample_only(monotonic_ns());
                     continue;
@@ -420,7 +428,8 @@ pub async fn run(opts: ObserveOptions) -> Result<()> {
                     plot_lines.add(lines);
                 }
             }
-            _ = tick.tick() => {
+            t = tick.tick() => {
+                t?;
                 ticks += 1;
                 let (cap, model) = engine.capture_and_model();
                 match tls_hooks.follow(cap, model, beside) {

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use aya::maps::{MapData, RingBuf};
 use log::{debug, warn};
 use spice_ebpf_common::{
-    config::{counter, preexisting, ring, watch},
+    config::{counter, preexisting, watch},
     framing::UnparsedReason,
     protocol::channel,
 };
@@ -1010,25 +1010,20 @@ impl Engine {
         Ok(())
     }
 
-    /// Waits until the ring wakes the agent or [`ring::DRAIN_INTERVAL_MS`] passed, whichever
-    /// comes first, and applies the records waiting then to the model (cancel-safe: use in
-    /// `select!`). The kernel programs wake the agent only about every [`ring::WAKEUP_BYTES`]
-    /// of records, so the interval bounds how long a record waits in the ring.
+    /// Waits until the ring wakes the agent and applies the records waiting then to the model
+    /// (cancel-safe: use in `select!`). The kernel programs wake the agent only about every
+    /// [`spice_ebpf_common::config::ring::WAKEUP_BYTES`] of records, so the front end must also
+    /// drain at least every [`spice_ebpf_common::config::ring::DRAIN_INTERVAL_MS`] to bound how
+    /// long a record waits in the ring ([`super::ticker::SampleClock`]: every sample drains).
     pub async fn drain_ready(&mut self) -> Result<()> {
-        let interval = Duration::from_millis(ring::DRAIN_INTERVAL_MS);
-        match tokio::time::timeout(interval, self.ring.readable_mut()).await {
-            Ok(guard) => {
-                let mut guard = guard?;
-                drain_ring(
-                    guard.get_inner_mut(),
-                    &mut self.model,
-                    &mut self.decode_errors,
-                    &mut self.dump,
-                );
-                guard.clear_ready();
-            }
-            Err(_) => self.drain(),
-        }
+        let mut guard = self.ring.readable_mut().await?;
+        drain_ring(
+            guard.get_inner_mut(),
+            &mut self.model,
+            &mut self.decode_errors,
+            &mut self.dump,
+        );
+        guard.clear_ready();
         Ok(())
     }
 

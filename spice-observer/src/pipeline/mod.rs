@@ -10,6 +10,7 @@
 mod engine;
 pub mod sampler;
 pub mod selftest;
+pub mod ticker;
 
 pub use engine::{
     Beside, Engine, EngineOptions, EngineStats, ProgramStats, Progress, Restart, Watched,
