@@ -16,14 +16,14 @@ pub fn nothing() -> i32 {
 
 use aya_ebpf::helpers::{
     bpf_get_current_pid_tgid, bpf_ktime_get_ns,
-    generated::{bpf_get_socket_cookie, bpf_probe_read_user},
+    generated::bpf_probe_read_user,
 };
 use spice_ebpf_common::event::{EventHeader, MessageEvent, call_kind, kind};
 
 use crate::{
     kernel::{konf, tcp_sock, tcp_u32},
     maps::{EVENTS, SOCKETS, ZERO_SOCK, traced_route},
-    probes::syscalls::current_call,
+    probes::{sock_calls::socket_cookie, syscalls::current_call},
 };
 
 /// Map update flag: create only (include/uapi/linux/bpf.h).
@@ -34,7 +34,7 @@ const BPF_RB_NO_WAKEUP: u64 = 1;
 /// The body of `spice_ref_floor` (`tp_btf/sock_send_length`): the least a send call on a
 /// traced socket needs, with none of the framing. The watched-process filter
 /// ([`traced_route`]: one array load, one hash lookup), the TCP socket check, the socket's
-/// cookie and one hash lookup of its state (`SOCKETS`, made at its first call), the
+/// cookie (one load, as the socket programs take it: [`socket_cookie`]) and one hash lookup of its state (`SOCKETS`, made at its first call), the
 /// syscall's buffer from its saved registers ([`current_call`]), the clock, one read of a
 /// 6-byte mini header at the buffer's start, `write_seq` stored in the state, and one
 /// 72-byte message record in the ring (`EVENTS`, drained by `bench reference`). Only
@@ -54,7 +54,7 @@ pub fn floor(sk: *const u8, ret: i32) -> i32 {
     if ret <= 0 || tp.is_null() {
         return 0;
     }
-    let cookie = unsafe { bpf_get_socket_cookie(sk as *mut _) };
+    let cookie = socket_cookie(sk);
     let args = current_call(route);
     if args.kind != call_kind::BUFFER {
         return 0;

@@ -67,7 +67,7 @@ pub fn on_sock_length<const THREAD: bool>(sk: *const u8, ret: i32, flags: i32, d
 /// (`__sock_gen_cookie` reads it first). A socket's first traced call pays the helper, the
 /// others a load: on this project's VM a helper call costs 30–50 ns.
 #[inline(always)]
-fn socket_cookie(sk: *const u8) -> u64 {
+pub(crate) fn socket_cookie(sk: *const u8) -> u64 {
     // SAFETY: `sk` is the hook's BTF-typed socket; a plain load at a member's offset.
     let c = unsafe { core::ptr::read_volatile(sk.add(konf!(skc_cookie) as usize) as *const u64) };
     if c != 0 {
