@@ -15,8 +15,7 @@ pub fn nothing() -> i32 {
 }
 
 use aya_ebpf::helpers::{
-    bpf_get_current_pid_tgid, bpf_ktime_get_ns,
-    generated::bpf_probe_read_user,
+    bpf_get_current_pid_tgid, bpf_ktime_get_ns, generated::bpf_probe_read_user,
 };
 use spice_ebpf_common::event::{EventHeader, MessageEvent, call_kind, kind};
 
@@ -34,10 +33,10 @@ const BPF_RB_NO_WAKEUP: u64 = 1;
 /// The body of `spice_ref_floor` (`tp_btf/sock_send_length`): the least a send call on a
 /// traced socket needs, with none of the framing. The watched-process filter
 /// ([`traced_route`]: one array load, one hash lookup), the TCP socket check, the socket's
-/// cookie (one load, as the socket programs take it: [`socket_cookie`]) and one hash lookup of its state (`SOCKETS`, made at its first call), the
-/// syscall's buffer from its saved registers ([`current_call`]), the clock, one read of a
-/// 6-byte mini header at the buffer's start, `write_seq` stored in the state, and one
-/// 72-byte message record in the ring (`EVENTS`, drained by `bench reference`). Only
+/// cookie (one load, as the socket programs take it: [`socket_cookie`]) and one hash lookup
+/// of its state (`SOCKETS`, made at its first call), the syscall's buffer from its saved
+/// registers ([`current_call`]), the clock, one read of a 6-byte mini header at the buffer's
+/// start, `write_seq` stored in the state, and one 72-byte message record in the ring (`EVENTS`, drained by `bench reference`). Only
 /// single-buffer calls (write, send) are handled; anything else returns after the filter.
 ///
 /// `bench reference --hooks floor --pid PID` attaches it on its own copy of the maps, with
