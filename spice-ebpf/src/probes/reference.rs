@@ -36,8 +36,9 @@ const BPF_RB_NO_WAKEUP: u64 = 1;
 /// cookie (one load, as the socket programs take it: [`socket_cookie`]) and one hash lookup
 /// of its state (`SOCKETS`, made at its first call), the syscall's buffer from its saved
 /// registers ([`current_call`]), the clock, one read of a 6-byte mini header at the buffer's
-/// start, `write_seq` stored in the state, and one 72-byte message record in the ring (`EVENTS`, drained by `bench reference`). Only
-/// single-buffer calls (write, send) are handled; anything else returns after the filter.
+/// start, `write_seq` stored in the state, and one 72-byte message record in the ring
+/// (`EVENTS`, drained by `bench reference`). Only single-buffer calls (write, send) are
+/// handled; anything else returns after the filter.
 ///
 /// `bench reference --hooks floor --pid PID` attaches it on its own copy of the maps, with
 /// `PID` watched there, beside an observer watching the same process: its run time per run

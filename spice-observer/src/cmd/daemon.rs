@@ -810,16 +810,26 @@ async fn serve(cfg: Config, path: Option<PathBuf>, args: &DaemonArgs) -> Result<
                     Ok((new, _)) => {
                         let plan = service::Reload::plan(&resolved, &new);
                         plan.log(&file);
+                        // A timer the kernel refuses (no file descriptor left) keeps the
+                        // old one running, as a config error keeps the settings in force.
                         if let Some(d) = plan.sample {
-                            sample = SampleClock::new(d).context("the sample timer")?;
+                            match SampleClock::new(d) {
+                                Ok(c) => sample = c,
+                                Err(e) => warn!("reload: no timer for the new sample period ({e:#}); sampling at the old one"),
+                            }
                         }
                         if let Some(d) = plan.scan {
-                            scan = Ticker::new(d).context("the scan timer")?;
+                            match Ticker::new(d) {
+                                Ok(t) => scan = t,
+                                Err(e) => warn!("reload: no timer for the new scan period ({e:#}); scanning at the old one"),
+                            }
                         }
                         if plan.discovery {
                             discovery = Discovery::new(&new.discovery);
                             rediff = true;
-                            scan.reset_immediately().context("the scan timer")?;
+                            if let Err(e) = scan.reset_immediately() {
+                                warn!("reload: the scan timer could not be restarted ({e:#}); the next scan comes at its period");
+                            }
                         }
                         cfg = plan.apply(&cfg, &new);
                         resolved = plan.apply(&resolved, &new);

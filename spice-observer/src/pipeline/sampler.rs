@@ -245,12 +245,11 @@ impl Sampler {
     /// and window, which go to [`Model::kernel_state`]). Returns `None` if a query failed
     /// (then no chain gets a sample).
     ///
-    /// Each map value is read once per sample, twice for a chain's socket (before and after
-    /// the queries); the kernel's counts and window of a value are taken where those two
-    /// reads agree, and a socket without two agreeing reads is read again alone
-    /// ([`Capture::sock_state`]). Before, the kernel state was a third and fourth read of
-    /// every socket after the sample: about 20 of the 55 `bpf(2)` lookups of a sample of 10
-    /// busy channels.
+    /// A chain's socket is read twice (before and after the queries), and the kernel's counts
+    /// and window are taken from those reads where they agree; any other open socket, and a
+    /// chain's socket whose two reads differ, is read again until two reads agree
+    /// ([`Capture::sock_states`]). Before, every socket's kernel state was read twice more
+    /// after the sample: about 20 of the 55 `bpf(2)` lookups of a sample of 10 busy channels.
     ///
     /// Apply the ring's records between `read` and [`place`]: then the model (spice-server's
     /// count, the messages' spans) includes every call made up to the map reads, as
@@ -346,7 +345,9 @@ impl Sampler {
         }
         let moved: Vec<u64> = before
             .iter()
-            .filter(|(c, b)| snaps.get(c).is_some_and(|a| !same_position(a, &b.tcp)))
+            .filter(|(c, b)| {
+                b.tcp.ts_ns != 0 && snaps.get(c).is_some_and(|a| !same_position(a, &b.tcp))
+            })
             .map(|(c, _)| *c)
             .collect();
         if !moved.is_empty() {
@@ -365,10 +366,11 @@ impl Sampler {
 /// Hands the kernel's state of each `open` socket to the model ([`Model::kernel_state`]),
 /// read at `read_ns`: its `after` value where the `before` value (a chain's socket, read
 /// before the sample's queries) agrees on the counts and window ([`same_counts`]: the
-/// programs were not writing them during either read), else a read of its own until two
-/// agree ([`Capture::sock_state`]). Called before the ring is drained again: the model is
-/// then behind or at the read, and compares it once it has applied the records of the
-/// messages the read counts ([`crate::model::KernelCheck`]).
+/// programs were not writing them during either read); the other sockets with an entry are
+/// read again until two reads agree ([`Capture::sock_states`]: two walks of the map where
+/// batch reads pay, else each socket alone). Called before the ring is drained again: the
+/// model is then behind or at the read, and compares it once it has applied the records of
+/// the messages the read counts ([`crate::model::KernelCheck`]).
 fn kernel_states(
     cap: &mut Capture,
     model: &mut Model,
@@ -377,15 +379,16 @@ fn kernel_states(
     after: &HashMap<u64, SockState>,
     read_ns: u64,
 ) {
+    let mut again = Vec::new();
     for &c in open {
-        let st = match (before.get(&c), after.get(&c)) {
-            (Some(b), Some(a)) if same_counts(a, b) => Some(*a),
-            (_, Some(_)) => cap.sock_state(c),
-            (_, None) => None,
-        };
-        if let Some(st) = st {
-            model.kernel_state(c, &st, read_ns);
+        match (before.get(&c), after.get(&c)) {
+            (Some(b), Some(a)) if same_counts(a, b) => model.kernel_state(c, a, read_ns),
+            (_, Some(_)) => again.push(c),
+            (_, None) => {}
         }
+    }
+    for (c, st) in cap.sock_states(&again) {
+        model.kernel_state(c, &st, read_ns);
     }
 }
 
