@@ -33,6 +33,13 @@ use crate::{
 /// is slack so that the kernel's variable-offset, variable-length read into `buf[have..]`
 /// (offset ≤ 31, length ≤ 31 after masking) provably stays inside the map value.
 pub const BUF_LEN: usize = 64;
+/// The bytes of a data header that [`DirState::header_whole`] reads: all 6 of a mini header;
+/// of a full header (18 bytes) its serial, type and size (bytes 0..14; the sub-message list
+/// offset after them is not used), rounded up to whole 8-byte words. The kernel reads a
+/// header into a buffer of this size on the BPF stack, where the usercopy check of the
+/// destination is cheapest (`__check_object_size`, mm/usercopy.c: a stack object returns after
+/// a range check, a map value goes through the heap checks).
+pub const HEADER_BUF_LEN: usize = 16;
 /// Most bytes the state machine asks for at one boundary: full header (18) + 8 body bytes.
 pub const MAX_WANT: u32 = 26;
 /// Largest body size accepted before the stream is declared out of sync (256 MiB). spice-server
@@ -366,7 +373,7 @@ pub enum Output {
 }
 
 #[inline(always)]
-fn le_u32(buf: &[u8; BUF_LEN], off: usize) -> u32 {
+fn le_u32<const N: usize>(buf: &[u8; N], off: usize) -> u32 {
     match buf.get(off..off + 4) {
         Some(&[a, b, c, d]) => u32::from_le_bytes([a, b, c, d]),
         _ => 0,
@@ -374,7 +381,7 @@ fn le_u32(buf: &[u8; BUF_LEN], off: usize) -> u32 {
 }
 
 #[inline(always)]
-fn le_u16(buf: &[u8; BUF_LEN], off: usize) -> u16 {
+fn le_u16<const N: usize>(buf: &[u8; N], off: usize) -> u16 {
     match buf.get(off..off + 2) {
         Some(&[a, b]) => u16::from_le_bytes([a, b]),
         _ => 0,
@@ -934,7 +941,7 @@ impl DirState {
     }
 
     /// The fast path of a call that begins with a whole data header, `hdr` holding its first
-    /// [`Self::hdr_len`] bytes (the rest of the array is ignored): [`Self::header_whole`] when
+    /// bytes (as [`Self::header_whole`] takes them): [`Self::header_whole`] when
     /// the state's next header is at the call's start (`want_at == pos`); `None` otherwise.
     ///
     /// Most calls of spice-server and of a relay begin at a message boundary; the kernel then
@@ -942,15 +949,16 @@ impl DirState {
     /// elements further in the call. [`feed_call`] does the same, so every host test of the
     /// framing goes through it.
     #[inline(always)]
-    pub fn header_at_call_start(&mut self, hdr: &[u8; BUF_LEN]) -> Option<MessageInfo> {
+    pub fn header_at_call_start<const N: usize>(&mut self, hdr: &[u8; N]) -> Option<MessageInfo> {
         if self.want_at != self.pos {
             return None;
         }
         self.header_whole(hdr)
     }
 
-    /// Frames the message whose whole data header the caller read in one piece into `hdr`
-    /// (its first [`Self::hdr_len`] bytes; the rest is ignored), from stream offset
+    /// Frames the message whose whole data header lies in one piece in the caller's buffer and
+    /// was read into `hdr` (its first [`Self::hdr_len`] bytes, at most [`HEADER_BUF_LEN`] of
+    /// them: the rest is neither needed nor read), from stream offset
     /// `want_at`: with the state at a message boundary (phase [`Phase::DataHeader`], header
     /// length decided, nothing of the header read, no lock to report), as
     /// [`Self::complete`] would after reading the header into [`Self::buf`], and returns it.
@@ -960,7 +968,8 @@ impl DirState {
     /// them). The kernel's element loop uses it for every header that lies whole in one
     /// buffer of the call, [`feed_call`] for every one in one segment.
     #[inline(always)]
-    pub fn header_whole(&mut self, hdr: &[u8; BUF_LEN]) -> Option<MessageInfo> {
+    pub fn header_whole<const N: usize>(&mut self, hdr: &[u8; N]) -> Option<MessageInfo> {
+        const { assert!(N >= HEADER_BUF_LEN) };
         if self.phase != Phase::DataHeader as u8
             || self.hdr_len == 0
             || self.want_len != self.hdr_len as u32
@@ -1087,8 +1096,11 @@ pub fn feed_call_with<F: FnMut(Output)>(
     let first = segments.first().copied().unwrap_or(&[]);
     let hl = st.hdr_len as usize;
     if fast && hl != 0 && first.len() >= hl && !st.is_unparsed() {
-        let mut buf = [0u8; BUF_LEN];
-        buf[..hl].copy_from_slice(&first[..hl]);
+        // What the kernel reads ([`HEADER_BUF_LEN`] bytes at most), so that a framing change
+        // that needed more of the header fails here too.
+        let mut buf = [0u8; HEADER_BUF_LEN];
+        let k = hl.min(HEADER_BUF_LEN);
+        buf[..k].copy_from_slice(&first[..k]);
         if let Some(m) = st.header_at_call_start(&buf) {
             emit(Output::Message(m));
         }
@@ -1125,8 +1137,9 @@ pub fn feed_call_with<F: FnMut(Output)>(
         // A whole header in this segment: framed from one read, as the kernel does.
         let hl = st.hdr_len as usize;
         if fast && st.have == 0 && hl != 0 && remaining as usize == hl && n == hl {
-            let mut buf = [0u8; BUF_LEN];
-            buf[..hl].copy_from_slice(&seg[off..off + hl]);
+            let mut buf = [0u8; HEADER_BUF_LEN];
+            let k = hl.min(HEADER_BUF_LEN);
+            buf[..k].copy_from_slice(&seg[off..off + k]);
             if let Some(m) = st.header_whole(&buf) {
                 emit(Output::Message(m));
                 continue;

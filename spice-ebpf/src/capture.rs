@@ -22,6 +22,7 @@
 use core::{
     ffi::c_void,
     intrinsics::{AtomicOrdering, atomic_cxchg},
+    mem::MaybeUninit,
     sync::atomic::{Ordering, compiler_fence},
 };
 
@@ -37,8 +38,8 @@ use spice_ebpf_common::{
         carrier, dir as dirs, hdr_flags, kind, lock_how, msg_flags, tcp_source, tls_func,
     },
     framing::{
-        BUF_LEN, DirState, LinkInfo, MAX_WANT, MessageInfo, Output, PeerView, Phase, Role,
-        UnparsedReason,
+        BUF_LEN, DirState, HEADER_BUF_LEN, LinkInfo, MAX_WANT, MessageInfo, Output, PeerView,
+        Phase, Role, UnparsedReason,
     },
     protocol::{HUNT_TYPES, HUNT_TYPES_LEN},
 };
@@ -48,6 +49,7 @@ use crate::{
     maps::{
         CALL_SCRATCH, PREEXISTING, SOCKETS, TLS_CALLS, TLS_SCRATCH, ZERO_SOCK, count, write_record,
     },
+    mem::{zero_bytes, zero_words},
 };
 
 pub(crate) const EAGAIN: i32 = 11;
@@ -120,12 +122,15 @@ pub struct CallScratch {
     /// The step's framing output (an [`Output`], emitted before the next step), as words:
     /// BTF cannot describe a data-carrying enum in a map value.
     out: [u64; OUTPUT_WORDS],
-    /// The first bytes of a buffer a send could not take ([`peek_eagain`]), or the header
-    /// [`first_message`] reads.
+    /// The first bytes of a buffer a send could not take ([`peek_eagain`]).
     peek: [u8; BUF_LEN],
     /// [`peek_eagain`]'s trial framing state ([`DirState::peek_in`]).
     trial: DirState,
 }
+
+/// [`HEADER_BUF_LEN`] in 8-byte words: the stack buffers of the per-message header reads.
+const HEADER_WORDS: usize = HEADER_BUF_LEN / 8;
+const _: () = assert!(HEADER_BUF_LEN % 8 == 0 && HEADER_BUF_LEN >= 16); // an iovec fits too
 
 /// [`CallScratch::out`]'s length in 8-byte words.
 const OUTPUT_WORDS: usize = core::mem::size_of::<Output>() / 8;
@@ -210,7 +215,7 @@ fn emit_hunt(hdr: &EventHeader, route: u8, st: &DirState) {
         (*p).at = at;
         (*p).reason = reason;
         (*p).role = role;
-        (*p)._pad = [0; 2];
+        zero_bytes(&mut (*p)._pad);
         (*p).detail = detail;
         (*p).resyncs = resyncs;
         (*p)._pad2 = 0;
@@ -337,7 +342,7 @@ pub(crate) extern "C" fn spice_emit_message(
         (*p).win_mw = mw;
         (*p).win_count = in_flight;
         (*p).win_effects = fx;
-        (*p)._pad = [0; 3];
+        zero_bytes(&mut (*p)._pad);
     });
     0
 }
@@ -437,7 +442,7 @@ fn emit_unparsed(hdr: &EventHeader, route: u8, reason: u8, detail: u32, at: u64)
         (*p).hdr.kind = kind::UNPARSED;
         (*p).at = at;
         (*p).reason = reason;
-        (*p)._pad = [0; 3];
+        zero_bytes(&mut (*p)._pad);
         (*p).detail = detail;
     });
 }
@@ -462,6 +467,12 @@ fn step_body(ctx: *mut c_void) -> i64 {
     if st.is_unparsed() || st.need().0 >= c.call_end {
         return 1;
     }
+    // The step's one stack buffer for its user reads: the next iovec, or a whole data header
+    // (see [`HEADER_BUF_LEN`] for why on the stack). One buffer for both keeps the frame
+    // within the chain's 512 bytes (`step` is on the deepest chains: spice-observer's
+    // `kernel::stack` test).
+    let mut words = MaybeUninit::uninit();
+    let words: &mut [u64; HEADER_WORDS] = zero_words(&mut words);
     // Resolve the element only once its first byte is in this call (see DirState::prepare).
     let out = st.prepare(peer);
     emit_stop(&ec.hdr, ec.route, &out);
@@ -483,17 +494,16 @@ fn step_body(ctx: *mut c_void) -> i64 {
             emit_stop(&ec.hdr, ec.route, &out);
             return 1;
         }
-        let mut iov = [0u64; 2];
         let src = (c.iov_ptr + c.cur_iov * 16) as *const c_void;
-        let rc = unsafe { bpf_probe_read_user(iov.as_mut_ptr() as *mut c_void, 16, src) };
+        let rc = unsafe { bpf_probe_read_user(words.as_mut_ptr() as *mut c_void, 16, src) };
         if rc != 0 {
             count(counter::USER_READ_FAULT);
             let out = st.stop(UnparsedReason::UserMemoryFault, rc as u32);
             emit_stop(&ec.hdr, ec.route, &out);
             return 1;
         }
-        c.cur_base = iov[0];
-        c.cur_len = iov[1];
+        c.cur_base = words[0];
+        c.cur_len = words[1];
         return 0;
     }
     let off = at - c.cur_start;
@@ -506,14 +516,20 @@ fn step_body(ctx: *mut c_void) -> i64 {
     if call_left < n {
         n = call_left;
     }
-    // A whole data header in this buffer: framed from one read into the per-CPU scratch
+    // A whole data header in this buffer: framed from one read into the stack buffer
     // (DirState::header_whole), as the call's first message is ([`first_message`]).
     if st.have == 0 && st.hdr_len != 0 && remaining == st.hdr_len as u32 && n == remaining as u64 {
-        let len = if st.hdr_len == 18 { 18 } else { 6 };
+        let len = if st.hdr_len == 18 {
+            HEADER_BUF_LEN as u32
+        } else {
+            6
+        };
         let src = (c.cur_base + off) as *const c_void;
-        let rc = unsafe { bpf_probe_read_user(sc.peek.as_mut_ptr() as *mut c_void, len, src) };
+        let rc = unsafe { bpf_probe_read_user(words.as_mut_ptr() as *mut c_void, len, src) };
         if rc == 0 {
-            if let Some(m) = st.header_whole(&sc.peek) {
+            // SAFETY: HEADER_WORDS words are HEADER_BUF_LEN bytes, at u64 alignment.
+            let hdr = unsafe { &*(words.as_ptr() as *const [u8; HEADER_BUF_LEN]) };
+            if let Some(m) = st.header_whole(hdr) {
                 let flags = if peer.mid_message {
                     msg_flags::PEER_MID_MESSAGE
                 } else {
@@ -676,9 +692,9 @@ fn announce_socket(sk: *const u8, hdr: &EventHeader, route: u8) {
         (*p).family = family;
         (*p).lport = read_at(sk, konf!(skc_num));
         (*p).rport = u16::from_be(read_at(sk, konf!(skc_dport)));
-        (*p)._pad = [0; 6];
-        (*p).laddr = [0; 16];
-        (*p).raddr = [0; 16];
+        zero_bytes(&mut (*p)._pad);
+        zero_bytes(&mut (*p).laddr);
+        zero_bytes(&mut (*p).raddr);
         if family == AF_INET {
             let l: [u8; 4] = read_at(sk, konf!(skc_rcv_saddr));
             let r: [u8; 4] = read_at(sk, konf!(skc_daddr));
@@ -741,6 +757,7 @@ pub fn on_call<const SEND: bool, const RAW: bool, const THREAD: bool>(call: &Cal
 #[inline(never)]
 fn on_moved<const RAW: bool, const THREAD: bool>(call: &Call, pid_tgid: u64) {
     call_body::<false, RAW, THREAD>(call, pid_tgid);
+    crate::mem::scalar_r0();
 }
 
 /// A send that moved nothing (EAGAIN) on socket call `call` ([`on_call`]; `thread` 1 for a
@@ -855,7 +872,7 @@ fn tls_socket_call<const RAW: bool>(
                 write_record::<TlsEvent>(call.args.watch, |p| unsafe {
                     (*p).hdr = hdr;
                     (*p).func = func;
-                    (*p)._pad = [0; 7];
+                    zero_bytes(&mut (*p)._pad);
                 });
             }
         }
@@ -1036,11 +1053,7 @@ fn run_call<const PEEK: bool>(
             } else {
                 0
             };
-            sc.ec = EmitCtx {
-                hdr,
-                seq_base: base,
-                route: call.args.watch,
-            };
+            sc.ec.set(&hdr, base, call.args.watch);
             // The message is emitted here, not inside: the two frames are never on the stack
             // at once (see CallScratch).
             if peek_eagain(st, call, sc) != 0 {
@@ -1091,11 +1104,7 @@ fn run_call<const PEEK: bool>(
     }
     if !st.is_unparsed() {
         let candidates = st.candidates;
-        sc.ec = EmitCtx {
-            hdr,
-            seq_base: sock.seq_base[d],
-            route: call.args.watch,
-        };
+        sc.ec.set(&hdr, sock.seq_base[d], call.args.watch);
         sc.span = Span {
             start: call_start,
             end: call_end,
@@ -1142,7 +1151,8 @@ fn asked_bytes(call: &Call) -> u64 {
         if i >= call.args.len {
             break;
         }
-        let mut iov = [0u64; 2];
+        let mut iov = MaybeUninit::uninit();
+        let iov: &mut [u64; 2] = zero_words(&mut iov);
         let src = (call.args.ptr + i * 16) as *const c_void;
         if unsafe { bpf_probe_read_user(iov.as_mut_ptr() as *mut c_void, 16, src) } != 0 {
             return u64::MAX;
@@ -1195,6 +1205,17 @@ pub(crate) struct EmitCtx {
     route: u8,
 }
 
+impl EmitCtx {
+    /// Sets every field in place. The header is assigned whole (a `memmove` call; see
+    /// [`crate::mem`] for why not word by word).
+    #[inline(always)]
+    fn set(&mut self, hdr: &EventHeader, seq_base: u32, route: u8) {
+        self.hdr = *hdr;
+        self.seq_base = seq_base;
+        self.route = route;
+    }
+}
+
 /// Stream offsets `[start, end)` of the bytes one call moved.
 struct Span {
     start: u64,
@@ -1206,7 +1227,8 @@ struct Span {
 fn frame(st: &mut DirState, call: &Call, sc: &mut CallScratch, sock: *mut SockState) {
     let (call_start, call_end) = (sc.span.start, sc.span.end);
     let (iov_ptr, iov_cnt, cur_base, cur_len) = if call.args.kind == call_kind::IOVEC {
-        let mut iov = [0u64; 2];
+        let mut iov = MaybeUninit::uninit();
+        let iov: &mut [u64; 2] = zero_words(&mut iov);
         let rc = unsafe {
             bpf_probe_read_user(
                 iov.as_mut_ptr() as *mut c_void,
@@ -1258,8 +1280,9 @@ fn frame(st: &mut DirState, call: &Call, sc: &mut CallScratch, sock: *mut SockSt
 }
 
 /// The fast path of a call that moved `moved` bytes starting at a message boundary
-/// ([`DirState::header_at_call_start`]): reads the whole header from the first buffer (or
-/// iovec) into [`CallScratch::peek`] with one read and, if the state accepts it, leaves the
+/// ([`DirState::header_at_call_start`]): reads the header from the first buffer (or iovec)
+/// into a stack buffer with one read (all of a mini header, the first [`HEADER_BUF_LEN`]
+/// bytes of a full one) and, if the state accepts it, leaves the
 /// message in [`CallScratch::out`] for the caller to report, and returns true. False, with
 /// nothing changed, when the call does not begin with a whole header of a plain data
 /// message; the element loop ([`frame`]) then reads it, as it reads any later element of the
@@ -1267,9 +1290,9 @@ fn frame(st: &mut DirState, call: &Call, sc: &mut CallScratch, sock: *mut SockSt
 /// fault's reason.
 ///
 /// Cheaper than the loop's first step: no `bpf_loop` set-up and callback calls, no call of
-/// [`complete`], and the header lands in a per-CPU value rather than the socket's hash map
-/// value (`bpf_probe_read_user` checks its destination, `check_object_size` in
-/// include/linux/thread_info.h, which costs more for a slab object).
+/// [`complete`], and the header lands on the stack rather than in the socket's hash map value
+/// (`bpf_probe_read_user` checks its destination, `check_object_size` in
+/// include/linux/thread_info.h: cheapest for a stack object, dearest for a slab object).
 ///
 /// A function of its own: inlined, it grew the libssl return's frame past the 512-byte chain
 /// limit (see [`CallScratch`]); inlined into the socket tracepoints only (their frames have
@@ -1286,12 +1309,15 @@ fn first_message(st: &mut DirState, call: &Call, sc: &mut CallScratch, moved: u6
     {
         return false;
     }
+    // The first iovec, then the header, on the stack (see [`HEADER_BUF_LEN`]).
+    let mut words = MaybeUninit::uninit();
+    let words: &mut [u64; HEADER_WORDS] = zero_words(&mut words);
     let (base, len) = if call.args.kind == call_kind::BUFFER {
         (call.args.ptr, call.args.len)
     } else if call.args.kind == call_kind::IOVEC && call.args.len > 0 {
         let rc = unsafe {
             bpf_probe_read_user(
-                sc.peek.as_mut_ptr() as *mut c_void,
+                words.as_mut_ptr() as *mut c_void,
                 16,
                 call.args.ptr as *const c_void,
             )
@@ -1299,28 +1325,23 @@ fn first_message(st: &mut DirState, call: &Call, sc: &mut CallScratch, moved: u6
         if rc != 0 {
             return false;
         }
-        let iov = sc.peek.as_ptr() as *const u64;
-        // SAFETY: the 16 bytes just read.
-        unsafe { (iov.read_unaligned(), iov.add(1).read_unaligned()) }
+        (words[0], words[1])
     } else {
         return false;
     };
     if len < hl {
         return false;
     }
-    // A constant length per header kind: 6 (mini) or 18 (full).
-    let n = if hl == 18 { 18 } else { 6 };
-    let rc = unsafe {
-        bpf_probe_read_user(
-            sc.peek.as_mut_ptr() as *mut c_void,
-            n,
-            base as *const c_void,
-        )
-    };
+    // A constant length per header kind: 6 (mini), or the 16 of 18 (full) that framing uses.
+    let n = if hl == 18 { HEADER_BUF_LEN as u32 } else { 6 };
+    let rc =
+        unsafe { bpf_probe_read_user(words.as_mut_ptr() as *mut c_void, n, base as *const c_void) };
     if rc != 0 {
         return false;
     }
-    match st.header_at_call_start(&sc.peek) {
+    // SAFETY: HEADER_WORDS words are HEADER_BUF_LEN bytes, at u64 alignment.
+    let hdr = unsafe { &*(words.as_ptr() as *const [u8; HEADER_BUF_LEN]) };
+    match st.header_at_call_start(hdr) {
         Some(m) => {
             store_words(&m, sc.out.as_mut_ptr());
             true
@@ -1342,8 +1363,9 @@ fn peek_eagain(st: &mut DirState, call: &Call, sc: &mut CallScratch) -> i32 {
         return 0;
     }
     let (base, len) = if call.args.kind == call_kind::IOVEC {
-        // The first iovec goes through the scratch buffer, not a zeroed stack array: that
-        // would be a call of the BPF `memset` function, one more frame on this chain.
+        // The first iovec goes through the scratch buffer, not a stack array: this frame is on
+        // `spice_ssl_ret`'s deepest chain, already at the 512-byte limit (EAGAIN sends are
+        // rare, so the heap-checked read costs little here).
         let rc = unsafe {
             bpf_probe_read_user(
                 sc.peek.as_mut_ptr() as *mut c_void,

@@ -11,11 +11,14 @@
 #![no_main]
 // The atomic intrinsics of `capture::take_window_lock` (the eBPF build uses a pinned nightly).
 #![feature(core_intrinsics)]
+// `mem::scalar_r0`'s one BPF instruction.
+#![feature(asm_experimental_arch)]
 #![allow(internal_features)]
 
 mod capture;
 mod kernel;
 mod maps;
+mod mem;
 mod probes;
 
 use aya_ebpf::{

@@ -14,6 +14,8 @@ pub fn nothing() -> i32 {
     0
 }
 
+use core::{mem::MaybeUninit, ptr::write_volatile};
+
 use aya_ebpf::helpers::{
     bpf_get_current_pid_tgid, bpf_ktime_get_ns, generated::bpf_probe_read_user,
 };
@@ -22,6 +24,7 @@ use spice_ebpf_common::event::{EventHeader, MessageEvent, call_kind, kind};
 use crate::{
     kernel::{konf, tcp_sock, tcp_u32},
     maps::{EVENTS, SOCKETS, ZERO_SOCK, traced_route},
+    mem::{zero_bytes, zero_words},
     probes::{sock_calls::socket_cookie, syscalls::current_call},
 };
 
@@ -66,7 +69,8 @@ pub fn floor(sk: *const u8, ret: i32) -> i32 {
         }
         return 0;
     };
-    let mut hdr = [0u8; 8];
+    let mut hdr = MaybeUninit::uninit();
+    let hdr: &mut [u64; 1] = zero_words(&mut hdr);
     let rc = unsafe {
         bpf_probe_read_user(
             hdr.as_mut_ptr() as *mut core::ffi::c_void,
@@ -77,12 +81,13 @@ pub fn floor(sk: *const u8, ret: i32) -> i32 {
     if rc != 0 {
         return 0;
     }
+    let hdr = hdr[0].to_le_bytes();
     let seq = tcp_u32::<false>(tp, konf!(tcp_write_seq));
     unsafe { (*s).tcp.write_seq = seq };
     if let Some(mut e) = EVENTS.reserve::<MessageEvent>(0) {
         let p = e.as_mut_ptr();
         unsafe {
-            (*p).hdr = EventHeader {
+            let h = EventHeader {
                 kind: kind::MESSAGE,
                 dir: 0,
                 flags: 0,
@@ -91,18 +96,21 @@ pub fn floor(sk: *const u8, ret: i32) -> i32 {
                 ts_ns: now,
                 cookie,
             };
-            (*p).at = 0;
-            (*p).index = 0;
+            // Volatile zeros: plain ones to adjacent fields were merged into `memset` calls
+            // (see crate::mem), which the socket programs do not make.
+            (*p).hdr = h;
+            write_volatile(&mut (*p).at, 0);
+            write_volatile(&mut (*p).index, 0);
             (*p).size = u32::from_le_bytes([hdr[2], hdr[3], hdr[4], hdr[5]]);
             (*p).msg_type = u16::from_le_bytes([hdr[0], hdr[1]]);
             (*p).hdr_len = 6;
-            (*p).flags = 0;
-            (*p).prefix = [0, 0];
+            write_volatile(&mut (*p).flags, 0);
+            write_volatile(&mut (*p).prefix, [0, 0]);
             (*p).seq = seq;
-            (*p).win_mw = 0;
-            (*p).win_count = 0;
-            (*p).win_effects = 0;
-            (*p)._pad = [0; 3];
+            write_volatile(&mut (*p).win_mw, 0);
+            write_volatile(&mut (*p).win_count, 0);
+            write_volatile(&mut (*p).win_effects, 0);
+            zero_bytes(&mut (*p)._pad);
         }
         e.submit(BPF_RB_NO_WAKEUP);
     }

@@ -10,6 +10,8 @@
 //!
 //! x86-64 System V calling convention: arguments in rdi, rsi, rdx, rcx; the result in rax.
 
+use core::{mem::MaybeUninit, ptr::write_volatile};
+
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
     programs::{ProbeContext, RetProbeContext},
@@ -22,6 +24,7 @@ use spice_ebpf_common::{
 use crate::{
     capture,
     maps::{SSL_SOCKETS, TLS_CALLS, count, traced_route},
+    mem::zero_bytes,
 };
 
 /// Entry of a hooked libssl function `func` ([`tls_func`]): saves its arguments for the
@@ -47,18 +50,24 @@ pub fn on_entry(ctx: &ProbeContext, func: u8) {
     } else {
         (0, 0, 0)
     };
-    let call = TlsCall {
-        func,
-        watch: route,
-        eagain: 0,
-        _pad: [0; 5],
-        ssl,
-        buf,
-        num,
-        out,
-        cookie: 0,
+    // Built field by field with volatile stores: as a struct literal its zero fields became
+    // `memset` calls (see crate::mem).
+    let mut call = MaybeUninit::<TlsCall>::uninit();
+    let c = call.as_mut_ptr();
+    // SAFETY: every field of the stack value is written before it is read.
+    let call = unsafe {
+        write_volatile(&raw mut (*c).func, func);
+        write_volatile(&raw mut (*c).watch, route);
+        write_volatile(&raw mut (*c).eagain, 0);
+        zero_bytes(&raw mut (*c)._pad);
+        write_volatile(&raw mut (*c).ssl, ssl);
+        write_volatile(&raw mut (*c).buf, buf);
+        write_volatile(&raw mut (*c).num, num);
+        write_volatile(&raw mut (*c).out, out);
+        write_volatile(&raw mut (*c).cookie, 0);
+        call.assume_init_ref()
     };
-    if TLS_CALLS.insert(&pid_tgid, &call, 0).is_err() {
+    if TLS_CALLS.insert(&pid_tgid, call, 0).is_err() {
         count(counter::TLS_PENDING_FULL);
     }
 }
