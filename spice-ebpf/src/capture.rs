@@ -329,7 +329,7 @@ pub(crate) extern "C" fn spice_emit_message(
     }
     unsafe { (*sock).msg_bytes[(ec.hdr.dir & 1) as usize] += m.hdr_len as u64 + m.size as u64 };
     write_record::<MessageEvent>(ec.route, |p| unsafe {
-        (*p).hdr = ec.hdr;
+        crate::mem::copy_words(&ec.hdr, &mut (*p).hdr);
         (*p).hdr.kind = kind::MESSAGE;
         (*p).at = m.at;
         (*p).index = m.index;
@@ -1053,7 +1053,11 @@ fn run_call<const PEEK: bool>(
             } else {
                 0
             };
-            sc.ec.set(&hdr, base, call.args.watch);
+            sc.ec = EmitCtx {
+                hdr,
+                seq_base: base,
+                route: call.args.watch,
+            };
             // The message is emitted here, not inside: the two frames are never on the stack
             // at once (see CallScratch).
             if peek_eagain(st, call, sc) != 0 {
@@ -1104,7 +1108,11 @@ fn run_call<const PEEK: bool>(
     }
     if !st.is_unparsed() {
         let candidates = st.candidates;
-        sc.ec.set(&hdr, sock.seq_base[d], call.args.watch);
+        sc.ec = EmitCtx {
+            hdr,
+            seq_base: sock.seq_base[d],
+            route: call.args.watch,
+        };
         sc.span = Span {
             start: call_start,
             end: call_end,
@@ -1203,17 +1211,6 @@ pub(crate) struct EmitCtx {
     seq_base: u32,
     /// The rings the records go to ([`CallArgs::watch`]).
     route: u8,
-}
-
-impl EmitCtx {
-    /// Sets every field in place. The header is assigned whole (a `memmove` call; see
-    /// [`crate::mem`] for why not word by word).
-    #[inline(always)]
-    fn set(&mut self, hdr: &EventHeader, seq_base: u32, route: u8) {
-        self.hdr = *hdr;
-        self.seq_base = seq_base;
-        self.route = route;
-    }
 }
 
 /// Stream offsets `[start, end)` of the bytes one call moved.

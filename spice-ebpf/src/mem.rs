@@ -1,15 +1,17 @@
-//! Stores that stay stores. In these programs an array literal (`[0u64; 2]`) or runs of zero
-//! stores to adjacent fields compiled to a BPF-to-BPF call of the object's `memset`
-//! (compiler_builtins' generic version, which bpf-linker links in and which writes one byte
-//! per loop pass: a 16-byte buffer costs a call and 16 passes of 4 instructions;
-//! `llvm-objdump -d -r` of the object showed `call memset` with `r3 = 16` in the element
-//! loop's step). Volatile stores cannot be merged back into such a call.
+//! Stores that stay stores. In these programs an array literal (`[0u64; 2]`), a struct
+//! assigned through a pointer (`(*p).hdr = *hdr`) or runs of zero stores to adjacent fields
+//! compiled to a BPF-to-BPF call of the object's `memset` or `memmove` (compiler_builtins'
+//! generic versions, which bpf-linker links in and which move one byte per loop pass: a
+//! 16-byte buffer costs a call and 16 passes of 4 instructions; `llvm-objdump -d -r` of the
+//! object showed `call memset` with `r3 = 16` in the element loop's step and `call memmove`
+//! with `r3 = 24` in `spice_emit_message`, once per message). Volatile stores cannot be
+//! merged back into such a call.
 //!
-//! Record headers are still copied by assignment, which is a `memmove` call (24 bytes). Copied
-//! as words or field by field instead, every hook set counted nothing on Debian's 6.1 kernel
-//! (the guest matrix, `cargo xtask guest --kernel 6.1`), while 6.18 framed exactly. Why is
-//! not understood; the 6.1 verifier's handling of `bpf_loop` callbacks (each checked once
-//! before Linux 6.7, with dead-code removal after) is a suspect, not a finding.
+//! Only the message record's header is copied with [`copy_words`]; the rarer records' headers
+//! are still assigned. A first version that also copied every other record's header as words
+//! and wrote the call's `EmitCtx` field by field counted nothing on Debian's 6.1 kernel (the
+//! guest matrix, `cargo xtask guest --kernel 6.1`), while 6.18 framed exactly. Which of those
+//! changes 6.1 could not take was not isolated; this one passes there.
 
 use core::mem::MaybeUninit;
 
@@ -47,4 +49,16 @@ pub fn zero_bytes<const N: usize>(dst: *mut [u8; N]) {
 pub fn scalar_r0() {
     // SAFETY: writes r0 only, which is declared clobbered.
     unsafe { core::arch::asm!("r0 = 0", out("r0") _, options(nostack, preserves_flags)) };
+}
+
+/// Copies `v` to `dst` word by word, volatile: `T` is whole 8-byte words (asserted) and
+/// `dst` is aligned for `T`.
+#[inline(always)]
+pub fn copy_words<T: Copy>(v: &T, dst: *mut T) {
+    const { assert!(core::mem::size_of::<T>() % 8 == 0 && core::mem::align_of::<T>() >= 8) };
+    let (src, dst) = (v as *const T as *const u64, dst as *mut u64);
+    for i in 0..core::mem::size_of::<T>() / 8 {
+        // SAFETY: both are a T of whole words, aligned for u64.
+        unsafe { core::ptr::write_volatile(dst.add(i), core::ptr::read_volatile(src.add(i))) };
+    }
 }
