@@ -100,7 +100,7 @@ pub struct LoopCtx {
 /// stack per function on Linux 6.13+ (x86-64), which lifts that limit for them, but uprobe
 /// programs do not (seen on 6.18) and older kernels have none: with these structures on the
 /// stack, `spice_ssl_ret`'s chain took 544–752 bytes and the socket tracepoints' 720–736.
-/// Now the deepest chain is about 480.
+/// Now the deepest chains are at 512 (`kernel::stack`'s test in spice-observer).
 ///
 /// Where it lives: the socket tracepoints run with preemption off (`__DO_TRACE`,
 /// include/linux/tracepoint.h) and nothing that uses it runs in interrupt context, so one
@@ -122,7 +122,8 @@ pub struct CallScratch {
     /// The step's framing output (an [`Output`], emitted before the next step), as words:
     /// BTF cannot describe a data-carrying enum in a map value.
     out: [u64; OUTPUT_WORDS],
-    /// The first bytes of a buffer a send could not take ([`peek_eagain`]).
+    /// The first iovec, then the first bytes, of a buffer a send could not take
+    /// ([`peek_eagain`]).
     peek: [u8; BUF_LEN],
     /// [`peek_eagain`]'s trial framing state ([`DirState::peek_in`]).
     trial: DirState,
@@ -215,7 +216,7 @@ fn emit_hunt(hdr: &EventHeader, route: u8, st: &DirState) {
         (*p).at = at;
         (*p).reason = reason;
         (*p).role = role;
-        zero_bytes(&mut (*p)._pad);
+        zero_bytes(&raw mut (*p)._pad);
         (*p).detail = detail;
         (*p).resyncs = resyncs;
         (*p)._pad2 = 0;
@@ -329,7 +330,7 @@ pub(crate) extern "C" fn spice_emit_message(
     }
     unsafe { (*sock).msg_bytes[(ec.hdr.dir & 1) as usize] += m.hdr_len as u64 + m.size as u64 };
     write_record::<MessageEvent>(ec.route, |p| unsafe {
-        crate::mem::copy_words(&ec.hdr, &mut (*p).hdr);
+        crate::mem::copy_words(&ec.hdr, &raw mut (*p).hdr);
         (*p).hdr.kind = kind::MESSAGE;
         (*p).at = m.at;
         (*p).index = m.index;
@@ -342,7 +343,7 @@ pub(crate) extern "C" fn spice_emit_message(
         (*p).win_mw = mw;
         (*p).win_count = in_flight;
         (*p).win_effects = fx;
-        zero_bytes(&mut (*p)._pad);
+        zero_bytes(&raw mut (*p)._pad);
     });
     0
 }
@@ -442,7 +443,7 @@ fn emit_unparsed(hdr: &EventHeader, route: u8, reason: u8, detail: u32, at: u64)
         (*p).hdr.kind = kind::UNPARSED;
         (*p).at = at;
         (*p).reason = reason;
-        zero_bytes(&mut (*p)._pad);
+        zero_bytes(&raw mut (*p)._pad);
         (*p).detail = detail;
     });
 }
@@ -692,9 +693,9 @@ fn announce_socket(sk: *const u8, hdr: &EventHeader, route: u8) {
         (*p).family = family;
         (*p).lport = read_at(sk, konf!(skc_num));
         (*p).rport = u16::from_be(read_at(sk, konf!(skc_dport)));
-        zero_bytes(&mut (*p)._pad);
-        zero_bytes(&mut (*p).laddr);
-        zero_bytes(&mut (*p).raddr);
+        zero_bytes(&raw mut (*p)._pad);
+        zero_bytes(&raw mut (*p).laddr);
+        zero_bytes(&raw mut (*p).raddr);
         if family == AF_INET {
             let l: [u8; 4] = read_at(sk, konf!(skc_rcv_saddr));
             let r: [u8; 4] = read_at(sk, konf!(skc_daddr));
@@ -872,7 +873,7 @@ fn tls_socket_call<const RAW: bool>(
                 write_record::<TlsEvent>(call.args.watch, |p| unsafe {
                     (*p).hdr = hdr;
                     (*p).func = func;
-                    zero_bytes(&mut (*p)._pad);
+                    zero_bytes(&raw mut (*p)._pad);
                 });
             }
         }
@@ -1286,10 +1287,9 @@ fn frame(st: &mut DirState, call: &Call, sc: &mut CallScratch, sock: *mut SockSt
 /// call. A read that faults here is left to the loop too, which stops the direction with the
 /// fault's reason.
 ///
-/// Cheaper than the loop's first step: no `bpf_loop` set-up and callback calls, no call of
-/// [`complete`], and the header lands on the stack rather than in the socket's hash map value
-/// (`bpf_probe_read_user` checks its destination, `check_object_size` in
-/// include/linux/thread_info.h: cheapest for a stack object, dearest for a slab object).
+/// Cheaper than the loop's first step: no `bpf_loop` set-up and callback calls, and no call
+/// of [`complete`]. Like the loop's whole-header reads, the header lands in a stack buffer
+/// (see [`HEADER_BUF_LEN`]).
 ///
 /// A function of its own: inlined, it grew the libssl return's frame past the 512-byte chain
 /// limit (see [`CallScratch`]); inlined into the socket tracepoints only (their frames have

@@ -29,11 +29,14 @@ pub fn zero_words<const N: usize>(w: &mut MaybeUninit<[u64; N]>) -> &mut [u64; N
 
 /// Zeroes the `N` bytes at `dst` (a padding or address field of a record being written),
 /// one store each.
+///
+/// # Safety
+/// `dst` is valid for writes of `N` bytes (alignment 1).
 #[inline(always)]
-pub fn zero_bytes<const N: usize>(dst: *mut [u8; N]) {
+pub unsafe fn zero_bytes<const N: usize>(dst: *mut [u8; N]) {
     let p = dst as *mut u8;
     for i in 0..N {
-        // SAFETY: byte i of the array.
+        // SAFETY: byte i of the array the caller vouches for.
         unsafe { core::ptr::write_volatile(p.add(i), 0) };
     }
 }
@@ -51,14 +54,18 @@ pub fn scalar_r0() {
     unsafe { core::arch::asm!("r0 = 0", out("r0") _, options(nostack, preserves_flags)) };
 }
 
-/// Copies `v` to `dst` word by word, volatile: `T` is whole 8-byte words (asserted) and
-/// `dst` is aligned for `T`.
+/// Copies `v` to `dst` word by word, volatile. `T` is whole 8-byte words and aligned to 8
+/// (asserted at compile time).
+///
+/// # Safety
+/// `dst` is valid for writes of a `T` and aligned for it.
 #[inline(always)]
-pub fn copy_words<T: Copy>(v: &T, dst: *mut T) {
+pub unsafe fn copy_words<T: Copy>(v: &T, dst: *mut T) {
     const { assert!(core::mem::size_of::<T>() % 8 == 0 && core::mem::align_of::<T>() >= 8) };
     let (src, dst) = (v as *const T as *const u64, dst as *mut u64);
     for i in 0..core::mem::size_of::<T>() / 8 {
-        // SAFETY: both are a T of whole words, aligned for u64.
+        // SAFETY: word i of two `T`s of whole words, both aligned to 8 (`v` is a reference,
+        // `dst` as the caller vouches).
         unsafe { core::ptr::write_volatile(dst.add(i), core::ptr::read_volatile(src.add(i))) };
     }
 }

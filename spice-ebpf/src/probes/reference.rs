@@ -97,7 +97,7 @@ pub fn floor(sk: *const u8, ret: i32) -> i32 {
                 cookie,
             };
             // Volatile zeros: plain ones to adjacent fields were merged into `memset` calls
-            // (see crate::mem), which the socket programs do not make.
+            // (see crate::mem), which the socket programs' message path does not make.
             (*p).hdr = h;
             write_volatile(&mut (*p).at, 0);
             write_volatile(&mut (*p).index, 0);
@@ -110,7 +110,7 @@ pub fn floor(sk: *const u8, ret: i32) -> i32 {
             write_volatile(&mut (*p).win_mw, 0);
             write_volatile(&mut (*p).win_count, 0);
             write_volatile(&mut (*p).win_effects, 0);
-            zero_bytes(&mut (*p)._pad);
+            zero_bytes(&raw mut (*p)._pad);
         }
         e.submit(BPF_RB_NO_WAKEUP);
     }
