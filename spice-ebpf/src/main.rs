@@ -285,5 +285,31 @@ pub fn spice_ref_sock_recv(_ctx: BtfTracePointContext) -> i32 {
 /// ([`probes::reference::floor`]): the floor of [`spice_sock_send`]'s cost with its work.
 #[btf_tracepoint(function = "sock_send_length")]
 pub fn spice_ref_floor(ctx: BtfTracePointContext) -> i32 {
-    probes::reference::floor(ctx.arg(0), ctx.arg(1))
+    probes::reference::floor::<{ probes::reference::FLOOR_ALL }>(ctx.arg(0), ctx.arg(1))
+}
+
+/// [`spice_ref_floor`] up to its filter (the `MAYBE_WATCHED` load and the `WATCHED_TGIDS`
+/// lookup): its first step ([`probes::reference::floor`]).
+#[btf_tracepoint(function = "sock_send_length")]
+pub fn spice_ref_step1(ctx: BtfTracePointContext) -> i32 {
+    probes::reference::floor::<1>(ctx.arg(0), ctx.arg(1))
+}
+
+/// [`spice_ref_floor`] up to the socket check, its cookie, the syscall's registers and the
+/// clock.
+#[btf_tracepoint(function = "sock_send_length")]
+pub fn spice_ref_step2(ctx: BtfTracePointContext) -> i32 {
+    probes::reference::floor::<2>(ctx.arg(0), ctx.arg(1))
+}
+
+/// [`spice_ref_floor`] up to the socket's `SOCKETS` lookup.
+#[btf_tracepoint(function = "sock_send_length")]
+pub fn spice_ref_step3(ctx: BtfTracePointContext) -> i32 {
+    probes::reference::floor::<3>(ctx.arg(0), ctx.arg(1))
+}
+
+/// [`spice_ref_floor`] up to the read of the message header from the caller's buffer.
+#[btf_tracepoint(function = "sock_send_length")]
+pub fn spice_ref_step4(ctx: BtfTracePointContext) -> i32 {
+    probes::reference::floor::<4>(ctx.arg(0), ctx.arg(1))
 }

@@ -507,9 +507,10 @@ impl Reference {
         Reference::start_with(bins, hooks, &[])
     }
 
-    /// `spice_ref_floor` (the least a traced send needs) with `pid` watched in its own maps.
+    /// `spice_ref_floor` (the least a traced send needs) and its steps ([`FLOOR_STEPS`]) with
+    /// `pid` watched in their own maps.
     fn start_floor(bins: &Bins, pid: u32) -> Result<Reference> {
-        Reference::start_with(bins, "floor", &["--pid", &pid.to_string()])
+        Reference::start_with(bins, "floor,floor_steps", &["--pid", &pid.to_string()])
     }
 
     fn start_with(bins: &Bins, hooks: &str, extra: &[&str]) -> Result<Reference> {
@@ -607,8 +608,9 @@ struct LoadRun {
     report_path: Option<PathBuf>,
     /// (program, Δrun_time_ns, Δrun_cnt) of the observer's programs over the streaming.
     stats: Vec<(String, u64, u64)>,
-    /// (Δrun_time_ns, Δrun_cnt) of `spice_ref_floor` over the same streaming ([`With::Stats`]).
-    floor: Option<(u64, u64)>,
+    /// (program, Δrun_time_ns, Δrun_cnt) of `spice_ref_floor` and its steps
+    /// ([`FLOOR_STEPS`]) over the same streaming ([`With::Stats`]); empty without them.
+    floor: Vec<(String, u64, u64)>,
     agent: Option<AgentSample>,
 }
 
@@ -692,11 +694,8 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
             let f1 = f.stats(bins)?;
             f.stop()?;
             stats_delta(&f0, &f1, &[])
-                .into_iter()
-                .find(|s| s.0 == FLOOR)
-                .map(|s| (s.1, s.2))
         }
-        None => None,
+        None => Vec::new(),
     };
     let load: Value = serde_json::from_str(&line).context("parsing spice-peer load's JSON")?;
     let load_path = bins.tmp.join(format!("load-{tag}.json"));
@@ -895,8 +894,46 @@ impl ProgFigures {
 
 /// The observer's kernel programs as the kernel names them (15 characters).
 const SOCK_SEND: &str = "spice_sock_send";
+/// The row text of the floor's steps: each step's median ns per run and what it added to the
+/// one before (`runs[k]` holds step k's ns per run over the repeats, in [`FLOOR_STEPS`]
+/// order).
+fn floor_steps_text(runs: &[Vec<f64>]) -> String {
+    let mut parts = Vec::new();
+    let mut before = 0.0;
+    for ((name, what), v) in FLOOR_STEPS.iter().zip(runs) {
+        let m = median(v);
+        let d = m - before;
+        let sign = if d < 0.0 { "−" } else { "+" };
+        parts.push(format!(
+            "`{name}` {} ns ({sign}{} ns: {what})",
+            num(m),
+            num(d.abs())
+        ));
+        before = m;
+    }
+    parts.join("; ")
+}
+
 /// The floor program: the least a traced send needs (`spice-ebpf/src/probes/reference.rs`).
 const FLOOR: &str = "spice_ref_floor";
+/// The floor program stopped after each of its parts, with what each step adds
+/// (`spice-ebpf/src/probes/reference.rs`, `floor`), then the floor itself.
+const FLOOR_STEPS: [(&str, &str); 5] = [
+    (
+        "spice_ref_step1",
+        "the filter (`MAYBE_WATCHED` load, `WATCHED_TGIDS` lookup)",
+    ),
+    (
+        "spice_ref_step2",
+        "socket check, cookie, the syscall's registers, the clock",
+    ),
+    ("spice_ref_step3", "the `SOCKETS` lookup"),
+    (
+        "spice_ref_step4",
+        "the header read from the caller's buffer",
+    ),
+    (FLOOR, "`write_seq` and the 72-byte record"),
+];
 
 fn machine() -> String {
     let cpu = fs::read_to_string("/proc/cpuinfo")
@@ -1011,6 +1048,8 @@ pub(crate) fn bench(
         let (mut call_ns, mut msg_ns, mut calls_per_msg) = (Vec::new(), Vec::new(), Vec::new());
         // ns per run of spice_sock_send and of the floor program, on the same calls.
         let (mut send_run, mut floor_run) = (Vec::new(), Vec::new());
+        // ns per run of each of FLOOR_STEPS, on the same calls.
+        let mut step_run: Vec<Vec<f64>> = vec![Vec::new(); FLOOR_STEPS.len()];
         for r in 0..plan.reps {
             eprintln!(
                 "bench: saturated sender, {name}: repeat {}/{}",
@@ -1037,9 +1076,15 @@ pub(crate) fn bench(
             let send = c.stats.iter().find(|s| s.0 == SOCK_SEND);
             if let Some((_, t, n)) = send {
                 call_ns.push(*t as f64 / calls);
-                if let Some((ft, fn_)) = c.floor.filter(|f| f.1 > 0 && *n > 0) {
+                let of = |name: &str| c.floor.iter().find(|f| f.0 == name && f.1 > 0);
+                if let Some((_, ft, fn_)) = of(FLOOR).filter(|_| *n > 0) {
                     send_run.push(*t as f64 / *n as f64);
-                    floor_run.push(ft as f64 / fn_ as f64);
+                    floor_run.push(*ft as f64 / *fn_ as f64);
+                }
+                for (k, (step, _)) in FLOOR_STEPS.iter().enumerate() {
+                    if let Some((_, st, sn)) = of(step) {
+                        step_run[k].push(*st as f64 / *sn as f64);
+                    }
                 }
             }
             let all: u64 = c.stats.iter().map(|s| s.1).sum();
@@ -1071,6 +1116,14 @@ pub(crate) fn bench(
                 ),
             },
         ));
+        if step_run.iter().all(|v| !v.is_empty()) {
+            rows.push(row(
+                format!("  the floor in steps, {name} (bpf_stats, same calls)"),
+                "–",
+                floor_steps_text(&step_run),
+                "each step's ns per run minus the one before is what its part costs",
+            ));
+        }
         programs.push(row(format!("saturated, {name}"), "", figs.text(), ""));
         per_call.push(call_ns);
     }
@@ -1714,6 +1767,27 @@ mod tests {
         assert_eq!(num(34.7e9 / 1e9), "34.7");
         assert_eq!(num(12_345_678.0), "12.3 M");
         assert_eq!(num(5e6), "5.00 M");
+    }
+
+    #[test]
+    fn floor_steps_say_each_parts_cost() {
+        let runs: Vec<Vec<f64>> = [100.0, 150.0, 140.0, 200.0, 300.0]
+            .iter()
+            .map(|&m| vec![m - 1.0, m, m + 5.0])
+            .collect();
+        let t = floor_steps_text(&runs);
+        assert!(
+            t.starts_with("`spice_ref_step1` 100 ns (+100 ns: the filter"),
+            "{t}"
+        );
+        assert!(
+            t.contains("`spice_ref_step3` 140 ns (−10.0 ns: the `SOCKETS` lookup)"),
+            "{t}"
+        );
+        assert!(
+            t.ends_with("`spice_ref_floor` 300 ns (+100 ns: `write_seq` and the 72-byte record)"),
+            "{t}"
+        );
     }
 
     #[test]

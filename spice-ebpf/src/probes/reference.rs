@@ -28,6 +28,9 @@ use crate::{
     probes::{sock_calls::socket_cookie, syscalls::current_call},
 };
 
+/// [`floor`]'s `UPTO` for the whole floor program.
+pub const FLOOR_ALL: u8 = 5;
+
 /// Map update flag: create only (include/uapi/linux/bpf.h).
 const BPF_NOEXIST: u64 = 1;
 /// `BPF_RB_NO_WAKEUP` (include/uapi/linux/bpf.h).
@@ -46,13 +49,22 @@ const BPF_RB_NO_WAKEUP: u64 = 1;
 /// `bench reference --hooks floor --pid PID` attaches it on its own copy of the maps, with
 /// `PID` watched there, beside an observer watching the same process: its run time per run
 /// (`bpf_stats`) is the floor of `spice_sock_send`'s on the same calls, in the same run.
+///
+/// `UPTO` < [`FLOOR_ALL`] stops early, for the floor's cost in steps (`spice_ref_step1` to
+/// `spice_ref_step4`, `--hooks floor_steps`, attached with the floor on the same calls):
+/// 1 after the filter; 2 after the socket check, cookie, registers and clock; 3 after the
+/// `SOCKETS` lookup (a miss returns without making the entry, which the floor makes); 4 after
+/// the header read. Each step's run time minus the one before is what that part costs.
 #[inline(always)]
-pub fn floor(sk: *const u8, ret: i32) -> i32 {
+pub fn floor<const UPTO: u8>(sk: *const u8, ret: i32) -> i32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let Some(route) = traced_route(tgid) else {
         return 0;
     };
+    if UPTO == 1 {
+        return 0;
+    }
     let tp = tcp_sock(sk);
     if ret <= 0 || tp.is_null() {
         return 0;
@@ -63,12 +75,21 @@ pub fn floor(sk: *const u8, ret: i32) -> i32 {
         return 0;
     }
     let now = unsafe { bpf_ktime_get_ns() };
+    if UPTO == 2 {
+        return 0;
+    }
     let Some(s) = SOCKETS.get_ptr_mut(&cookie) else {
+        if UPTO < FLOOR_ALL {
+            return 0;
+        }
         if let Some(zero) = ZERO_SOCK.get_ptr(0) {
             let _ = SOCKETS.insert(&cookie, unsafe { &*zero }, BPF_NOEXIST);
         }
         return 0;
     };
+    if UPTO == 3 {
+        return 0;
+    }
     let mut hdr = MaybeUninit::uninit();
     let hdr: &mut [u64; 1] = zero_words(&mut hdr);
     let rc = unsafe {
@@ -82,6 +103,9 @@ pub fn floor(sk: *const u8, ret: i32) -> i32 {
         return 0;
     }
     let hdr = hdr[0].to_le_bytes();
+    if UPTO == 4 {
+        return 0;
+    }
     let seq = tcp_u32::<false>(tp, konf!(tcp_write_seq));
     unsafe { (*s).tcp.write_seq = seq };
     if let Some(mut e) = EVENTS.reserve::<MessageEvent>(0) {

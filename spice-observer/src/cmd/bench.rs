@@ -7,7 +7,7 @@
 //!   process's programs, the observer's included. The kernel keeps 15 characters of a name
 //!   (`BPF_OBJ_NAME_LEN`): `spice_ref_sys_enter` and `spice_ref_sys_exit` are both listed as
 //!   `spice_ref_sys_e` (tell them apart by the ids `reference` prints).
-//! * `reference [--hooks sys_enter,sys_exit,sock_send,sock_recv,floor] [--pid PID]
+//! * `reference [--hooks sys_enter,sys_exit,sock_send,sock_recv,floor,floor_steps] [--pid PID]
 //!   [--duration SECS]`:
 //!   loads the kernel object and attaches only its reference programs (`spice-ebpf/src/
 //!   probes/reference.rs`), prints `attached {json}` (their ids), holds them until stdin
@@ -15,7 +15,8 @@
 //!   line (counts since the load, i.e. since the attach). `floor` is `spice_ref_floor`, the
 //!   least a send call on a traced socket needs (filter, socket state, header read, record):
 //!   it needs `--pid`, the process it treats as watched (in this load's own maps, which the
-//!   observer never sees), and its records are drained and dropped here.
+//!   observer never sees), and its records are drained and dropped here. `floor_steps` (also
+//!   with `--pid`) is the floor stopped after each of its parts: `spice_ref_step1` to `_step4`.
 //! * `syscalls --kind getppid|pipe --calls N`: times N calls in this process (a process
 //!   nobody watches) and prints `{"kind","calls","elapsed_s","ns_per_call"}`; `pipe` is one
 //!   8-byte write and one 8-byte read on a pipe per call.
@@ -96,17 +97,28 @@ enum RefHook {
     /// `spice_ref_floor` on `tp_btf/sock_send_length` (not empty: see the module doc).
     #[value(name = "floor")]
     Floor,
+    /// `spice_ref_step1` … `spice_ref_step4` on `tp_btf/sock_send_length`: the floor program
+    /// stopped after each of its parts (`probes::reference::floor` in spice-ebpf).
+    #[value(name = "floor_steps")]
+    FloorSteps,
 }
 
 impl RefHook {
-    /// (program name in the object, hook for messages).
-    fn program(self) -> (&'static str, &'static str) {
+    /// (program name in the object, hook) of each program this choice attaches.
+    fn programs(self) -> &'static [(&'static str, &'static str)] {
+        const SEND: &str = "tp_btf/sock_send_length";
         match self {
-            RefHook::SysEnter => ("spice_ref_sys_enter", "raw_tracepoint/sys_enter"),
-            RefHook::SysExit => ("spice_ref_sys_exit", "raw_tracepoint/sys_exit"),
-            RefHook::SockSend => ("spice_ref_sock_send", "tp_btf/sock_send_length"),
-            RefHook::SockRecv => ("spice_ref_sock_recv", "tp_btf/sock_recv_length"),
-            RefHook::Floor => ("spice_ref_floor", "tp_btf/sock_send_length"),
+            RefHook::SysEnter => &[("spice_ref_sys_enter", "raw_tracepoint/sys_enter")],
+            RefHook::SysExit => &[("spice_ref_sys_exit", "raw_tracepoint/sys_exit")],
+            RefHook::SockSend => &[("spice_ref_sock_send", SEND)],
+            RefHook::SockRecv => &[("spice_ref_sock_recv", "tp_btf/sock_recv_length")],
+            RefHook::Floor => &[("spice_ref_floor", SEND)],
+            RefHook::FloorSteps => &[
+                ("spice_ref_step1", SEND),
+                ("spice_ref_step2", SEND),
+                ("spice_ref_step3", SEND),
+                ("spice_ref_step4", SEND),
+            ],
         }
     }
 }
@@ -192,8 +204,9 @@ fn reference(hooks: &[RefHook], pid: Option<u32>, duration: f64) -> Result<()> {
         bail!("give at least one hook");
     }
     let floor = hooks.contains(&RefHook::Floor);
-    if floor && pid.is_none() {
-        bail!("--hooks floor needs --pid: the process it treats as watched");
+    let watched = floor || hooks.contains(&RefHook::FloorSteps);
+    if watched && pid.is_none() {
+        bail!("--hooks floor and floor_steps need --pid: the process they treat as watched");
     }
     // The floor program reads struct offsets from the config, as the observer's programs do.
     let config = crate::btf::KernelBtf::open(std::path::Path::new(crate::btf::VMLINUX_BTF))?
@@ -202,7 +215,7 @@ fn reference(hooks: &[RefHook], pid: Option<u32>, duration: f64) -> Result<()> {
         .override_global("CONFIG", &config, true)
         .load(crate::loader::EBPF_OBJECT)
         .context("loading the eBPF object")?;
-    if let (true, Some(pid)) = (floor, pid) {
+    if let (true, Some(pid)) = (watched, pid) {
         use spice_ebpf_common::config::watch;
         aya::maps::Array::<_, u8>::try_from(
             ebpf.map_mut("MAYBE_WATCHED").context("map MAYBE_WATCHED")?,
@@ -215,8 +228,7 @@ fn reference(hooks: &[RefHook], pid: Option<u32>, duration: f64) -> Result<()> {
     }
     let btf = Btf::from_sys_fs().context("loading kernel BTF")?;
     let mut ids = Vec::new();
-    for &h in hooks {
-        let (name, hook) = h.program();
+    for &(name, hook) in hooks.iter().flat_map(|h| h.programs()) {
         let prog = ebpf
             .program_mut(name)
             .ok_or_else(|| anyhow!("program {name} missing from the object"))?;
