@@ -1077,6 +1077,17 @@ pub fn feed_call<F: FnMut(Output)>(
     feed_call_with(st, peer, segments, anchor, hdr, true, &mut emit)
 }
 
+/// The bytes of a header of `hl` bytes at the start of `src` as the kernel reads them into
+/// its stack buffer: at most [`HEADER_BUF_LEN`], the rest zero. A framing change that read
+/// past them would see zeros here too (`le_u32`/`le_u16` return 0 past the end), and the
+/// host tests' counts would show it.
+fn kernel_header_read(src: &[u8], hl: usize) -> [u8; HEADER_BUF_LEN] {
+    let mut buf = [0u8; HEADER_BUF_LEN];
+    let k = hl.min(HEADER_BUF_LEN);
+    buf[..k].copy_from_slice(&src[..k]);
+    buf
+}
+
 /// [`feed_call`], with the first-message fast path ([`DirState::header_at_call_start`]) on
 /// or off (`fast`): the kernel's path and the element loop alone, for tests that hold them
 /// against each other. The fast path takes the header from the first segment only, as the
@@ -1097,13 +1108,7 @@ pub fn feed_call_with<F: FnMut(Output)>(
     let first = segments.first().copied().unwrap_or(&[]);
     let hl = st.hdr_len as usize;
     if fast && hl != 0 && first.len() >= hl && !st.is_unparsed() {
-        // What the kernel reads ([`HEADER_BUF_LEN`] bytes at most): a framing change that
-        // read past it would see zeros here too (`le_u32`/`le_u16` return 0 past the end), and
-        // the host tests' counts would show it.
-        let mut buf = [0u8; HEADER_BUF_LEN];
-        let k = hl.min(HEADER_BUF_LEN);
-        buf[..k].copy_from_slice(&first[..k]);
-        if let Some(m) = st.header_at_call_start(&buf) {
+        if let Some(m) = st.header_at_call_start(&kernel_header_read(first, hl)) {
             emit(Output::Message(m));
         }
     }
@@ -1139,10 +1144,7 @@ pub fn feed_call_with<F: FnMut(Output)>(
         // A whole header in this segment: framed from one read, as the kernel does.
         let hl = st.hdr_len as usize;
         if fast && st.have == 0 && hl != 0 && remaining as usize == hl && n == hl {
-            let mut buf = [0u8; HEADER_BUF_LEN];
-            let k = hl.min(HEADER_BUF_LEN);
-            buf[..k].copy_from_slice(&seg[off..off + k]);
-            if let Some(m) = st.header_whole(&buf) {
+            if let Some(m) = st.header_whole(&kernel_header_read(&seg[off..], hl)) {
                 emit(Output::Message(m));
                 continue;
             }

@@ -133,6 +133,26 @@ pub struct CallScratch {
 const HEADER_WORDS: usize = HEADER_BUF_LEN / 8;
 const _: () = assert!(HEADER_BUF_LEN % 8 == 0 && HEADER_BUF_LEN >= 16); // an iovec fits too
 
+/// Bytes a per-message header read takes for a header of `hdr_len` bytes (18 or 6): all of a
+/// mini header, the first [`HEADER_BUF_LEN`] of a full one (what framing uses). A constant
+/// per header kind, which the verifier needs for the read's length.
+#[inline(always)]
+fn header_read_len(hdr_len: u8) -> u32 {
+    if hdr_len == 18 {
+        HEADER_BUF_LEN as u32
+    } else {
+        6
+    }
+}
+
+/// The header read into `words` (a [`header_read_len`] read), as the bytes
+/// [`DirState::header_whole`] takes.
+#[inline(always)]
+fn header_bytes(words: &[u64; HEADER_WORDS]) -> &[u8; HEADER_BUF_LEN] {
+    // SAFETY: HEADER_WORDS words are HEADER_BUF_LEN bytes, at u64 alignment.
+    unsafe { &*(words.as_ptr() as *const [u8; HEADER_BUF_LEN]) }
+}
+
 /// [`CallScratch::out`]'s length in 8-byte words.
 const OUTPUT_WORDS: usize = core::mem::size_of::<Output>() / 8;
 // store_output copies whole words.
@@ -520,17 +540,11 @@ fn step_body(ctx: *mut c_void) -> i64 {
     // A whole data header in this buffer: framed from one read into the stack buffer
     // (DirState::header_whole), as the call's first message is ([`first_message`]).
     if st.have == 0 && st.hdr_len != 0 && remaining == st.hdr_len as u32 && n == remaining as u64 {
-        let len = if st.hdr_len == 18 {
-            HEADER_BUF_LEN as u32
-        } else {
-            6
-        };
+        let len = header_read_len(st.hdr_len);
         let src = (c.cur_base + off) as *const c_void;
         let rc = unsafe { bpf_probe_read_user(words.as_mut_ptr() as *mut c_void, len, src) };
         if rc == 0 {
-            // SAFETY: HEADER_WORDS words are HEADER_BUF_LEN bytes, at u64 alignment.
-            let hdr = unsafe { &*(words.as_ptr() as *const [u8; HEADER_BUF_LEN]) };
-            if let Some(m) = st.header_whole(hdr) {
+            if let Some(m) = st.header_whole(header_bytes(words)) {
                 let flags = if peer.mid_message {
                     msg_flags::PEER_MID_MESSAGE
                 } else {
@@ -1329,16 +1343,13 @@ fn first_message(st: &mut DirState, call: &Call, sc: &mut CallScratch, moved: u6
     if len < hl {
         return false;
     }
-    // A constant length per header kind: 6 (mini), or the 16 of 18 (full) that framing uses.
-    let n = if hl == 18 { HEADER_BUF_LEN as u32 } else { 6 };
+    let n = header_read_len(st.hdr_len);
     let rc =
         unsafe { bpf_probe_read_user(words.as_mut_ptr() as *mut c_void, n, base as *const c_void) };
     if rc != 0 {
         return false;
     }
-    // SAFETY: HEADER_WORDS words are HEADER_BUF_LEN bytes, at u64 alignment.
-    let hdr = unsafe { &*(words.as_ptr() as *const [u8; HEADER_BUF_LEN]) };
-    match st.header_at_call_start(hdr) {
+    match st.header_at_call_start(header_bytes(words)) {
         Some(m) => {
             store_words(&m, sc.out.as_mut_ptr());
             true
