@@ -26,7 +26,7 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use common::daemon::{Daemon, OnDrop, Scrape};
-use common::{Client, Rig, check_run, describe_ch, privileged, rig};
+use common::{Client, Rig, check_run, describe_ch, draw, privileged};
 use spice_observer::report::{ChannelReport, Report};
 
 /// Bytes one socket's owner wrote and read over the connection's life, from the TCP stack:
@@ -160,18 +160,6 @@ fn check_totals_bracketed(
          of {read:?}: {}",
         describe_ch(c)
     );
-    Ok(())
-}
-
-/// `DISPLAY=:display rig/xanim.py ARGS` to completion (an X client drawing on Xspice, not
-/// watched: Xorg writes what it draws to the display channel).
-fn draw(display: u32, args: &[&str]) -> Result<()> {
-    common::sh(
-        Command::new("/usr/bin/python3")
-            .env("DISPLAY", format!(":{display}"))
-            .arg(rig().join("xanim.py"))
-            .args(args),
-    )?;
     Ok(())
 }
 

@@ -239,7 +239,8 @@ fn tls_port_session_is_framed() -> Result<()> {
     }
     let mut rig = Rig::new(T)?;
     let x509 = rig.tls_certs()?;
-    let xorg = rig.xspice_tls(5910, 10, &x509, &rects_with_cursor("6"))?;
+    // The drawing starts with the client (below), so the pause always has something to send.
+    let xorg = rig.xspice_tls(5910, 10, &x509, &["--mode", "rects", "--frames", "1"])?;
     let lib = libssl_of(xorg)?.context("Xorg (spice-server) maps no libssl")?;
     let obs = observe_or_skip!(T, &[xorg], 10.0, json(&rig));
     let ca = x509.join("ca-cert.pem");
@@ -256,6 +257,7 @@ fn tls_port_session_is_framed() -> Result<()> {
         ],
         None,
     )?;
+    common::draw(10, &rects_with_cursor("6"))?;
     let report = obs.finish_report()?;
     check_tls_run(&report)?;
     check_attached(&report, xorg, &lib)?;

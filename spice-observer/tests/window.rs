@@ -385,8 +385,10 @@ fn peer_generations_surplus_ack_and_type_105() -> Result<()> {
 // Real session: spice-server and spice-gtk
 // ---------------------------------------------------------------------------------------------
 
-/// Xspice draws small rectangles for 6 s; spice-gtk stops reading from 2 s to 4.5 s, so the
-/// display channel sits at the window, then catches up; the session is idle at the end.
+/// Xspice draws small rectangles for 6 s from when spice-gtk starts; spice-gtk stops reading
+/// from 2 s to 4.5 s, so the display channel sits at the window, then catches up; the session
+/// is idle at the end. (The drawing starts with the client, not with Xspice: an observer that
+/// took seconds to load once left the pause with nothing to draw, and max 39 of 41.)
 /// spice-server sends one SET_ACK per connection (`push_set_ack` has three callers, each run
 /// once per channel client: docs/spice-protocol.md §3.1), spice-gtk never ACKs more than it
 /// received (§3.8), so: one generation, no surplus ACK, and floor((messages − 1) / W) ACKs.
@@ -397,8 +399,15 @@ fn xspice_one_generation_no_surplus() -> Result<()> {
         return Ok(());
     }
     let mut rig = Rig::new(T)?;
-    let xorg = rig.xspice(
-        5985,
+    let xorg = rig.xspice(5985, 85, &["--mode", "rects", "--frames", "1"])?;
+    let obs = observe_or_skip!(T, &[xorg], 10.0, rig.state.join("report.json"));
+    let _client = GtkClient::start(
+        "spice://127.0.0.1:5985",
+        30,
+        &["--pause-at", "2", "--pause-for", "2.5"],
+        None,
+    )?;
+    common::draw(
         85,
         &[
             "--mode",
@@ -410,13 +419,6 @@ fn xspice_one_generation_no_surplus() -> Result<()> {
             "--seconds",
             "6",
         ],
-    )?;
-    let obs = observe_or_skip!(T, &[xorg], 10.0, rig.state.join("report.json"));
-    let _client = GtkClient::start(
-        "spice://127.0.0.1:5985",
-        30,
-        &["--pause-at", "2", "--pause-for", "2.5"],
-        None,
     )?;
     let report = obs.finish_report()?;
     common::check_run(&report)?;

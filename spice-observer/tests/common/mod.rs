@@ -76,6 +76,18 @@ pub fn privileged(test: &str) -> bool {
     true
 }
 
+/// `DISPLAY=:display rig/xanim.py ARGS` to completion (an X client drawing on Xspice, not
+/// watched: Xorg writes what it draws to the display channel). A test that needs drawing at
+/// a given time after the client starts draws here rather than in [`Rig::xspice`]'s
+/// animation, whose clock starts before the observer has loaded.
+pub fn draw(display: u32, args: &[&str]) -> Result<()> {
+    sh(Command::new("/usr/bin/python3")
+        .env("DISPLAY", format!(":{display}"))
+        .arg(rig().join("xanim.py"))
+        .args(args))?;
+    Ok(())
+}
+
 /// Runs a command to completion; errors with its output if it fails.
 pub fn sh(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("spawning {cmd:?}"))?;
