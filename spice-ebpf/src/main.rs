@@ -288,28 +288,24 @@ pub fn spice_ref_floor(ctx: BtfTracePointContext) -> i32 {
     probes::reference::floor::<{ probes::reference::FLOOR_ALL }>(ctx.arg(0), ctx.arg(1))
 }
 
-/// [`spice_ref_floor`] up to its filter (the `MAYBE_WATCHED` load and the `WATCHED_TGIDS`
-/// lookup): its first step ([`probes::reference::floor`]).
-#[btf_tracepoint(function = "sock_send_length")]
-pub fn spice_ref_step1(ctx: BtfTracePointContext) -> i32 {
-    probes::reference::floor::<1>(ctx.arg(0), ctx.arg(1))
+/// `tp_btf/sock_send_length` programs that run [`probes::reference::floor`] up to step `N`
+/// (that function says what each step adds); aya's attribute needs one function each.
+macro_rules! floor_steps {
+    ($($name:ident $n:literal $doc:literal;)*) => {$(
+        #[doc = concat!("[`spice_ref_floor`] up to ", $doc, ".")]
+        #[btf_tracepoint(function = "sock_send_length")]
+        pub fn $name(ctx: BtfTracePointContext) -> i32 {
+            probes::reference::floor::<$n>(ctx.arg(0), ctx.arg(1))
+        }
+    )*};
 }
 
-/// [`spice_ref_floor`] up to the socket check, its cookie, the syscall's registers and the
-/// clock.
-#[btf_tracepoint(function = "sock_send_length")]
-pub fn spice_ref_step2(ctx: BtfTracePointContext) -> i32 {
-    probes::reference::floor::<2>(ctx.arg(0), ctx.arg(1))
-}
-
-/// [`spice_ref_floor`] up to the socket's `SOCKETS` lookup.
-#[btf_tracepoint(function = "sock_send_length")]
-pub fn spice_ref_step3(ctx: BtfTracePointContext) -> i32 {
-    probes::reference::floor::<3>(ctx.arg(0), ctx.arg(1))
-}
-
-/// [`spice_ref_floor`] up to the read of the message header from the caller's buffer.
-#[btf_tracepoint(function = "sock_send_length")]
-pub fn spice_ref_step4(ctx: BtfTracePointContext) -> i32 {
-    probes::reference::floor::<4>(ctx.arg(0), ctx.arg(1))
+floor_steps! {
+    spice_ref_step1 1 "its filter (the `MAYBE_WATCHED` load and the `WATCHED_TGIDS` lookup)";
+    spice_ref_step2 2 "the socket check and its cookie";
+    spice_ref_step3 3 "the syscall's registers";
+    spice_ref_step4 4 "the clock";
+    spice_ref_step5 5 "the socket's `SOCKETS` lookup";
+    spice_ref_step6 6 "the read of the message header from the caller's buffer";
+    spice_ref_step7 7 "`write_seq` and a ring reservation discarded unwritten";
 }

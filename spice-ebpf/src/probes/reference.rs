@@ -29,7 +29,7 @@ use crate::{
 };
 
 /// [`floor`]'s `UPTO` for the whole floor program.
-pub const FLOOR_ALL: u8 = 5;
+pub const FLOOR_ALL: u8 = 8;
 
 /// Map update flag: create only (include/uapi/linux/bpf.h).
 const BPF_NOEXIST: u64 = 1;
@@ -51,10 +51,14 @@ const BPF_RB_NO_WAKEUP: u64 = 1;
 /// (`bpf_stats`) is the floor of `spice_sock_send`'s on the same calls, in the same run.
 ///
 /// `UPTO` < [`FLOOR_ALL`] stops early, for the floor's cost in steps (`spice_ref_step1` to
-/// `spice_ref_step4`, `--hooks floor_steps`, attached with the floor on the same calls):
-/// 1 after the filter; 2 after the socket check, cookie, registers and clock; 3 after the
-/// `SOCKETS` lookup (a miss returns without making the entry, which the floor makes); 4 after
-/// the header read. Each step's run time minus the one before is what that part costs.
+/// `spice_ref_step7`, `--hooks floor_steps`, attached with the floor on the same calls):
+/// 1 after the filter; 2 after the socket check (`bpf_skc_to_tcp_sock`) and the cookie; 3
+/// after the syscall's registers ([`current_call`]: `bpf_get_current_task_btf`,
+/// `bpf_task_pt_regs`, five loads); 4 after the clock (`bpf_ktime_get_ns`); 5 after the
+/// `SOCKETS` lookup (a miss returns without making the entry, which the floor makes); 6 after
+/// the header read; 7 after `write_seq` and a 72-byte ring reservation that is discarded
+/// unwritten (the ring's lock, its 8-byte record header and the commit, none of the record's
+/// own stores). Each step's run time minus the one before is what that part costs.
 #[inline(always)]
 pub fn floor<const UPTO: u8>(sk: *const u8, ret: i32) -> i32 {
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -70,12 +74,18 @@ pub fn floor<const UPTO: u8>(sk: *const u8, ret: i32) -> i32 {
         return 0;
     }
     let cookie = socket_cookie(sk);
+    if UPTO == 2 {
+        return 0;
+    }
     let args = current_call(route);
     if args.kind != call_kind::BUFFER {
         return 0;
     }
+    if UPTO == 3 {
+        return 0;
+    }
     let now = unsafe { bpf_ktime_get_ns() };
-    if UPTO == 2 {
+    if UPTO == 4 {
         return 0;
     }
     let Some(s) = SOCKETS.get_ptr_mut(&cookie) else {
@@ -87,7 +97,7 @@ pub fn floor<const UPTO: u8>(sk: *const u8, ret: i32) -> i32 {
         }
         return 0;
     };
-    if UPTO == 3 {
+    if UPTO == 5 {
         return 0;
     }
     let mut hdr = MaybeUninit::uninit();
@@ -103,12 +113,16 @@ pub fn floor<const UPTO: u8>(sk: *const u8, ret: i32) -> i32 {
         return 0;
     }
     let hdr = hdr[0].to_le_bytes();
-    if UPTO == 4 {
+    if UPTO == 6 {
         return 0;
     }
     let seq = tcp_u32::<false>(tp, konf!(tcp_write_seq));
     unsafe { (*s).tcp.write_seq = seq };
     if let Some(mut e) = EVENTS.reserve::<MessageEvent>(0) {
+        if UPTO == 7 {
+            e.discard(BPF_RB_NO_WAKEUP);
+            return 0;
+        }
         let p = e.as_mut_ptr();
         unsafe {
             let h = EventHeader {

@@ -16,7 +16,7 @@
 //!   least a send call on a traced socket needs (filter, socket state, header read, record):
 //!   it needs `--pid`, the process it treats as watched (in this load's own maps, which the
 //!   observer never sees), and its records are drained and dropped here. `floor_steps` (also
-//!   with `--pid`) is the floor stopped after each of its parts: `spice_ref_step1` to `_step4`.
+//!   with `--pid`) is the floor stopped after each of its parts: `spice_ref_step1` to `_step7`.
 //! * `syscalls --kind getppid|pipe --calls N`: times N calls in this process (a process
 //!   nobody watches) and prints `{"kind","calls","elapsed_s","ns_per_call"}`; `pipe` is one
 //!   8-byte write and one 8-byte read on a pipe per call.
@@ -97,7 +97,7 @@ enum RefHook {
     /// `spice_ref_floor` on `tp_btf/sock_send_length` (not empty: see the module doc).
     #[value(name = "floor")]
     Floor,
-    /// `spice_ref_step1` … `spice_ref_step4` on `tp_btf/sock_send_length`: the floor program
+    /// `spice_ref_step1` … `spice_ref_step7` on `tp_btf/sock_send_length`: the floor program
     /// stopped after each of its parts (`probes::reference::floor` in spice-ebpf).
     #[value(name = "floor_steps")]
     FloorSteps,
@@ -118,6 +118,9 @@ impl RefHook {
                 ("spice_ref_step2", SEND),
                 ("spice_ref_step3", SEND),
                 ("spice_ref_step4", SEND),
+                ("spice_ref_step5", SEND),
+                ("spice_ref_step6", SEND),
+                ("spice_ref_step7", SEND),
             ],
         }
     }
