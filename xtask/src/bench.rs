@@ -52,6 +52,8 @@ struct Plan {
     reps: usize,
     /// Seconds of each saturated-sender run.
     sat_secs: f64,
+    /// Seconds of each run of one floor step alone ([`With::Alone`]).
+    alone_secs: f64,
     getppid_calls: u64,
     pipe_calls: u64,
     iperf_secs: u32,
@@ -68,6 +70,7 @@ impl Plan {
             Plan {
                 reps: 1,
                 sat_secs: 1.0,
+                alone_secs: 1.0,
                 getppid_calls: 1_000_000,
                 pipe_calls: 200_000,
                 iperf_secs: 1,
@@ -80,6 +83,7 @@ impl Plan {
             Plan {
                 reps: 3,
                 sat_secs: 4.0,
+                alone_secs: 1.5,
                 getppid_calls: 5_000_000,
                 pipe_calls: 1_000_000,
                 iperf_secs: 3,
@@ -507,10 +511,14 @@ impl Reference {
         Reference::start_with(bins, hooks, &[])
     }
 
-    /// `spice_ref_floor` (the least a traced send needs) and its steps ([`FLOOR_STEPS`]) with
-    /// `pid` watched in their own maps.
-    fn start_floor(bins: &Bins, pid: u32) -> Result<Reference> {
-        Reference::start_with(bins, "floor,floor_steps", &["--pid", &pid.to_string()])
+    /// `name`, `spice_ref_floor` (the least a traced send needs) or one of its steps
+    /// ([`FLOOR_STEPS`]), alone on its hook, with `pid` watched in its own maps.
+    fn start_alone(bins: &Bins, pid: u32, name: &str) -> Result<Reference> {
+        Reference::start_with(
+            bins,
+            "floor,floor_steps",
+            &["--pid", &pid.to_string(), "--only", name],
+        )
     }
 
     fn start_with(bins: &Bins, hooks: &str, extra: &[&str]) -> Result<Reference> {
@@ -590,11 +598,14 @@ impl Load {
 enum With {
     Without,
     Observer,
-    /// Observer, and per-program statistics over the run (bpf_stats must be on); with the
-    /// floor program beside it where it is comparable (write, 1 message per call).
+    /// Observer, and per-program statistics over the run (bpf_stats must be on). Nothing
+    /// else on its hooks: programs on one hook run in attach order, and each one after the
+    /// first finds the caches warmed by those before it.
     Stats,
-    /// [`With::Stats`] without the floor program.
-    StatsOnly,
+    /// No observer: only the reference program of this name ([`FLOOR_STEPS`]), alone on its
+    /// hook, with the load's server watched in its own maps, and its statistics over the
+    /// run (bpf_stats must be on) in [`LoadRun::floor`].
+    Alone(&'static str),
     /// Observer, with its CPU and RSS sampled.
     Agent,
 }
@@ -608,8 +619,8 @@ struct LoadRun {
     report_path: Option<PathBuf>,
     /// (program, Δrun_time_ns, Δrun_cnt) of the observer's programs over the streaming.
     stats: Vec<(String, u64, u64)>,
-    /// (program, Δrun_time_ns, Δrun_cnt) of `spice_ref_floor` and its steps
-    /// ([`FLOOR_STEPS`]) over the same streaming ([`With::Stats`]); empty without them.
+    /// (program, Δrun_time_ns, Δrun_cnt) of the reference program of [`With::Alone`] over
+    /// the streaming; empty otherwise.
     floor: Vec<(String, u64, u64)>,
     agent: Option<AgentSample>,
 }
@@ -651,18 +662,16 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
         _ => bail!("spice-peer load said {hold:?}"),
     };
     child.1 = Some(client);
-    // Before the observer, so that its programs are not counted as the observer's. Only
-    // where the floor does what a call needs: one message in one buffer (write, 1 per call).
     let floor = match with {
-        With::Stats if l.batch == 1 && !l.writev => Some(Reference::start_floor(bins, server)?),
+        With::Alone(name) => Some(Reference::start_alone(bins, server, name)?),
         _ => None,
     };
     let observer = match with {
-        With::Without => None,
+        With::Without | With::Alone(_) => None,
         _ => Some(Observer::start(bins, server, tag)?),
     };
     let s0 = match with {
-        With::Stats | With::StatsOnly => prog_stats(bins, "spice_")?,
+        With::Stats => prog_stats(bins, "spice_")?,
         _ => Vec::new(),
     };
     let f0 = match &floor {
@@ -686,7 +695,7 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
     stop_sampling.store(true, Ordering::SeqCst);
     let agent = sampler.map(|h| h.join().expect("sampler panicked"));
     let s1 = match with {
-        With::Stats | With::StatsOnly => prog_stats(bins, "spice_")?,
+        With::Stats => prog_stats(bins, "spice_")?,
         _ => Vec::new(),
     };
     let floor = match floor {
@@ -1049,10 +1058,13 @@ pub(crate) fn bench(
         let (mut without, mut with) = (Vec::new(), Vec::new());
         let mut figs = ProgFigures::default();
         let (mut call_ns, mut msg_ns, mut calls_per_msg) = (Vec::new(), Vec::new(), Vec::new());
-        // ns per run of spice_sock_send and of the floor program, on the same calls.
-        let (mut send_run, mut floor_run) = (Vec::new(), Vec::new());
-        // ns per run of each of FLOOR_STEPS, on the same calls.
+        // ns per run of spice_sock_send (the observer's stats runs) and of each of
+        // FLOOR_STEPS (the floor program last), each alone on the hook in runs of its own.
+        // Only where the floor does what a call needs: one message in one buffer.
+        let floor_too = *batch == 1 && !*writev;
+        let mut send_run = Vec::new();
         let mut step_run: Vec<Vec<f64>> = vec![Vec::new(); FLOOR_STEPS.len()];
+        let alone = Load::saturated(*batch, *writev, plan.alone_secs);
         for r in 0..plan.reps {
             eprintln!(
                 "bench: saturated sender, {name}: repeat {}/{}",
@@ -1079,15 +1091,21 @@ pub(crate) fn bench(
             let send = c.stats.iter().find(|s| s.0 == SOCK_SEND);
             if let Some((_, t, n)) = send {
                 call_ns.push(*t as f64 / calls);
-                let of = |name: &str| c.floor.iter().find(|f| f.0 == name && f.1 > 0);
-                if let Some((_, ft, fn_)) = of(FLOOR).filter(|_| *n > 0) {
+                if *n > 0 {
                     send_run.push(*t as f64 / *n as f64);
-                    floor_run.push(*ft as f64 / *fn_ as f64);
                 }
-                for (k, (step, _)) in FLOOR_STEPS.iter().enumerate() {
-                    if let Some((_, st, sn)) = of(step) {
-                        step_run[k].push(*st as f64 / *sn as f64);
-                    }
+            }
+            for (k, (step, _)) in FLOOR_STEPS.iter().enumerate().filter(|_| floor_too) {
+                stats.set(true)?;
+                let f = run_load(
+                    &bins,
+                    &alone,
+                    With::Alone(step),
+                    &format!("sat{i}-{r}-{step}"),
+                );
+                stats.set(false)?;
+                if let Some((_, st, sn)) = f?.floor.iter().find(|f| f.0 == *step && f.2 > 0) {
+                    step_run[k].push(*st as f64 / *sn as f64);
                 }
             }
             let all: u64 = c.stats.iter().map(|s| s.1).sum();
@@ -1108,20 +1126,20 @@ pub(crate) fn bench(
                 "`spice_sock_send` per observed send call {}",
                 med_spread(&call_ns, " ns")
             ),
-            match floor_run.is_empty() {
-                true => format!("all programs: {} per message", med_spread(&msg_ns, " ns")),
-                false => format!(
-                    "all programs: {} per message; per run, `spice_sock_send` {} against the floor `spice_ref_floor` {} on the same calls (×{})",
+            match step_run.last().filter(|f| !f.is_empty() && !send_run.is_empty()) {
+                None => format!("all programs: {} per message", med_spread(&msg_ns, " ns")),
+                Some(floor_run) => format!(
+                    "all programs: {} per message; per run, `spice_sock_send` {} against the floor `spice_ref_floor` {} (×{}), each alone on the hook",
                     med_spread(&msg_ns, " ns"),
                     med_spread(&send_run, " ns"),
-                    med_spread(&floor_run, " ns"),
-                    num(median(&send_run) / median(&floor_run)),
+                    med_spread(floor_run, " ns"),
+                    num(median(&send_run) / median(floor_run)),
                 ),
             },
         ));
         if step_run.iter().all(|v| !v.is_empty()) {
             rows.push(row(
-                format!("  the floor in steps, {name} (bpf_stats, same calls)"),
+                format!("  the floor in steps, {name} (bpf_stats, each step alone on the hook in {} s runs of its own)", num(plan.alone_secs)),
                 "–",
                 floor_steps_text(&step_run),
                 "each step's ns per run minus the one before is what its part costs",
@@ -1457,7 +1475,7 @@ fn per_hook_set(bins: &Bins, plan: &Plan, stats: &BpfStats, target: u32) -> Resu
             }
             exact += usize::from(compare(&bins, &b)?.0);
             stats.set(true)?;
-            let c = run_load(&bins, &l, With::StatsOnly, &format!("set-{set}-{r}-stats"));
+            let c = run_load(&bins, &l, With::Stats, &format!("set-{set}-{r}-stats"));
             stats.set(false)?;
             let c = c?;
             let calls = req_u64(&c.load["totals"], "write_calls")? as f64;

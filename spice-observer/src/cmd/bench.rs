@@ -8,7 +8,7 @@
 //!   (`BPF_OBJ_NAME_LEN`): `spice_ref_sys_enter` and `spice_ref_sys_exit` are both listed as
 //!   `spice_ref_sys_e` (tell them apart by the ids `reference` prints).
 //! * `reference [--hooks sys_enter,sys_exit,sock_send,sock_recv,floor,floor_steps] [--pid PID]
-//!   [--duration SECS]`:
+//!   [--duration SECS] [--only NAME]`:
 //!   loads the kernel object and attaches only its reference programs (`spice-ebpf/src/
 //!   probes/reference.rs`), prints `attached {json}` (their ids), holds them until stdin
 //!   reaches EOF (or a line is read, or SECS pass), then prints their statistics as one JSON
@@ -17,6 +17,10 @@
 //!   it needs `--pid`, the process it treats as watched (in this load's own maps, which the
 //!   observer never sees), and its records are drained and dropped here. `floor_steps` (also
 //!   with `--pid`) is the floor stopped after each of its parts: `spice_ref_step1` to `_step7`.
+//!   `--only NAME` attaches that one program alone: programs on one hook run in the order
+//!   they were attached, and each one after the first finds the caches warmed by those
+//!   before it (the socket, the task, the maps, the ring's next line), so a program's cost
+//!   alone is measured with nothing else on its hook.
 //! * `syscalls --kind getppid|pipe --calls N`: times N calls in this process (a process
 //!   nobody watches) and prints `{"kind","calls","elapsed_s","ns_per_call"}`; `pipe` is one
 //!   8-byte write and one 8-byte read on a pipe per call.
@@ -67,6 +71,11 @@ enum BenchCmd {
         /// Detach after this many seconds at the latest.
         #[arg(long, default_value_t = 600.0)]
         duration: f64,
+        /// Attach only the program of this name among those of `--hooks` (e.g.
+        /// `spice_ref_step3`): alone on its hook, it runs first, on caches that no program
+        /// before it on the same call has warmed.
+        #[arg(long)]
+        only: Option<String>,
     },
     /// Time a loop of syscalls in this (unwatched) process.
     Syscalls {
@@ -143,7 +152,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             hooks,
             pid,
             duration,
-        } => reference(&hooks, pid, duration),
+            only,
+        } => reference(&hooks, pid, duration, only.as_deref()),
         BenchCmd::Syscalls { kind, calls } => {
             let (elapsed, n) = time_syscalls(kind, calls)?;
             println!(
@@ -202,7 +212,7 @@ fn program_stats(prefix: &str) -> Result<Vec<Value>> {
     Ok(out)
 }
 
-fn reference(hooks: &[RefHook], pid: Option<u32>, duration: f64) -> Result<()> {
+fn reference(hooks: &[RefHook], pid: Option<u32>, duration: f64, only: Option<&str>) -> Result<()> {
     if hooks.is_empty() {
         bail!("give at least one hook");
     }
@@ -231,7 +241,15 @@ fn reference(hooks: &[RefHook], pid: Option<u32>, duration: f64) -> Result<()> {
     }
     let btf = Btf::from_sys_fs().context("loading kernel BTF")?;
     let mut ids = Vec::new();
-    for &(name, hook) in hooks.iter().flat_map(|h| h.programs()) {
+    let programs: Vec<_> = hooks
+        .iter()
+        .flat_map(|h| h.programs())
+        .filter(|(name, _)| only.is_none_or(|o| o == *name))
+        .collect();
+    if let (Some(o), true) = (only, programs.is_empty()) {
+        bail!("--only {o}: no such program among those of --hooks {hooks:?}");
+    }
+    for &&(name, hook) in &programs {
         let prog = ebpf
             .program_mut(name)
             .ok_or_else(|| anyhow!("program {name} missing from the object"))?;
@@ -262,7 +280,8 @@ fn reference(hooks: &[RefHook], pid: Option<u32>, duration: f64) -> Result<()> {
         let _ = std::io::stdin().lock().read_line(&mut line);
         let _ = tx.send(());
     });
-    let mut ring = match floor {
+    // (spice_ref_step7 reserves records too.)
+    let mut ring = match watched {
         true => Some(aya::maps::RingBuf::try_from(
             ebpf.take_map("EVENTS").context("map EVENTS")?,
         )?),
