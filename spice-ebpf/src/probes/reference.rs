@@ -47,11 +47,13 @@ const BPF_RB_NO_WAKEUP: u64 = 1;
 /// handled; anything else returns after the filter.
 ///
 /// `bench reference --hooks floor --pid PID` attaches it on its own copy of the maps, with
-/// `PID` watched there, beside an observer watching the same process: its run time per run
-/// (`bpf_stats`) is the floor of `spice_sock_send`'s on the same calls, in the same run.
+/// `PID` watched there: its run time per run (`bpf_stats`) is the floor of
+/// `spice_sock_send`'s on the same load. `cargo xtask bench` runs it alone on its hook, in
+/// runs of its own (`--only`): programs on one hook run in attach order, and each one after
+/// the first finds the caches warmed by those before it.
 ///
 /// `UPTO` < [`FLOOR_ALL`] stops early, for the floor's cost in steps (`spice_ref_step1` to
-/// `spice_ref_step7`, `--hooks floor_steps`, attached with the floor on the same calls):
+/// `spice_ref_step7`, `--hooks floor_steps`, each alone on its hook in the bench):
 /// 1 after the filter; 2 after the socket check (`bpf_skc_to_tcp_sock`) and the cookie; 3
 /// after the syscall's registers ([`current_call`]: `bpf_get_current_task_btf`,
 /// `bpf_task_pt_regs`, five loads); 4 after the clock (`bpf_ktime_get_ns`); 5 after the
