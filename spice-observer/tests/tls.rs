@@ -239,10 +239,12 @@ fn tls_port_session_is_framed() -> Result<()> {
     }
     let mut rig = Rig::new(T)?;
     let x509 = rig.tls_certs()?;
-    // The drawing starts with the client (below), so the pause always has something to send.
+    // The drawing (6 s) starts right after the client's process (below), not with Xspice
+    // before the observer has loaded, so the pause from 2 s has drawing to hold back; the
+    // observer's 12 s leave the session idle for about its last 5 s.
     let xorg = rig.xspice_tls(5910, 10, &x509, &["--mode", "rects", "--frames", "1"])?;
     let lib = libssl_of(xorg)?.context("Xorg (spice-server) maps no libssl")?;
-    let obs = observe_or_skip!(T, &[xorg], 10.0, json(&rig));
+    let obs = observe_or_skip!(T, &[xorg], 12.0, json(&rig));
     let ca = x509.join("ca-cert.pem");
     let _client = Client::start(
         "spice://127.0.0.1?tls-port=5910",

@@ -385,10 +385,11 @@ fn peer_generations_surplus_ack_and_type_105() -> Result<()> {
 // Real session: spice-server and spice-gtk
 // ---------------------------------------------------------------------------------------------
 
-/// Xspice draws small rectangles for 6 s from when spice-gtk starts; spice-gtk stops reading
-/// from 2 s to 4.5 s, so the display channel sits at the window, then catches up; the session
-/// is idle at the end. (The drawing starts with the client, not with Xspice: an observer that
-/// took seconds to load once left the pause with nothing to draw, and max 39 of 41.)
+/// An X client draws small rectangles on Xspice for 6 s, started right after spice-gtk's
+/// process (rig/client.py); spice-gtk stops reading from 2 s to 4.5 s after its start, so the
+/// display channel sits at the window, then catches up; the session is idle for the last
+/// ~5 s of the observer's 12 s. (The drawing used to start with Xspice, before the observer
+/// loaded: a slow load once left the pause with nothing to draw, and max 39 of 41.)
 /// spice-server sends one SET_ACK per connection (`push_set_ack` has three callers, each run
 /// once per channel client: docs/spice-protocol.md §3.1), spice-gtk never ACKs more than it
 /// received (§3.8), so: one generation, no surplus ACK, and floor((messages − 1) / W) ACKs.
@@ -400,7 +401,7 @@ fn xspice_one_generation_no_surplus() -> Result<()> {
     }
     let mut rig = Rig::new(T)?;
     let xorg = rig.xspice(5985, 85, &["--mode", "rects", "--frames", "1"])?;
-    let obs = observe_or_skip!(T, &[xorg], 10.0, rig.state.join("report.json"));
+    let obs = observe_or_skip!(T, &[xorg], 12.0, rig.state.join("report.json"));
     let _client = GtkClient::start(
         "spice://127.0.0.1:5985",
         30,

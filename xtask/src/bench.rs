@@ -14,6 +14,10 @@
 //!   write with 1 and with 10 messages per call, and writev (header + body iovecs): messages
 //!   per second; then the same with `kernel.bpf_stats_enabled=1` for each program's run
 //!   time per run and run count (timed runs keep the statistics off: they cost time too);
+//!   at 1 message per write, also the reference floor program `spice_ref_floor` and its seven
+//!   steps, each alone on `sock_send_length` in short runs of its own without the observer
+//!   (programs on one hook run in attach order, the later ones on warm caches), forward in
+//!   even repeats and backward in odd ones;
 //! * an unrelated process's syscalls (getppid, an 8-byte write + read on a pipe) while the
 //!   observer watches another process (`sleep`), and with only the empty reference
 //!   `sys_enter` program attached (`spice-observer bench reference`);
@@ -43,7 +47,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::Value;
 
 /// Durations and sizes of one bench run.
@@ -52,7 +56,7 @@ struct Plan {
     reps: usize,
     /// Seconds of each saturated-sender run.
     sat_secs: f64,
-    /// Seconds of each run of one floor step alone ([`With::Alone`]).
+    /// Seconds of each run of the floor or one of its steps alone ([`With::Reference`]).
     alone_secs: f64,
     getppid_calls: u64,
     pipe_calls: u64,
@@ -604,8 +608,9 @@ enum With {
     Stats,
     /// No observer: only the reference program of this name ([`FLOOR_STEPS`]), alone on its
     /// hook, with the load's server watched in its own maps, and its statistics over the
-    /// run (bpf_stats must be on) in [`LoadRun::floor`].
-    Alone(&'static str),
+    /// run (bpf_stats must be on) in [`LoadRun::reference`]. Fails if any other `spice_`
+    /// program ran meanwhile (another observer on the host would warm its caches).
+    Reference(&'static str),
     /// Observer, with its CPU and RSS sampled.
     Agent,
 }
@@ -619,9 +624,9 @@ struct LoadRun {
     report_path: Option<PathBuf>,
     /// (program, Δrun_time_ns, Δrun_cnt) of the observer's programs over the streaming.
     stats: Vec<(String, u64, u64)>,
-    /// (program, Δrun_time_ns, Δrun_cnt) of the reference program of [`With::Alone`] over
-    /// the streaming; empty otherwise.
-    floor: Vec<(String, u64, u64)>,
+    /// (program, Δrun_time_ns, Δrun_cnt) of the reference program of [`With::Reference`]
+    /// over the streaming; empty otherwise.
+    reference: Vec<(String, u64, u64)>,
     agent: Option<AgentSample>,
 }
 
@@ -663,15 +668,15 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
     };
     child.1 = Some(client);
     let floor = match with {
-        With::Alone(name) => Some(Reference::start_alone(bins, server, name)?),
+        With::Reference(name) => Some(Reference::start_alone(bins, server, name)?),
         _ => None,
     };
     let observer = match with {
-        With::Without | With::Alone(_) => None,
+        With::Without | With::Reference(_) => None,
         _ => Some(Observer::start(bins, server, tag)?),
     };
     let s0 = match with {
-        With::Stats => prog_stats(bins, "spice_")?,
+        With::Stats | With::Reference(_) => prog_stats(bins, "spice_")?,
         _ => Vec::new(),
     };
     let f0 = match &floor {
@@ -695,10 +700,10 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
     stop_sampling.store(true, Ordering::SeqCst);
     let agent = sampler.map(|h| h.join().expect("sampler panicked"));
     let s1 = match with {
-        With::Stats => prog_stats(bins, "spice_")?,
+        With::Stats | With::Reference(_) => prog_stats(bins, "spice_")?,
         _ => Vec::new(),
     };
-    let floor = match floor {
+    let reference = match floor {
         Some(f) => {
             let f1 = f.stats(bins)?;
             f.stop()?;
@@ -706,6 +711,20 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
         }
         None => Vec::new(),
     };
+    if let With::Reference(name) = with {
+        // Alone means alone: the reference's own programs are named spice_ref_*.
+        let others: Vec<String> = stats_delta(&s0, &s1, &[])
+            .into_iter()
+            .filter(|(n, _, runs)| *runs > 0 && !n.starts_with("spice_ref"))
+            .map(|(n, _, runs)| format!("{n} ({runs} runs)"))
+            .collect();
+        ensure!(
+            others.is_empty(),
+            "{name} was not alone: other spice_ programs ran during its run: {} (is another \
+             spice-observer running?)",
+            others.join(", ")
+        );
+    }
     let load: Value = serde_json::from_str(&line).context("parsing spice-peer load's JSON")?;
     let load_path = bins.tmp.join(format!("load-{tag}.json"));
     fs::write(&load_path, &line)?;
@@ -731,7 +750,7 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
         report,
         report_path,
         stats,
-        floor,
+        reference,
         agent,
     })
 }
@@ -903,8 +922,8 @@ impl ProgFigures {
 
 /// The observer's kernel programs as the kernel names them (15 characters).
 const SOCK_SEND: &str = "spice_sock_send";
-/// The row text of the floor's steps: each step's median ns per run and what it added to the
-/// one before (`runs[k]` holds step k's ns per run over the repeats, in [`FLOOR_STEPS`]
+/// The row text of the floor's steps: each step's median ns per run (with its spread) and
+/// what the median added to the one before (`runs[k]` holds step k's ns per run over the repeats, in [`FLOOR_STEPS`]
 /// order).
 fn floor_steps_text(runs: &[Vec<f64>]) -> String {
     let mut parts = Vec::new();
@@ -914,8 +933,8 @@ fn floor_steps_text(runs: &[Vec<f64>]) -> String {
         let d = m - before;
         let sign = if d < 0.0 { "−" } else { "+" };
         parts.push(format!(
-            "`{name}` {} ns ({sign}{} ns: {what})",
-            num(m),
+            "`{name}` {} ({sign}{} ns: {what})",
+            med_spread(v, " ns"),
             num(d.abs())
         ));
         before = m;
@@ -942,7 +961,7 @@ const FLOOR_STEPS: [(&str, &str); 8] = [
     ),
     (
         "spice_ref_step7",
-        "`write_seq`, a ring reservation and its commit",
+        "`write_seq`, a ring reservation and its discard (a submit's commit path)",
     ),
     (FLOOR, "the 72-byte record's stores"),
 ];
@@ -1061,7 +1080,7 @@ pub(crate) fn bench(
         // ns per run of spice_sock_send (the observer's stats runs) and of each of
         // FLOOR_STEPS (the floor program last), each alone on the hook in runs of its own.
         // Only where the floor does what a call needs: one message in one buffer.
-        let floor_too = *batch == 1 && !*writev;
+        let floor_comparable = *batch == 1 && !*writev;
         let mut send_run = Vec::new();
         let mut step_run: Vec<Vec<f64>> = vec![Vec::new(); FLOOR_STEPS.len()];
         let alone = Load::saturated(*batch, *writev, plan.alone_secs);
@@ -1095,17 +1114,27 @@ pub(crate) fn bench(
                     send_run.push(*t as f64 / *n as f64);
                 }
             }
-            for (k, (step, _)) in FLOOR_STEPS.iter().enumerate().filter(|_| floor_too) {
-                stats.set(true)?;
-                let f = run_load(
-                    &bins,
-                    &alone,
-                    With::Alone(step),
-                    &format!("sat{i}-{r}-{step}"),
-                );
-                stats.set(false)?;
-                if let Some((_, st, sn)) = f?.floor.iter().find(|f| f.0 == *step && f.2 > 0) {
-                    step_run[k].push(*st as f64 / *sn as f64);
+            if floor_comparable {
+                // Forward in even repeats, backward in odd ones: a drift of the machine
+                // within a repeat does not bias every step's difference the same way.
+                let mut order: Vec<usize> = (0..FLOOR_STEPS.len()).collect();
+                if r % 2 == 1 {
+                    order.reverse();
+                }
+                for k in order {
+                    let step = FLOOR_STEPS[k].0;
+                    stats.set(true)?;
+                    let f = run_load(
+                        &bins,
+                        &alone,
+                        With::Reference(step),
+                        &format!("sat{i}-{r}-{step}"),
+                    );
+                    stats.set(false)?;
+                    let f = f?;
+                    if let Some((_, st, sn)) = f.reference.iter().find(|f| f.0 == step && f.2 > 0) {
+                        step_run[k].push(*st as f64 / *sn as f64);
+                    }
                 }
             }
             let all: u64 = c.stats.iter().map(|s| s.1).sum();
@@ -1129,20 +1158,21 @@ pub(crate) fn bench(
             match step_run.last().filter(|f| !f.is_empty() && !send_run.is_empty()) {
                 None => format!("all programs: {} per message", med_spread(&msg_ns, " ns")),
                 Some(floor_run) => format!(
-                    "all programs: {} per message; per run, `spice_sock_send` {} against the floor `spice_ref_floor` {} (×{}), each alone on the hook",
+                    "all programs: {} per message; per run, `{SOCK_SEND}` {} against the floor `{FLOOR}` {} (×{}), each alone on its hook, in separate runs (the floor's: {} s, no observer)",
                     med_spread(&msg_ns, " ns"),
                     med_spread(&send_run, " ns"),
                     med_spread(floor_run, " ns"),
                     num(median(&send_run) / median(floor_run)),
+                    plan.alone_secs,
                 ),
             },
         ));
         if step_run.iter().all(|v| !v.is_empty()) {
             rows.push(row(
-                format!("  the floor in steps, {name} (bpf_stats, each step alone on the hook in {} s runs of its own)", num(plan.alone_secs)),
+                format!("  the floor in steps, {name} (bpf_stats, each step alone on the hook in {} s runs of its own)", plan.alone_secs),
                 "–",
                 floor_steps_text(&step_run),
-                "each step's ns per run minus the one before is what its part costs",
+                "each step's ns per run minus the one before is what its part costs; a difference smaller than the steps' spreads is not resolved",
             ));
         }
         programs.push(row(format!("saturated, {name}"), "", figs.text(), ""));
@@ -1798,15 +1828,17 @@ mod tests {
             .collect();
         let t = floor_steps_text(&runs);
         assert!(
-            t.starts_with("`spice_ref_step1` 100 ns (+100 ns: the filter"),
+            t.starts_with("`spice_ref_step1` 100 ns (99.0–105) (+100 ns: the filter"),
             "{t}"
         );
         assert!(
-            t.contains("`spice_ref_step4` 140 ns (−10.0 ns: the clock)"),
+            t.contains("`spice_ref_step4` 140 ns (139–145) (−10.0 ns: the clock)"),
             "{t}"
         );
         assert!(
-            t.ends_with("`spice_ref_floor` 300 ns (+40.0 ns: the 72-byte record's stores)"),
+            t.ends_with(
+                "`spice_ref_floor` 300 ns (299–305) (+40.0 ns: the 72-byte record's stores)"
+            ),
             "{t}"
         );
     }
