@@ -196,7 +196,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
 fn program_stats(prefix: &str) -> Result<Vec<Value>> {
     let mut out = Vec::new();
     for p in loaded_programs() {
-        let p = p.context("listing loaded BPF programs (BPF_PROG_GET_NEXT_ID needs root)")?;
+        let p = match p {
+            Ok(p) => p,
+            // Unloaded between BPF_PROG_GET_NEXT_ID and BPF_PROG_GET_FD_BY_ID (ENOENT): another
+            // process's programs come and go while this lists them.
+            Err(e) if vanished(&e) => continue,
+            Err(e) => {
+                return Err(e)
+                    .context("listing loaded BPF programs (BPF_PROG_GET_NEXT_ID needs root)");
+            }
+        };
         let Some(name) = p.name_as_str() else {
             continue;
         };
@@ -210,6 +219,21 @@ fn program_stats(prefix: &str) -> Result<Vec<Value>> {
         }
     }
     Ok(out)
+}
+
+/// Whether `e` (from aya's `loaded_programs`) is a program that was unloaded while it was
+/// being listed: an `ENOENT` anywhere in its sources.
+fn vanished(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && io.raw_os_error() == Some(libc::ENOENT)
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 fn reference(hooks: &[RefHook], pid: Option<u32>, duration: f64, only: Option<&str>) -> Result<()> {
@@ -574,6 +598,18 @@ fn compare(rep: &Observed, gen_: &LoadReport) -> Comparison {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_program_unloaded_while_listed_is_skipped_other_errors_are_not() {
+        let err = |errno| {
+            aya::programs::ProgramError::SyscallError(aya::sys::SyscallError {
+                call: "bpf_prog_get_fd_by_id",
+                io_error: std::io::Error::from_raw_os_error(errno),
+            })
+        };
+        assert!(vanished(&err(libc::ENOENT)));
+        assert!(!vanished(&err(libc::EPERM)));
+    }
 
     fn load() -> LoadReport {
         serde_json::from_value(json!({
