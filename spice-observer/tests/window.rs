@@ -408,19 +408,7 @@ fn xspice_one_generation_no_surplus() -> Result<()> {
         &["--pause-at", "2", "--pause-for", "2.5"],
         None,
     )?;
-    common::draw(
-        85,
-        &[
-            "--mode",
-            "rects",
-            "--fps",
-            "50",
-            "--count",
-            "20",
-            "--seconds",
-            "6",
-        ],
-    )?;
+    common::draw(85, &common::rects("6"))?;
     let report = obs.finish_report()?;
     common::check_run(&report)?;
     let mut seen = [0usize; 2];

@@ -88,6 +88,21 @@ pub fn draw(display: u32, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// xanim's arguments for many small rectangles: 20 a frame at 50 frames/s for `seconds`
+/// seconds ([`Rig::xspice_rects`], [`draw`]).
+pub fn rects(seconds: &str) -> [&str; 8] {
+    [
+        "--mode",
+        "rects",
+        "--fps",
+        "50",
+        "--count",
+        "20",
+        "--seconds",
+        seconds,
+    ]
+}
+
 /// Runs a command to completion; errors with its output if it fails.
 pub fn sh(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("spawning {cmd:?}"))?;
@@ -245,24 +260,10 @@ impl Rig {
         })
     }
 
-    /// [`Rig::xspice`] drawing many small rectangles: 20 a frame at 50 frames/s for `seconds`
-    /// seconds, then idle.
+    /// [`Rig::xspice`] drawing many small rectangles ([`rects`]) for `seconds` seconds, then
+    /// idle.
     pub fn xspice_rects(&mut self, port: u16, display: u32, seconds: u32) -> Result<u32> {
-        let seconds = seconds.to_string();
-        self.xspice(
-            port,
-            display,
-            &[
-                "--mode",
-                "rects",
-                "--fps",
-                "50",
-                "--count",
-                "20",
-                "--seconds",
-                &seconds,
-            ],
-        )
+        self.xspice(port, display, &rects(&seconds.to_string()))
     }
 
     /// QEMU (TCG) with spice-server on 127.0.0.1:`port`; the guest draws `frames` frames of
