@@ -173,6 +173,10 @@ pub(crate) struct ServerArgs {
     /// Body bytes of each streamed message (0 allowed).
     #[arg(long, default_value_t = 64)]
     pub(crate) body_size: u32,
+    /// Body sizes taken in turn, one per streamed message, instead of --body-size (e.g.
+    /// `0,700,5,3000`: small and large messages mixed within one batch).
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub(crate) body_sizes: Option<Vec<u32>>,
     /// Message type of the streamed messages (default DRAW_COPY).
     #[arg(long, default_value_t = 304)]
     pub(crate) msg_type: u16,

@@ -393,7 +393,11 @@ pub(crate) fn server_writer(
             s.flow = !a.ignore_acks;
         }
     }
-    let body = c.body(a.body_size as usize, a.body_fill as u8);
+    let sizes = a.body_sizes.clone().unwrap_or_else(|| vec![a.body_size]);
+    let bodies: Vec<Vec<u8>> = sizes
+        .iter()
+        .map(|&n| c.body(n as usize, a.body_fill as u8))
+        .collect();
     let mut list: Vec<(u16, Vec<u8>)> = Vec::new();
     if a.set_ack {
         list.push((
@@ -420,7 +424,8 @@ pub(crate) fn server_writer(
         } else if Some(i) == second_at {
             (msg_server::SET_ACK, second_body.as_slice())
         } else {
-            (a.msg_type, body.as_slice())
+            let k = (i - extra) as usize % bodies.len();
+            (a.msg_type, bodies[k].as_slice())
         }
     };
     let stall = Duration::from_millis(a.stall_timeout_ms);

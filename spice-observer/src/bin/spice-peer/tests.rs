@@ -735,3 +735,27 @@ fn body_marker_fills_bodies_and_keeps_counts() {
     check_consistent(&s, &c);
     assert_eq!(s["sent"]["by_type"]["304"], 30);
 }
+
+/// `--body-sizes` takes the sizes in turn: 7 messages with `0,700,5` are 3 empty ones, 2 of
+/// 700 bytes and 2 of 5, plus 7 mini headers on the wire beyond a run with none (the link
+/// and the SET_ACK), and the client reads the same messages.
+#[test]
+fn body_sizes_are_taken_in_turn() {
+    let (s, c) = pair(
+        &[
+            "--set-ack",
+            "--messages",
+            "7",
+            "--body-sizes",
+            "0,700,5",
+            "--batch",
+            "7",
+        ],
+        &["--messages", "1"],
+    );
+    check_consistent(&s, &c);
+    assert_eq!(s["sent"]["by_type"]["304"], 7);
+    let (one, _) = pair(&["--set-ack", "--messages", "0"], &["--messages", "1"]);
+    let data = s["sent"]["bytes"].as_u64().unwrap() - one["sent"]["bytes"].as_u64().unwrap();
+    assert_eq!(data, 2 * 700 + 2 * 5 + 7 * 6);
+}
