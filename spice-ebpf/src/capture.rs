@@ -47,7 +47,8 @@ use spice_ebpf_common::{
 use crate::{
     kernel::{self, AF_INET, AF_INET6, konf, read_at},
     maps::{
-        CALL_SCRATCH, PREEXISTING, SOCKETS, TLS_CALLS, TLS_SCRATCH, ZERO_SOCK, count, write_record,
+        CALL_SCRATCH, PREEXISTING, READ_WINDOW, SOCKETS, TLS_CALLS, TLS_SCRATCH, ZERO_SOCK, count,
+        write_record,
     },
     mem::{zero_bytes, zero_words},
 };
@@ -166,6 +167,109 @@ struct LoopRefs {
     sc: *mut CallScratch,
     sock: *mut SockState,
     st: *mut DirState,
+}
+
+/// Bytes one [`ReadWindow`] read takes at most. A power of two (offsets into the window are
+/// masked with `READ_WINDOW_LEN - 1` for the verifier).
+pub const READ_WINDOW_LEN: usize = 2048;
+
+/// A copy of up to [`READ_WINDOW_LEN`] bytes of the call being framed, from user address
+/// `base`, for the element loop's whole-header reads ([`window_header`]).
+///
+/// A call that carries several small messages (a relay's forwarded chunk, a sender's batch)
+/// used to take one `bpf_probe_read_user` per header, and on this project's VM each such read
+/// costs about 100 ns whatever its length (the helper, `copy_from_user_nofault`'s checks and
+/// the user-access fences), against a few ns per KiB for the copy itself. With the window, one
+/// read serves every header that lies in the next [`READ_WINDOW_LEN`] bytes.
+///
+/// One per-CPU entry ([`crate::maps::READ_WINDOW`]), used by the programs that also take the
+/// per-CPU [`CallScratch`] (the socket tracepoints, hook set `syscalls`' `sys_exit`, hook set
+/// `kprobes`' kretprobes), which run with preemption off. It holds bytes of one call only
+/// ([`frame`] empties it first: the caller's buffer may change between calls). The
+/// preemptible programs (hook set `fentry`'s fexits, the libssl uprobes) take a per-thread
+/// scratch, use no window, and read each header alone.
+#[repr(C)]
+pub struct ReadWindow {
+    /// User address of `bytes[0]`.
+    base: u64,
+    /// Valid bytes from `base`; 0: empty.
+    len: u64,
+    /// The copy, with [`HEADER_BUF_LEN`] bytes of slack so that [`HEADER_BUF_LEN`] bytes can be
+    /// copied out from any offset below [`READ_WINDOW_LEN`].
+    bytes: [u8; READ_WINDOW_LEN + HEADER_BUF_LEN],
+}
+
+/// Reads the first [`HEADER_BUF_LEN`] bytes at user address `src` into `words` (the caller's
+/// stack buffer of [`HEADER_WORDS`] words), where a whole data header of `hl` bytes lies in
+/// the call's current buffer, with `avail` bytes of the call from `src` on in that buffer.
+/// Returns 0 when `words` holds them, or `bpf_probe_read_user`'s error.
+///
+/// From the window if it holds the header. Otherwise, when the stream's messages are small
+/// (the last one framed, `prev_len` bytes with its header, at most a quarter of the window),
+/// the window is refilled first with the next `min(avail, READ_WINDOW_LEN)` bytes from `src`.
+/// When they are large (a read per header then costs the same), or that read faults, the
+/// header is read alone ([`header_alone`]), as the step did before the window; a fault there
+/// is returned, and stops the direction with its reason as before.
+///
+/// Shaped for the verifier, which walks the rest of the step once for each distinct state it
+/// leaves with:
+/// * The header is copied to the stack buffer, not handed out as a pointer into the window:
+///   a pointer of two types (stack or map value) into the same code made it walk that code
+///   twice (the programs took 15 s instead of 3.4 s to load).
+/// * The window's way out returns a 0 the verifier cannot see as a constant
+///   (`w.len >> 63`: `len` is at most [`READ_WINDOW_LEN`]). With a constant 0 beside the
+///   helper's unknown result, the socket tracepoints took 2.2–2.6 s each to load instead of
+///   0.6 s (`strace -T` of their `BPF_PROG_LOAD`).
+/// * A function of its own that looks the window up itself: with the window's pointer in
+///   [`LoopRefs`], or the lookup in [`step`], the deepest call chains (`fexit`, `kretprobe`,
+///   `spice_sock_send`) grew past the 512-byte limit (see [`CallScratch`]).
+#[inline(never)]
+fn window_header(src: u64, avail: u64, hl: u64, prev_len: u64, words: *mut u64) -> i64 {
+    const MASK: u64 = READ_WINDOW_LEN as u64 - 1;
+    let w = match READ_WINDOW.get_ptr_mut(0) {
+        // SAFETY: this CPU's entry, used by one program run at a time (see ReadWindow).
+        Some(w) => unsafe { &mut *w },
+        None => return header_alone(src, hl, words),
+    };
+    if src < w.base || src + hl > w.base + w.len {
+        if prev_len > READ_WINDOW_LEN as u64 / 4 {
+            return header_alone(src, hl, words);
+        }
+        let want = if avail < READ_WINDOW_LEN as u64 {
+            avail as u32
+        } else {
+            READ_WINDOW_LEN as u32
+        };
+        let rc = unsafe {
+            bpf_probe_read_user(
+                w.bytes.as_mut_ptr() as *mut c_void,
+                want,
+                src as *const c_void,
+            )
+        };
+        if rc != 0 {
+            w.len = 0;
+            return header_alone(src, hl, words);
+        }
+        w.base = src;
+        w.len = want as u64;
+    }
+    let at = ((src - w.base) & MASK) as usize;
+    // SAFETY: `at` < READ_WINDOW_LEN, and `bytes` has HEADER_BUF_LEN more.
+    let p = unsafe { w.bytes.as_ptr().add(at) } as *const u64;
+    for i in 0..HEADER_WORDS {
+        // SAFETY: `words` is the caller's HEADER_WORDS-word stack buffer.
+        unsafe { core::ptr::write_volatile(words.add(i), core::ptr::read_unaligned(p.add(i))) };
+    }
+    (w.len >> 63) as i64
+}
+
+/// Reads the header of `hl` bytes at user address `src` alone into `words` (a
+/// [`header_read_len`] read): `bpf_probe_read_user`'s result.
+#[inline(always)]
+fn header_alone(src: u64, hl: u64, words: *mut u64) -> i64 {
+    let len = header_read_len(hl as u8);
+    unsafe { bpf_probe_read_user(words as *mut c_void, len, src as *const c_void) }
 }
 
 #[inline(always)]
@@ -469,18 +573,20 @@ fn emit_unparsed(hdr: &EventHeader, route: u8, reason: u8, detail: u32, at: u64)
 }
 
 /// One step of the per-call loop: resolve the element, move to the iovec holding the next
-/// wanted byte, or read (part of) the element and complete it. Returns 1 to stop.
-extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
+/// wanted byte, or read (part of) the element and complete it. Returns 1 to stop. `BULK`:
+/// whole headers are read through this CPU's [`ReadWindow`] (only where the program cannot be
+/// preempted).
+extern "C" fn step<const BULK: bool>(_index: u64, ctx: *mut c_void) -> i64 {
     // The verifier requires a callback's return in [0, 1]. LLVM returns some paths' bools
     // straight from a byte it loaded (0..=255 to the verifier); the volatile read and the
     // mask keep the bound explicit.
-    let r = step_body(ctx);
+    let r = step_body::<BULK>(ctx);
     unsafe { core::ptr::read_volatile(&r) & 1 }
 }
 
 /// The body of [`step`]: 1 to stop the loop, 0 to go on.
 #[inline(always)]
-fn step_body(ctx: *mut c_void) -> i64 {
+fn step_body<const BULK: bool>(ctx: *mut c_void) -> i64 {
     // SAFETY: `ctx` is `frame`'s LoopRefs; all three outlive the loop.
     let r = unsafe { &*(ctx as *const LoopRefs) };
     let (sc, sock, st) = unsafe { (&mut *r.sc, r.sock, &mut *r.st) };
@@ -538,11 +644,24 @@ fn step_body(ctx: *mut c_void) -> i64 {
         n = call_left;
     }
     // A whole data header in this buffer: framed from one read into the stack buffer
-    // (DirState::header_whole), as the call's first message is ([`first_message`]).
+    // (DirState::header_whole), as the call's first message is ([`first_message`]); where the
+    // program cannot be preempted, through this CPU's ReadWindow.
     if st.have == 0 && st.hdr_len != 0 && remaining == st.hdr_len as u32 && n == remaining as u64 {
-        let len = header_read_len(st.hdr_len);
-        let src = (c.cur_base + off) as *const c_void;
-        let rc = unsafe { bpf_probe_read_user(words.as_mut_ptr() as *mut c_void, len, src) };
+        let src = c.cur_base + off;
+        let avail = if seg_left < call_left {
+            seg_left
+        } else {
+            call_left
+        };
+        // The last message framed in this direction, header included: whether to fill the
+        // window (see window_header).
+        let prev_len = st.msg_size as u64 + st.hdr_len as u64;
+        let hl = st.hdr_len as u64;
+        let rc = if BULK {
+            window_header(src, avail, hl, prev_len, words.as_mut_ptr())
+        } else {
+            header_alone(src, hl, words.as_mut_ptr())
+        };
         if rc == 0 {
             if let Some(m) = st.header_whole(header_bytes(words)) {
                 let flags = if peer.mid_message {
@@ -850,9 +969,17 @@ fn call_body<const EAGAIN: bool, const RAW: bool, const THREAD: bool>(call: &Cal
     let Some(sc) = sc else {
         return;
     };
-    run_call::<EAGAIN>(sock, call, ret, tgid, now, Some(seq_now), unsafe {
-        &mut *sc
-    });
+    // The read window only where the scratch is per-CPU (see ReadWindow).
+    run_call::<EAGAIN>(
+        sock,
+        call,
+        ret,
+        tgid,
+        now,
+        Some(seq_now),
+        unsafe { &mut *sc },
+        !THREAD,
+    );
 }
 
 /// The carrier part of a socket call on a socket that is not known to be plain: decides the
@@ -1011,7 +1138,16 @@ pub fn on_plaintext(cookie: u64, tc: &TlsCall, moved: i64, pid_tgid: u64) {
         }
         return;
     };
-    run_call::<true>(sock, &call, ret, tgid, now, None, unsafe { &mut *sc });
+    run_call::<true>(
+        sock,
+        &call,
+        ret,
+        tgid,
+        now,
+        None,
+        unsafe { &mut *sc },
+        false,
+    );
     if ret <= 0 {
         return;
     }
@@ -1051,6 +1187,7 @@ fn run_call<const PEEK: bool>(
     now: u64,
     seq_now: Option<u32>,
     sc: &mut CallScratch,
+    bulk: bool,
 ) {
     let d = (call.dir & 1) as usize;
     sc.peer = sock.dir[d ^ 1].view();
@@ -1146,7 +1283,7 @@ fn run_call<const PEEK: bool>(
         // The element loop only when an element begins or continues in this call: most
         // calls end with the message the fast path framed, or carry only body bytes.
         if !st.is_unparsed() && st.need().0 < call_end {
-            frame(st, call, sc, sockp);
+            frame(st, call, sc, sockp, bulk);
         }
         if st.candidates != candidates {
             count(counter::HUNT_CANDIDATES);
@@ -1234,9 +1371,9 @@ struct Span {
     end: u64,
 }
 
-/// Runs the framing loop over one call's bytes.
+/// Runs the framing loop over one call's bytes; `bulk` as [`step`]'s `BULK`.
 #[inline(always)]
-fn frame(st: &mut DirState, call: &Call, sc: &mut CallScratch, sock: *mut SockState) {
+fn frame(st: &mut DirState, call: &Call, sc: &mut CallScratch, sock: *mut SockState, bulk: bool) {
     let (call_start, call_end) = (sc.span.start, sc.span.end);
     let (iov_ptr, iov_cnt, cur_base, cur_len) = if call.args.kind == call_kind::IOVEC {
         let mut iov = MaybeUninit::uninit();
@@ -1268,6 +1405,12 @@ fn frame(st: &mut DirState, call: &Call, sc: &mut CallScratch, sock: *mut SockSt
         cur_base,
         cur_len,
     };
+    if bulk {
+        if let Some(w) = READ_WINDOW.get_ptr_mut(0) {
+            // Empty: the window holds bytes of this call only.
+            unsafe { (*w).len = 0 };
+        }
+    }
     let mut refs = LoopRefs {
         sc: sc as *mut CallScratch,
         sock,
@@ -1276,7 +1419,11 @@ fn frame(st: &mut DirState, call: &Call, sc: &mut CallScratch, sock: *mut SockSt
     let steps = unsafe {
         bpf_loop(
             MAX_STEPS_PER_CALL,
-            step as *mut c_void,
+            if bulk {
+                step::<true> as *mut c_void
+            } else {
+                step::<false> as *mut c_void
+            },
             &mut refs as *mut LoopRefs as *mut c_void,
             0,
         )

@@ -9,7 +9,7 @@ use spice_ebpf_common::{
     event::{SockState, SslKey, TlsCall},
 };
 
-use crate::capture::CallScratch;
+use crate::capture::{CallScratch, ReadWindow};
 
 /// Watched processes: tgid → the `--pid` it descends from, with the flags of who reads its
 /// records (`spice_ebpf_common::config::watch`). Filled by the agents, extended by the fork
@@ -66,6 +66,11 @@ pub static TLS_SCRATCH: HashMap<u64, CallScratch> = HashMap::with_max_entries(16
 /// per-CPU entry (they run with preemption off). Not pinned.
 #[map]
 pub static CALL_SCRATCH: PerCpuArray<CallScratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// The element loop's [`crate::capture::ReadWindow`] for the programs that use
+/// [`CALL_SCRATCH`]: one per-CPU entry (2 KiB). Not pinned.
+#[map]
+pub static READ_WINDOW: PerCpuArray<ReadWindow> = PerCpuArray::with_max_entries(1, 0);
 
 /// `SSL *` of a watched process → the cookie of the socket its calls move bytes on, learned
 /// from the socket calls made inside libssl calls on it. LRU: `SSL_free` is not hooked.

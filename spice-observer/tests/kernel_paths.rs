@@ -437,7 +437,8 @@ fn split_headers_and_small_reads() -> Result<()> {
 
 /// Many whole messages per call: batches of 300 empty messages (mini and full headers,
 /// write and writev with the headers split across iovecs), small bodies through sendmsg,
-/// client batches, and receivers that get hundreds of messages per read.
+/// small and large bodies mixed in each call, client batches, and receivers that get
+/// hundreds of messages per read.
 #[test]
 fn many_messages_per_call() -> Result<()> {
     const T: &str = "many_messages_per_call";
@@ -534,6 +535,37 @@ fn many_messages_per_call() -> Result<()> {
                 "--send-syscall",
                 "sendto",
             ],
+            true,
+        ),
+        // Small and large messages mixed in each call: the kernel reads the headers of a
+        // run of small messages from one copy of the call's next 2 KiB (ReadWindow), and
+        // the headers after a large one alone; some headers straddle the copy's end.
+        spec(
+            "mixed-sizes-write",
+            &[
+                "--messages",
+                "700",
+                "--batch",
+                "70",
+                "--body-sizes",
+                "0,3,700,40,2500,1,300,9,2040",
+            ],
+            &["--recv-size", "100000"],
+            true,
+        ),
+        spec(
+            "mixed-sizes-full-writev",
+            &[
+                "--messages",
+                "700",
+                "--batch",
+                "70",
+                "--body-sizes",
+                "5,2500,0,120,33,1000,2,2030",
+                "--send-syscall",
+                "writev",
+            ],
+            &["--header", "full", "--recv-size", "65536"],
             true,
         ),
         spec(
