@@ -170,12 +170,13 @@ pub(crate) struct ServerArgs {
     /// Data messages to stream after SET_ACK / MAIN_INIT.
     #[arg(long, default_value_t = 10)]
     pub(crate) messages: u64,
-    /// Body bytes of each streamed message (0 allowed).
+    /// Body bytes of each streamed message (0 allowed; see also --body-sizes).
     #[arg(long, default_value_t = 64)]
     pub(crate) body_size: u32,
-    /// Body sizes taken in turn, one per streamed message, instead of --body-size (e.g.
-    /// `0,700,5,3000`: small and large messages mixed within one batch).
-    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    /// Comma-separated body sizes, taken in turn by the streamed messages and repeated from
+    /// the first when the list runs out, instead of --body-size (e.g. `0,700,5,3000` with
+    /// --batch 10: small and large messages mixed in each write call).
+    #[arg(long, value_delimiter = ',', conflicts_with = "body_size")]
     pub(crate) body_sizes: Option<Vec<u32>>,
     /// Message type of the streamed messages (default DRAW_COPY).
     #[arg(long, default_value_t = 304)]

@@ -424,7 +424,9 @@ pub(crate) fn server_writer(
         } else if Some(i) == second_at {
             (msg_server::SET_ACK, second_body.as_slice())
         } else {
-            let k = (i - extra) as usize % bodies.len();
+            // The streamed messages' own count: the second SET_ACK takes no size.
+            let n = i - extra - second_at.is_some_and(|at| i > at) as u64;
+            let k = n as usize % bodies.len();
             (a.msg_type, bodies[k].as_slice())
         }
     };
