@@ -199,17 +199,20 @@ pub struct ReadWindow {
     bytes: [u8; READ_WINDOW_LEN + HEADER_BUF_LEN],
 }
 
-/// Reads the first [`HEADER_BUF_LEN`] bytes at user address `src` into `words` (the caller's
-/// stack buffer of [`HEADER_WORDS`] words), where a whole data header of `hl` bytes lies in
-/// the call's current buffer, with `avail` bytes of the call from `src` on in that buffer.
-/// Returns 0 when `words` holds them, or `bpf_probe_read_user`'s error.
+/// Reads the data header of `hl` bytes (6 or 18) at user address `src` into `words` (the
+/// caller's stack buffer of [`HEADER_WORDS`] words) as [`header_alone`] does: its first
+/// [`header_read_len`] bytes, zeros after them. The header lies whole in the call's current
+/// buffer (or iovec), which holds `avail` bytes of the call from `src` on. Returns 0 when
+/// `words` holds it, or `bpf_probe_read_user`'s error.
 ///
-/// From the window if it holds the header. Otherwise, when the stream's messages are small
-/// (the last one framed, `prev_len` bytes with its header, at most a quarter of the window),
-/// the window is refilled first with the next `min(avail, READ_WINDOW_LEN)` bytes from `src`.
-/// When they are large (a read per header then costs the same), or that read faults, the
-/// header is read alone ([`header_alone`]), as the step did before the window; a fault there
-/// is returned, and stops the direction with its reason as before.
+/// From the window if it holds the header, whatever the size of the messages before it.
+/// Otherwise, when the stream's messages are small (the last one framed, `prev_len` bytes
+/// with its header, at most a quarter of the window) and the buffer has room for another
+/// header after this one, the window is refilled first with the next
+/// `min(avail, READ_WINDOW_LEN)` bytes from `src`: the rest of this buffer only, never past
+/// what the call moved. Else, or when that read faults, the header is read alone, as the
+/// step did before the window; a fault there is returned, and stops the direction with its
+/// reason as before.
 ///
 /// Shaped for the verifier, which walks the rest of the step once for each distinct state it
 /// leaves with:
@@ -232,7 +235,9 @@ fn window_header(src: u64, avail: u64, hl: u64, prev_len: u64, words: *mut u64) 
         None => return header_alone(src, hl, words),
     };
     if src < w.base || src + hl > w.base + w.len {
-        if prev_len > READ_WINDOW_LEN as u64 / 4 {
+        // A copy that cannot hold a second header (a header alone in its iovec, the call's
+        // last bytes) would only move the read into a map value.
+        if prev_len > READ_WINDOW_LEN as u64 / 4 || avail < 2 * hl {
             return header_alone(src, hl, words);
         }
         let want = if avail < READ_WINDOW_LEN as u64 {
@@ -256,10 +261,19 @@ fn window_header(src: u64, avail: u64, hl: u64, prev_len: u64, words: *mut u64) 
     }
     let at = ((src - w.base) & MASK) as usize;
     // SAFETY: `at` < READ_WINDOW_LEN, and `bytes` has HEADER_BUF_LEN more.
-    let p = unsafe { w.bytes.as_ptr().add(at) } as *const u64;
-    for i in 0..HEADER_WORDS {
+    let p = unsafe { w.bytes.as_ptr().add(at) } as *const [u64; HEADER_WORDS];
+    let [w0, w1] = unsafe { core::ptr::read_unaligned(p) };
+    // As `header_alone` leaves them: a mini header's 6 bytes and zeros, a full header's first
+    // 16 bytes (`header_read_len`), not the window's next bytes. Without a branch (1 for a
+    // full header, 0 for a mini one), which would make two ways out again (see above).
+    let full = (hl >> 4) & 1;
+    let words_out = [
+        w0 & (u64::MAX >> (16 * (1 - full))),
+        w1 & full.wrapping_neg(),
+    ];
+    for (i, v) in words_out.iter().enumerate() {
         // SAFETY: `words` is the caller's HEADER_WORDS-word stack buffer.
-        unsafe { core::ptr::write_volatile(words.add(i), core::ptr::read_unaligned(p.add(i))) };
+        unsafe { core::ptr::write_volatile(words.add(i), *v) };
     }
     (w.len >> 63) as i64
 }

@@ -68,7 +68,7 @@ pub static TLS_SCRATCH: HashMap<u64, CallScratch> = HashMap::with_max_entries(16
 pub static CALL_SCRATCH: PerCpuArray<CallScratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// The element loop's [`crate::capture::ReadWindow`] for the programs that use
-/// [`CALL_SCRATCH`]: one per-CPU entry (2 KiB). Not pinned.
+/// [`CALL_SCRATCH`]: one per-CPU entry (2080 bytes). Not pinned.
 #[map]
 pub static READ_WINDOW: PerCpuArray<ReadWindow> = PerCpuArray::with_max_entries(1, 0);
 
