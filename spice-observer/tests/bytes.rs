@@ -189,19 +189,7 @@ fn joined_session_bytes_match_the_tcp_counters() -> Result<()> {
     );
     let obs = observe_or_skip!(T, &[xorg, relay], 7.0, rig.state.join("report.json"));
     let ready = ss_bytes(&filter, false)?;
-    draw(
-        display,
-        &[
-            "--mode",
-            "rects",
-            "--fps",
-            "50",
-            "--count",
-            "20",
-            "--seconds",
-            "3",
-        ],
-    )?;
+    draw(display, &common::rects("3"))?;
     thread::sleep(Duration::from_secs(1));
     let drawn = ss_bytes(&filter, false)?;
     let report: Report = obs.finish_report()?;

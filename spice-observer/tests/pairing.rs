@@ -335,16 +335,7 @@ fn two_sessions_through_one_haproxy_pair_with_their_own_legs() -> Result<()> {
     }
     let mut rig = Rig::new(T)?;
     // The same animation on both: equal message sizes as far as the drawing decides them.
-    let anim = [
-        "--mode",
-        "rects",
-        "--fps",
-        "50",
-        "--count",
-        "20",
-        "--seconds",
-        "30",
-    ];
+    let anim = common::rects("30");
     let xorg_a = rig.xspice(5961, 61, &anim)?;
     let xorg_b = rig.xspice(5962, 62, &anim)?;
     let haproxy = Haproxy::start(&rig, &[(6961, 5961), (6962, 5962)])?;

@@ -205,21 +205,11 @@ fn json(rig: &Rig) -> std::path::PathBuf {
     rig.state.join("report.json")
 }
 
-/// xanim: many small draws (20 rectangles a frame at 50 frames/s) and a cursor change every
-/// 2nd frame (cursor channel traffic), for `seconds`, then idle.
-fn rects_with_cursor(seconds: &str) -> [&str; 10] {
-    [
-        "--mode",
-        "rects",
-        "--fps",
-        "50",
-        "--count",
-        "20",
-        "--seconds",
-        seconds,
-        "--cursor-every",
-        "2",
-    ]
+/// xanim: [`common::rects`] and a cursor change every 2nd frame (cursor channel traffic).
+fn rects_with_cursor(seconds: &str) -> Vec<&str> {
+    let mut args = common::rects(seconds).to_vec();
+    args.extend(["--cursor-every", "2"]);
+    args
 }
 
 // ---------------------------------------------------------------------------------------------
