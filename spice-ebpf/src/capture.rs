@@ -1504,10 +1504,7 @@ fn first_message(st: &mut DirState, call: &Call, sc: &mut CallScratch, moved: u6
     if len < hl {
         return false;
     }
-    let n = header_read_len(st.hdr_len);
-    let rc =
-        unsafe { bpf_probe_read_user(words.as_mut_ptr() as *mut c_void, n, base as *const c_void) };
-    if rc != 0 {
+    if header_alone(base, hl, words.as_mut_ptr()) != 0 {
         return false;
     }
     match st.header_at_call_start(header_bytes(words)) {

@@ -923,8 +923,8 @@ impl ProgFigures {
 /// The observer's kernel programs as the kernel names them (15 characters).
 const SOCK_SEND: &str = "spice_sock_send";
 /// The row text of the floor's steps: each step's median ns per run (with its spread) and
-/// what the median added to the one before (`runs[k]` holds step k's ns per run over the repeats, in [`FLOOR_STEPS`]
-/// order).
+/// what the median added to the one before (`runs[k]` holds step k's ns per run over the
+/// repeats, in [`FLOOR_STEPS`] order).
 fn floor_steps_text(runs: &[Vec<f64>]) -> String {
     let mut parts = Vec::new();
     let mut before = 0.0;

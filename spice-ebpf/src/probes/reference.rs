@@ -60,7 +60,8 @@ const BPF_RB_NO_WAKEUP: u64 = 1;
 /// `SOCKETS` lookup (a miss makes the entry and returns, in steps 5–7 as in the floor); 6 after
 /// the header read; 7 after `write_seq` and a 72-byte ring reservation that is discarded
 /// unwritten (the ring's lock, its 8-byte record header and the discard, which takes a
-/// submit's commit path: none of the record's own stores). Each step's run time minus the one before is what that part costs.
+/// submit's commit path: none of the record's own stores). Each step's run time minus the one
+/// before is what that part costs.
 #[inline(always)]
 pub fn floor<const UPTO: u8>(sk: *const u8, ret: i32) -> i32 {
     let pid_tgid = bpf_get_current_pid_tgid();
