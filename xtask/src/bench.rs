@@ -17,7 +17,10 @@
 //!   at 1 message per write, also the reference floor program `spice_ref_floor` and its seven
 //!   steps, each alone on `sock_send_length` in short runs of its own without the observer
 //!   (programs on one hook run in attach order, the later ones on warm caches), forward in
-//!   even repeats and backward in odd ones;
+//!   even repeats and backward in odd ones; and the load's throughput with only the empty
+//!   reference program, then only the floor, on `sock_send_length` (no observer, statistics
+//!   off): what the hook and the least a traced send cost the sender, the yardstick for the
+//!   observer's throughput ratio. A repeat's timed runs go in reverse order in odd repeats;
 //! * an unrelated process's syscalls (getppid, an 8-byte write + read on a pipe) while the
 //!   observer watches another process (`sleep`), and with only the empty reference
 //!   `sys_enter` program attached (`spice-observer bench reference`);
@@ -611,6 +614,12 @@ enum With {
     /// run (bpf_stats must be on) in [`LoadRun::reference`]. Fails if any other `spice_`
     /// program ran meanwhile (another observer on the host would warm its caches).
     Reference(&'static str),
+    /// No observer and no statistics: only the reference program of this name
+    /// ([`YARDSTICKS`]) alone on `sock_send_length`, for the load's throughput with it: what
+    /// the hook and the least a traced send needs cost the sender, beside what the observer
+    /// costs it. Fails like [`With::Reference`] if a `spice_` program other than the
+    /// reference's ran meanwhile.
+    Yardstick(&'static str),
     /// Observer, with its CPU and RSS sampled.
     Agent,
 }
@@ -669,14 +678,16 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
     child.1 = Some(client);
     let floor = match with {
         With::Reference(name) => Some(Reference::start_alone(bins, server, name)?),
+        With::Yardstick(name) if name == EMPTY_SEND => Some(Reference::start(bins, "sock_send")?),
+        With::Yardstick(name) => Some(Reference::start_alone(bins, server, name)?),
         _ => None,
     };
     let observer = match with {
-        With::Without | With::Reference(_) => None,
+        With::Without | With::Reference(_) | With::Yardstick(_) => None,
         _ => Some(Observer::start(bins, server, tag)?),
     };
     let s0 = match with {
-        With::Stats | With::Reference(_) => prog_stats(bins, "spice_")?,
+        With::Stats | With::Reference(_) | With::Yardstick(_) => prog_stats(bins, "spice_")?,
         _ => Vec::new(),
     };
     let f0 = match &floor {
@@ -700,7 +711,7 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
     stop_sampling.store(true, Ordering::SeqCst);
     let agent = sampler.map(|h| h.join().expect("sampler panicked"));
     let s1 = match with {
-        With::Stats | With::Reference(_) => prog_stats(bins, "spice_")?,
+        With::Stats | With::Reference(_) | With::Yardstick(_) => prog_stats(bins, "spice_")?,
         _ => Vec::new(),
     };
     let reference = match floor {
@@ -711,6 +722,21 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
         }
         None => Vec::new(),
     };
+    if let With::Yardstick(name) = with {
+        // Alone means alone; with bpf_stats off no program counts its runs, so no other
+        // spice_ program may be loaded at all (the reference's own are named spice_ref_*).
+        let others: Vec<String> = s1
+            .iter()
+            .filter(|p| !p.name.starts_with("spice_ref"))
+            .map(|p| format!("{} (id {})", p.name, p.id))
+            .collect();
+        ensure!(
+            others.is_empty(),
+            "{name} was not alone: other spice_ programs were loaded during its run: {} (is \
+             another spice-observer running?)",
+            others.join(", ")
+        );
+    }
     if let With::Reference(name) = with {
         // Alone means alone: the reference's own programs are named spice_ref_*.
         let others: Vec<String> = stats_delta(&s0, &s1, &[])
@@ -966,6 +992,33 @@ const FLOOR_STEPS: [(&str, &str); 8] = [
     (FLOOR, "the 72-byte record's stores"),
 ];
 
+/// The reference programs whose cost to the sender the saturated load measures beside the
+/// observer's ([`With::Yardstick`]), each with what it does.
+const YARDSTICKS: [(&str, &str); 2] = [
+    (EMPTY_SEND, "empty"),
+    (FLOOR, "one header read and one record"),
+];
+/// The empty reference program on `sock_send_length` (`spice-observer bench reference
+/// --hooks sock_send`).
+const EMPTY_SEND: &str = "spice_ref_sock_send";
+
+/// The row text of the [`YARDSTICKS`]: each one's median msgs/s with its spread and its
+/// ratio to `without` (the median msgs/s without any program).
+fn yardsticks_text(runs: &[Vec<f64>], without: f64) -> String {
+    YARDSTICKS
+        .iter()
+        .zip(runs)
+        .map(|((name, what), v)| {
+            format!(
+                "`{name}` ({what}) {}: ratio {:.2}",
+                med_spread(v, ""),
+                median(v) / without
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 fn machine() -> String {
     let cpu = fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -986,7 +1039,39 @@ fn machine() -> String {
         .map_or("?".into(), |kib| {
             format!("{:.1} GiB", kib / 1024.0 / 1024.0)
         });
-    format!("{cpu}, {cores} cores, {ram} RAM")
+    format!(
+        "{cpu}, {cores} cores, {ram} RAM; {}",
+        mitigations(Path::new(VULNERABILITIES))
+    )
+}
+
+/// Where the kernel says how it mitigates each CPU vulnerability
+/// (Documentation/ABI/testing/sysfs-devices-system-cpu, `vulnerabilities/*`).
+const VULNERABILITIES: &str = "/sys/devices/system/cpu/vulnerabilities";
+
+/// The mitigations that change what a BPF program's calls and returns cost, as the kernel
+/// reports them in `dir` ([`VULNERABILITIES`]): `spectre_v2` (retpolines on every indirect
+/// call, such as a hook's call of its program), `retbleed` and `spec_rstack_overflow` (return
+/// thunks, such as SRSO's "Safe RET", on every return of the kernel's functions and of the
+/// JIT's BPF functions: Documentation/admin-guide/hw-vuln/srso.rst). Those the kernel says
+/// the CPU is not affected by are left out; "CPU mitigations: none reported" if none is left
+/// or the directory is absent. On this project's VMs the floor's helper calls cost 30–50 ns
+/// each under them (README, Benchmarks), so a table from another machine is comparable only
+/// with this line.
+pub(crate) fn mitigations(dir: &Path) -> String {
+    let found: Vec<String> = ["spectre_v2", "retbleed", "spec_rstack_overflow"]
+        .iter()
+        .filter_map(|name| {
+            let v = fs::read_to_string(dir.join(name)).ok()?;
+            let v = v.trim();
+            (!v.is_empty() && v != "Not affected").then(|| format!("{name} \"{v}\""))
+        })
+        .collect();
+    if found.is_empty() {
+        "CPU mitigations: none reported".to_string()
+    } else {
+        format!("CPU mitigations: {}", found.join(", "))
+    }
 }
 
 fn loadavg() -> String {
@@ -1083,6 +1168,8 @@ pub(crate) fn bench(
         let floor_comparable = *batch == 1 && !*writev;
         let mut send_run = Vec::new();
         let mut step_run: Vec<Vec<f64>> = vec![Vec::new(); FLOOR_STEPS.len()];
+        // msgs/s with only each of YARDSTICKS on the hook.
+        let mut yard: Vec<Vec<f64>> = vec![Vec::new(); YARDSTICKS.len()];
         let alone = Load::saturated(*batch, *writev, plan.alone_secs);
         for r in 0..plan.reps {
             eprintln!(
@@ -1090,13 +1177,34 @@ pub(crate) fn bench(
                 r + 1,
                 plan.reps
             );
-            let a = run_load(&bins, &l, With::Without, &format!("sat{i}-{r}-without"))?;
-            without.push(req_f64(&a.load, "data_messages_per_s")?);
-            let b = run_load(&bins, &l, With::Observer, &format!("sat{i}-{r}-with"))?;
-            with.push(req_f64(&b.load, "data_messages_per_s")?);
-            note_report(&b.report, &mut hook_set);
-            exact_runs.1 += 1;
-            exact_runs.0 += usize::from(compare(&bins, &b)?.0);
+            // The timed runs, in reverse order in odd repeats (as the floor's steps below).
+            let mut timed = vec![With::Without, With::Observer];
+            if floor_comparable {
+                timed.extend(YARDSTICKS.iter().map(|y| With::Yardstick(y.0)));
+            }
+            if r % 2 == 1 {
+                timed.reverse();
+            }
+            for w in timed {
+                match w {
+                    With::Without => {
+                        let a = run_load(&bins, &l, w, &format!("sat{i}-{r}-without"))?;
+                        without.push(req_f64(&a.load, "data_messages_per_s")?);
+                    }
+                    With::Yardstick(y) => {
+                        let a = run_load(&bins, &l, w, &format!("sat{i}-{r}-{y}"))?;
+                        let k = YARDSTICKS.iter().position(|p| p.0 == y).unwrap();
+                        yard[k].push(req_f64(&a.load, "data_messages_per_s")?);
+                    }
+                    _ => {
+                        let b = run_load(&bins, &l, With::Observer, &format!("sat{i}-{r}-with"))?;
+                        with.push(req_f64(&b.load, "data_messages_per_s")?);
+                        note_report(&b.report, &mut hook_set);
+                        exact_runs.1 += 1;
+                        exact_runs.0 += usize::from(compare(&bins, &b)?.0);
+                    }
+                }
+            }
             stats.set(true)?;
             let c = run_load(&bins, &l, With::Stats, &format!("sat{i}-{r}-stats"));
             stats.set(false)?;
@@ -1148,6 +1256,14 @@ pub(crate) fn bench(
             med_spread(&with, ""),
             format!("throughput ratio {:.2}", ratio),
         ));
+        if yard.iter().all(|v| !v.is_empty()) {
+            rows.push(row(
+                format!("  the same load with only a reference program on `sock_send_length`, {name} (no observer; msgs/s)"),
+                "–",
+                yardsticks_text(&yard, median(&without)),
+                format!("what the hook and the least a traced send needs cost the sender here: the observer's throughput ratio ({ratio:.2}) against these"),
+            ));
+        }
         rows.push(row(
             format!("  kernel time, {name} (bpf_stats runs)"),
             "–",
@@ -1882,6 +1998,47 @@ mod tests {
             "a\n<!-- bench:begin -->\nnew\n<!-- bench:end -->\nb\n"
         );
         assert!(replace_section("no markers", "x").is_err());
+    }
+
+    #[test]
+    fn yardsticks_against_the_load_alone() {
+        let t = yardsticks_text(
+            &[
+                vec![150_000.0, 140_000.0, 145_000.0],
+                vec![120_000.0, 130_000.0],
+            ],
+            150_000.0,
+        );
+        assert_eq!(
+            t,
+            "`spice_ref_sock_send` (empty) 145 k (140 k–150 k): ratio 0.97; \
+             `spice_ref_floor` (one header read and one record) 125 k (120 k–130 k): ratio 0.83"
+        );
+    }
+
+    #[test]
+    fn mitigations_that_shape_call_costs() {
+        let dir = std::env::temp_dir().join(format!("bench-vuln-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        assert_eq!(mitigations(&dir), "CPU mitigations: none reported");
+        fs::write(
+            dir.join("spectre_v2"),
+            "Mitigation: Retpolines; STIBP: disabled\n",
+        )
+        .unwrap();
+        fs::write(dir.join("retbleed"), "Not affected\n").unwrap();
+        fs::write(
+            dir.join("spec_rstack_overflow"),
+            "Vulnerable: Safe RET, no microcode\n",
+        )
+        .unwrap();
+        fs::write(dir.join("meltdown"), "Mitigation: PTI\n").unwrap();
+        assert_eq!(
+            mitigations(&dir),
+            "CPU mitigations: spectre_v2 \"Mitigation: Retpolines; STIBP: disabled\", \
+             spec_rstack_overflow \"Vulnerable: Safe RET, no microcode\""
+        );
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
