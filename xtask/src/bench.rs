@@ -157,6 +157,21 @@ pub(crate) fn med_spread(v: &[f64], unit: &str) -> String {
     }
 }
 
+/// A throughput ratio: the median of `with` over the median of `without`, to two places,
+/// then, when both have the same repeats (more than one), the spread of the ratios within
+/// each repeat, `0.96 (0.91–1.06 within a repeat)`. The second says how far the machine's
+/// own drift moves a ratio between two runs seconds apart.
+pub(crate) fn ratio_text(with: &[f64], without: &[f64]) -> String {
+    let r = format!("{:.2}", median(with) / median(without));
+    if with.len() < 2 || with.len() != without.len() {
+        return r;
+    }
+    let per: Vec<f64> = with.iter().zip(without).map(|(a, b)| a / b).collect();
+    let lo = per.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = per.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("{r} ({lo:.2}–{hi:.2} within a repeat)")
+}
+
 /// One program's statistics at one instant.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct ProgStat {
@@ -1003,16 +1018,16 @@ const YARDSTICKS: [(&str, &str); 2] = [
 const EMPTY_SEND: &str = "spice_ref_sock_send";
 
 /// The row text of the [`YARDSTICKS`]: each one's median msgs/s with its spread and its
-/// ratio to `without` (the median msgs/s without any program).
-fn yardsticks_text(runs: &[Vec<f64>], without: f64) -> String {
+/// ratio to `without` (msgs/s without any program, per repeat; see [`ratio_text`]).
+fn yardsticks_text(runs: &[Vec<f64>], without: &[f64]) -> String {
     YARDSTICKS
         .iter()
         .zip(runs)
         .map(|((name, what), v)| {
             format!(
-                "`{name}` ({what}) {}: ratio {:.2}",
+                "`{name}` ({what}) {}: ratio {}",
                 med_spread(v, ""),
-                median(v) / without
+                ratio_text(v, without)
             )
         })
         .collect::<Vec<_>>()
@@ -1192,7 +1207,7 @@ pub(crate) fn bench(
                         without.push(req_f64(&a.load, "data_messages_per_s")?);
                     }
                     With::Yardstick(y) => {
-                        let a = run_load(&bins, &l, w, &format!("sat{i}-{r}-{y}"))?;
+                        let a = run_load(&bins, &l, w, &format!("sat{i}-{r}-alone-{y}"))?;
                         let k = YARDSTICKS.iter().position(|p| p.0 == y).unwrap();
                         yard[k].push(req_f64(&a.load, "data_messages_per_s")?);
                     }
@@ -1254,13 +1269,13 @@ pub(crate) fn bench(
             format!("saturated spice-peer load → client, 1 session × 1 channel, 200 B, W = 20, {name} (msgs/s)"),
             med_spread(&without, ""),
             med_spread(&with, ""),
-            format!("throughput ratio {:.2}", ratio),
+            format!("throughput ratio {}", ratio_text(&with, &without)),
         ));
         if yard.iter().all(|v| !v.is_empty()) {
             rows.push(row(
                 format!("  the same load with only a reference program on `sock_send_length`, {name} (no observer; msgs/s)"),
                 "–",
-                yardsticks_text(&yard, median(&without)),
+                yardsticks_text(&yard, &without),
                 format!("what the hook and the least a traced send needs cost the sender here: the observer's throughput ratio ({ratio:.2}) against these"),
             ));
         }
@@ -2002,18 +2017,23 @@ mod tests {
 
     #[test]
     fn yardsticks_against_the_load_alone() {
+        let without = [150_000.0, 160_000.0, 140_000.0];
         let t = yardsticks_text(
             &[
                 vec![150_000.0, 140_000.0, 145_000.0],
-                vec![120_000.0, 130_000.0],
+                vec![120_000.0, 130_000.0, 126_000.0],
             ],
-            150_000.0,
+            &without,
         );
         assert_eq!(
             t,
-            "`spice_ref_sock_send` (empty) 145 k (140 k–150 k): ratio 0.97; \
-             `spice_ref_floor` (one header read and one record) 125 k (120 k–130 k): ratio 0.83"
+            "`spice_ref_sock_send` (empty) 145 k (140 k–150 k): ratio 0.97 (0.88–1.04 within a \
+             repeat); `spice_ref_floor` (one header read and one record) 126 k (120 k–130 k): \
+             ratio 0.84 (0.80–0.90 within a repeat)"
         );
+        // One repeat, or repeats that do not pair: the ratio of the medians alone.
+        assert_eq!(ratio_text(&[90.0], &[100.0]), "0.90");
+        assert_eq!(ratio_text(&[90.0, 80.0], &[100.0]), "0.85");
     }
 
     #[test]
