@@ -632,8 +632,9 @@ enum With {
     /// No observer and no statistics: only the reference program of this name
     /// ([`YARDSTICKS`]) alone on `sock_send_length`, for the load's throughput with it: what
     /// the hook and the least a traced send needs cost the sender, beside what the observer
-    /// costs it. Fails like [`With::Reference`] if a `spice_` program other than the
-    /// reference's ran meanwhile.
+    /// costs it. Fails if a `spice_` program other than the reference's was loaded at the
+    /// run's end (with statistics off no program counts its runs, so whether one ran cannot
+    /// be told).
     Yardstick(&'static str),
     /// Observer, with its CPU and RSS sampled.
     Agent,
@@ -1211,13 +1212,14 @@ pub(crate) fn bench(
                         let k = YARDSTICKS.iter().position(|p| p.0 == y).unwrap();
                         yard[k].push(req_f64(&a.load, "data_messages_per_s")?);
                     }
-                    _ => {
-                        let b = run_load(&bins, &l, With::Observer, &format!("sat{i}-{r}-with"))?;
+                    With::Observer => {
+                        let b = run_load(&bins, &l, w, &format!("sat{i}-{r}-with"))?;
                         with.push(req_f64(&b.load, "data_messages_per_s")?);
                         note_report(&b.report, &mut hook_set);
                         exact_runs.1 += 1;
                         exact_runs.0 += usize::from(compare(&bins, &b)?.0);
                     }
+                    _ => unreachable!("only timed runs are listed"),
                 }
             }
             stats.set(true)?;
