@@ -18,9 +18,10 @@
 //!   steps, each alone on `sock_send_length` in short runs of its own without the observer
 //!   (programs on one hook run in attach order, the later ones on warm caches), forward in
 //!   even repeats and backward in odd ones; and the load's throughput with only the empty
-//!   reference program, then only the floor, on `sock_send_length` (no observer, statistics
-//!   off): what the hook and the least a traced send cost the sender, the yardstick for the
-//!   observer's throughput ratio. A repeat's timed runs go in reverse order in odd repeats;
+//!   reference program, and with only the floor, on `sock_send_length` (no observer,
+//!   statistics off): what the hook and the least a traced send cost the sender, the
+//!   yardstick for the observer's throughput ratio. A repeat's timed runs go in reverse order
+//!   in odd repeats;
 //! * an unrelated process's syscalls (getppid, an 8-byte write + read on a pipe) while the
 //!   observer watches another process (`sleep`), and with only the empty reference
 //!   `sys_enter` program attached (`spice-observer bench reference`);
@@ -158,9 +159,10 @@ pub(crate) fn med_spread(v: &[f64], unit: &str) -> String {
 }
 
 /// A throughput ratio: the median of `with` over the median of `without`, to two places,
-/// then, when both have the same repeats (more than one), the spread of the ratios within
-/// each repeat, `0.96 (0.91–1.06 within a repeat)`. The second says how far the machine's
-/// own drift moves a ratio between two runs seconds apart.
+/// then, when both have the same repeats (more than one), the lowest and highest of the
+/// repeats' own ratios (each from two runs of the same repeat), `0.96 (per repeat
+/// 0.91–1.06)`: how far the machine's drift between runs a few seconds apart moves one
+/// ratio.
 pub(crate) fn ratio_text(with: &[f64], without: &[f64]) -> String {
     let r = format!("{:.2}", median(with) / median(without));
     if with.len() < 2 || with.len() != without.len() {
@@ -169,7 +171,7 @@ pub(crate) fn ratio_text(with: &[f64], without: &[f64]) -> String {
     let per: Vec<f64> = with.iter().zip(without).map(|(a, b)| a / b).collect();
     let lo = per.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = per.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    format!("{r} ({lo:.2}–{hi:.2} within a repeat)")
+    format!("{r} (per repeat {lo:.2}–{hi:.2})")
 }
 
 /// One program's statistics at one instant.
@@ -632,9 +634,9 @@ enum With {
     /// No observer and no statistics: only the reference program of this name
     /// ([`YARDSTICKS`]) alone on `sock_send_length`, for the load's throughput with it: what
     /// the hook and the least a traced send needs cost the sender, beside what the observer
-    /// costs it. Fails if a `spice_` program other than the reference's was loaded at the
-    /// run's end (with statistics off no program counts its runs, so whether one ran cannot
-    /// be told).
+    /// costs it. Fails if a `spice_` program other than the reference's own was loaded at the
+    /// start or at the end of the streaming (with statistics off no program counts its runs,
+    /// so whether one ran cannot be told).
     Yardstick(&'static str),
     /// Observer, with its CPU and RSS sampled.
     Agent,
@@ -730,6 +732,10 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
         With::Stats | With::Reference(_) | With::Yardstick(_) => prog_stats(bins, "spice_")?,
         _ => Vec::new(),
     };
+    // The reference's own programs, for the Yardstick check below.
+    let own: Vec<u32> = floor
+        .as_ref()
+        .map_or_else(Vec::new, |f| f.ids.iter().map(|p| p.0).collect());
     let reference = match floor {
         Some(f) => {
             let f1 = f.stats(bins)?;
@@ -740,16 +746,20 @@ fn run_load(bins: &Bins, l: &Load, with: With, tag: &str) -> Result<LoadRun> {
     };
     if let With::Yardstick(name) = with {
         // Alone means alone; with bpf_stats off no program counts its runs, so no other
-        // spice_ program may be loaded at all (the reference's own are named spice_ref_*).
-        let others: Vec<String> = s1
+        // spice_ program may be loaded at all, before or after the streaming.
+        let mut others: Vec<String> = s0
             .iter()
-            .filter(|p| !p.name.starts_with("spice_ref"))
+            .chain(&s1)
+            .filter(|p| !own.contains(&p.id))
             .map(|p| format!("{} (id {})", p.name, p.id))
             .collect();
+        others.sort();
+        others.dedup();
         ensure!(
             others.is_empty(),
-            "{name} was not alone: other spice_ programs were loaded during its run: {} (is \
-             another spice-observer running?)",
+            "{name} was not alone: other spice_ programs were loaded at the start or the end \
+             of its run: {} (is another spice-observer or `spice-observer bench reference` \
+             running?)",
             others.join(", ")
         );
     }
@@ -1012,7 +1022,7 @@ const FLOOR_STEPS: [(&str, &str); 8] = [
 /// observer's ([`With::Yardstick`]), each with what it does.
 const YARDSTICKS: [(&str, &str); 2] = [
     (EMPTY_SEND, "empty"),
-    (FLOOR, "one header read and one record"),
+    (FLOOR, "the floor: the least a traced send needs"),
 ];
 /// The empty reference program on `sock_send_length` (`spice-observer bench reference
 /// --hooks sock_send`).
@@ -1071,9 +1081,9 @@ const VULNERABILITIES: &str = "/sys/devices/system/cpu/vulnerabilities";
 /// thunks, such as SRSO's "Safe RET", on every return of the kernel's functions and of the
 /// JIT's BPF functions: Documentation/admin-guide/hw-vuln/srso.rst). Those the kernel says
 /// the CPU is not affected by are left out; "CPU mitigations: none reported" if none is left
-/// or the directory is absent. On this project's VMs the floor's helper calls cost 30–50 ns
-/// each under them (README, Benchmarks), so a table from another machine is comparable only
-/// with this line.
+/// or the directory is absent. On this project's VMs, under them, most of the floor's parts
+/// cost 25–60 ns each and its one user read about 100 ns (README, the floor in steps), so a
+/// table from another machine compares only with this line.
 pub(crate) fn mitigations(dir: &Path) -> String {
     let found: Vec<String> = ["spectre_v2", "retbleed", "spec_rstack_overflow"]
         .iter()
@@ -2029,9 +2039,9 @@ mod tests {
         );
         assert_eq!(
             t,
-            "`spice_ref_sock_send` (empty) 145 k (140 k–150 k): ratio 0.97 (0.88–1.04 within a \
-             repeat); `spice_ref_floor` (one header read and one record) 126 k (120 k–130 k): \
-             ratio 0.84 (0.80–0.90 within a repeat)"
+            "`spice_ref_sock_send` (empty) 145 k (140 k–150 k): ratio 0.97 (per repeat \
+             0.88–1.04); `spice_ref_floor` (the floor: the least a traced send needs) 126 k \
+             (120 k–130 k): ratio 0.84 (per repeat 0.80–0.90)"
         );
         // One repeat, or repeats that do not pair: the ratio of the medians alone.
         assert_eq!(ratio_text(&[90.0], &[100.0]), "0.90");
