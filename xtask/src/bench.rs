@@ -144,13 +144,20 @@ pub(crate) fn num(x: f64) -> String {
     format!("{v:.digits$}{suffix}")
 }
 
+/// The smallest and the largest of `v` (infinite, reversed, when empty).
+fn min_max(v: &[f64]) -> (f64, f64) {
+    v.iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
+            (lo.min(x), hi.max(x))
+        })
+}
+
 /// `median (min–max)`, or just the value for a single repeat.
 pub(crate) fn med_spread(v: &[f64], unit: &str) -> String {
     if v.is_empty() {
         return "–".into();
     }
-    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let (lo, hi) = min_max(v);
     if v.len() == 1 {
         format!("{}{unit}", num(v[0]))
     } else {
@@ -169,8 +176,7 @@ pub(crate) fn ratio_text(with: &[f64], without: &[f64]) -> String {
         return r;
     }
     let per: Vec<f64> = with.iter().zip(without).map(|(a, b)| a / b).collect();
-    let lo = per.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = per.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let (lo, hi) = min_max(&per);
     format!("{r} (per repeat {lo:.2}–{hi:.2})")
 }
 
